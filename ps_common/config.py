@@ -1,0 +1,225 @@
+"""Typed, validated job configuration: defaults < YAML < environment < CLI ``--set`` flags.
+
+One frozen pydantic model per component. Unknown keys and bad values are errors that name the
+dotted key (``training.global_batch``) and, for enumerations, the allowed values.
+Environment overrides look like ``LBBSP__TRAINING__GLOBAL_BATCH=256``; CLI overrides like
+``--set training.global_batch=256``; both take YAML scalars.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal, Mapping, Optional, Sequence
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+ENV_PREFIX = "LBBSP__"
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with a message that names the key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RunConfig(_Strict):
+    name: str = "run"
+    seed: int = 0
+    run_dir: str = "runs"
+
+
+class ModelConfig(_Strict):
+    name: str = "lenet"
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        from ps_common.models import model_names
+
+        if v not in model_names():
+            raise ValueError(f"unknown model {v!r}; known models: {', '.join(model_names())}")
+        return v
+
+
+class DataConfig(_Strict):
+    dataset: Literal["mnist", "synthetic"] = "mnist"
+    cache_dir: Optional[str] = None
+    synthetic_train: int = Field(4096, gt=0)
+    synthetic_test: int = Field(1024, gt=0)
+
+
+class OptimizerConfig(_Strict):
+    name: Literal["sgd"] = "sgd"
+    lr: float = Field(0.05, gt=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    nesterov: bool = False
+
+
+class TrainingConfig(_Strict):
+    global_batch: int = Field(128, gt=0)
+    min_batch: int = Field(1, gt=0, description="x_min: floor of any worker's batch size")
+    max_iterations: Optional[int] = Field(None, gt=0)
+    epochs: Optional[float] = Field(None, gt=0)
+    max_seconds: Optional[float] = Field(None, gt=0)
+    target_accuracy: Optional[float] = Field(None, gt=0, le=1)
+    reject_nonfinite: bool = True
+
+
+class ClusterConfig(_Strict):
+    num_shards: int = Field(1, ge=1, le=64)
+    num_workers: int = Field(2, ge=1)
+    host: str = "127.0.0.1"
+
+
+class ModeConfig(_Strict):
+    sync: Literal["bsp"] = "bsp"
+    batch_policy: str = "uniform"
+    batch_policy_args: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("batch_policy")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        from batchsize_manager import policy_names
+
+        if v not in policy_names():
+            raise ValueError(f"unknown batch policy {v!r}; known: {', '.join(policy_names())}")
+        return v
+
+
+class WorkerConfig(_Strict):
+    device: str = "cpu"
+    torch_threads: int = Field(1, ge=1)
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if v != "cpu" and v != "auto" and not v.startswith("cuda"):
+            raise ValueError("device must be 'cpu', 'auto' or 'cuda[:N]'")
+        return v
+
+
+class EvaluatorConfig(_Strict):
+    enabled: bool = True
+    every_iterations: int = Field(50, gt=0)
+    test_samples: Optional[int] = Field(None, gt=0)
+    batch: int = Field(1000, gt=0)
+
+
+class TransportConfig(_Strict):
+    timeout_s: float = Field(120.0, gt=0)
+    connect_timeout_s: float = Field(60.0, gt=0)
+
+
+class JobConfig(_Strict):
+    run: RunConfig = RunConfig()
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    training: TrainingConfig = TrainingConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    mode: ModeConfig = ModeConfig()
+    worker: WorkerConfig = WorkerConfig()
+    evaluator: EvaluatorConfig = EvaluatorConfig()
+    transport: TransportConfig = TransportConfig()
+
+    def job_spec(self) -> dict[str, Any]:
+        """The part every process of one job must agree on (checked by digest at join)."""
+        d = self.model_dump(mode="json")
+        return {"seed": d["run"]["seed"], **{k: d[k] for k in ("model", "data", "optimizer",
+                                                               "training", "mode")},
+                "num_shards": d["cluster"]["num_shards"]}
+
+    def job_digest(self) -> str:
+        blob = json.dumps(self.job_spec(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def with_overrides(self, overrides: Sequence[str]) -> "JobConfig":
+        data = self.model_dump(mode="json")
+        _apply_overrides(data, overrides, source="--set")
+        return validate(data, source="overrides")
+
+
+def _apply_overrides(data: dict[str, Any], items: Sequence[str], *, source: str) -> None:
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"{source}: expected KEY=VALUE, got {item!r}")
+        key, raw = item.split("=", 1)
+        _set_dotted(data, key.strip(), yaml.safe_load(raw), source)
+
+
+def _set_dotted(data: dict[str, Any], key: str, value: Any, source: str) -> None:
+    parts = [p for p in key.split(".") if p]
+    if not parts:
+        raise ConfigError(f"{source}: empty key")
+    node = data
+    for p in parts[:-1]:
+        nxt = node.setdefault(p, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"{source}: {key}: {p!r} is not a section")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def _env_overrides(env: Mapping[str, str]) -> list[str]:
+    out = []
+    for name, raw in sorted(env.items()):
+        if name.startswith(ENV_PREFIX):
+            key = ".".join(p.lower() for p in name[len(ENV_PREFIX):].split("__"))
+            out.append(f"{key}={raw}")
+    return out
+
+
+def _format_error(exc: ValidationError, source: str) -> str:
+    lines = [f"invalid configuration ({source}):"]
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"])
+        if err["type"] == "extra_forbidden":
+            lines.append(f"  {key}: unknown key")
+        else:
+            msg = err["msg"]
+            if "input" in err and err["type"] != "missing":
+                msg += f" (got {err['input']!r})"
+            lines.append(f"  {key}: {msg}")
+    return "\n".join(lines)
+
+
+def validate(data: Mapping[str, Any], *, source: str = "config") -> JobConfig:
+    try:
+        return JobConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_error(exc, source)) from None
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = (),
+                env: Mapping[str, str] | None = None) -> JobConfig:
+    """Load, merge and validate a job config; raises :class:`ConfigError` naming the key."""
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        p = Path(path)
+        source = str(p)
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {p}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{p}: not valid YAML: {exc}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{p}: the top level must be a mapping of sections")
+        data = loaded
+    _apply_overrides(data, _env_overrides(os.environ if env is None else env), source="environment")
+    _apply_overrides(data, overrides, source="--set")
+    return validate(data, source=source)
+
+
+def dump_yaml(cfg: JobConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,427 @@
+"""The wire format: the one module that knows how messages look on the wire.
+
+A message is a list of ZeroMQ frames: one header frame, then zero or more raw array frames.
+The header frame is ``MAGIC + VERSION byte + msgpack(map)``; the map holds the message type
+(``"t"``), the message's typed fields, and ``"arrays"``: one ``[dtype, shape]`` entry per array
+frame that follows. Arrays travel as raw bytes (zero-copy on send; read-only ``np.frombuffer``
+views on receive). Nothing on the wire is ever pickled.
+
+Every decode checks magic, version, type, field types, array count, dtypes and sizes, and
+raises :class:`ProtocolError` with a message that says what was wrong. Only this module
+imports msgpack.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Sequence, Union
+
+import msgpack
+import numpy as np
+
+MAGIC = b"LBPS"
+VERSION = 1
+HEADER_PREFIX = MAGIC + bytes([VERSION])
+MAX_HEADER_BYTES = 1 << 20
+ALLOWED_DTYPES = frozenset({"<f4", "<f8", "<i8", "<i4", "|u1"})
+
+
+class ProtocolError(ValueError):
+    """A frame list that is not a valid message of this protocol version."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Message classes. Field types are checked on decode from the annotations below, so the
+# annotations are the schema: keep them to int, float, bool, str, list[...], dict[str, ...],
+# Optional[...] and nested message-part dataclasses.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Message:
+    """Base of every message kind; ``TYPE`` is the string sent on the wire."""
+
+    TYPE: ClassVar[str] = ""
+    ARRAYS: ClassVar[tuple[int, int]] = (0, 0)  # (min, max) number of array frames
+    arrays: list[np.ndarray] = field(default_factory=list, repr=False, compare=False)
+
+
+@dataclass
+class Assignment:
+    """What a worker trains on next: its batch size and the sample ranges of the global order.
+
+    ``ranges`` holds ``[epoch, start, stop]`` triples into ``sample_order(seed, epoch, n)``.
+    ``expected_workers`` and ``global_batch`` describe the whole iteration's plan so that every
+    shard can tell when the iteration is complete without talking to the coordinator.
+    """
+
+    iteration: int
+    batch_size: int
+    ranges: list[list[int]]
+    expected_workers: int
+    global_batch: int
+
+
+@dataclass
+class Hello(Message):
+    """First message of any client to any shard: checks the protocol and says who it is."""
+
+    TYPE: ClassVar[str] = "hello"
+    role: str = ""
+    name: str = ""
+
+
+@dataclass
+class HelloReply(Message):
+    TYPE: ClassVar[str] = "hello_reply"
+    shard: int = 0
+    num_shards: int = 1
+    job_digest: str = ""
+
+
+@dataclass
+class RegisterShard(Message):
+    """Shard k > 0 tells the coordinator (shard 0) where workers can reach it."""
+
+    TYPE: ClassVar[str] = "register_shard"
+    shard: int = 0
+    endpoint: str = ""
+    job_digest: str = ""
+
+
+@dataclass
+class Ack(Message):
+    TYPE: ClassVar[str] = "ack"
+    what: str = ""
+
+
+@dataclass
+class Join(Message):
+    """A worker asks the coordinator to join the job."""
+
+    TYPE: ClassVar[str] = "join"
+    name: str = ""
+    role: str = "worker"  # "worker" trains; "observer" (evaluator) only learns the topology
+    job_digest: str = ""
+    device: str = "cpu"
+
+
+@dataclass
+class Welcome(Message):
+    TYPE: ClassVar[str] = "welcome"
+    worker_id: int = 0
+    shard_endpoints: list[str] = field(default_factory=list)
+    shard_ranges: list[list[int]] = field(default_factory=list)
+    num_params: int = 0
+    version: int = 0
+    job: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Leave(Message):
+    TYPE: ClassVar[str] = "leave"
+    worker_id: int = 0
+    reason: str = ""
+
+
+@dataclass
+class Push(Message):
+    """A worker's mean gradient over its ``batch_size`` samples for this shard's slice."""
+
+    TYPE: ClassVar[str] = "push"
+    ARRAYS: ClassVar[tuple[int, int]] = (1, 1)
+    worker_id: int = 0
+    iteration: int = 0
+    batch_size: int = 0
+    expected_workers: int = 0
+    global_batch: int = 0
+    loss: float = 0.0
+    telemetry: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Pull(Message):
+    """Ask for this shard's parameters once ``version >= min_version`` (and the policy allows)."""
+
+    TYPE: ClassVar[str] = "pull"
+    worker_id: int = -1
+    min_version: int = 0
+
+
+@dataclass
+class Params(Message):
+    TYPE: ClassVar[str] = "params"
+    ARRAYS: ClassVar[tuple[int, int]] = (1, 1)
+    shard: int = 0
+    version: int = 0
+    version_time: float = 0.0
+    stop: bool = False
+    assignment: Union[Assignment, None] = None
+
+
+@dataclass
+class StatusRequest(Message):
+    TYPE: ClassVar[str] = "status_request"
+
+
+@dataclass
+class Status(Message):
+    """The coordinator's view of the run, for the launcher's progress bar and the evaluator."""
+
+    TYPE: ClassVar[str] = "status"
+    version: int = 0
+    epoch: int = 0
+    samples: int = 0
+    workers: int = 0
+    stop: bool = False
+    stop_reason: str = ""
+    started: bool = False
+    elapsed: float = 0.0
+    last_accuracy: float = -1.0
+
+
+@dataclass
+class EvalReport(Message):
+    """The evaluator's measurement, so the coordinator can stop at a target accuracy."""
+
+    TYPE: ClassVar[str] = "eval_report"
+    version: int = 0
+    samples: int = 0
+    accuracy: float = 0.0
+    loss: float = 0.0
+
+
+@dataclass
+class Shutdown(Message):
+    TYPE: ClassVar[str] = "shutdown"
+    reason: str = ""
+
+
+@dataclass
+class Error(Message):
+    TYPE: ClassVar[str] = "error"
+    code: str = ""
+    message: str = ""
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    cls.TYPE: cls
+    for cls in (
+        Hello, HelloReply, RegisterShard, Ack, Join, Welcome, Leave, Push, Pull, Params,
+        StatusRequest, Status, EvalReport, Shutdown, Error,
+    )
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Encoding
+# ---------------------------------------------------------------------------------------------
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def encode(msg: Message) -> list[Any]:
+    """Frames for ``msg``: the header bytes, then each array as a zero-copy buffer.
+
+    Arrays must be C-contiguous with an allowed dtype; they are not copied, so the caller must
+    not mutate them until ZeroMQ has sent them (send with ``copy=False``).
+    """
+    body: dict[str, Any] = {"t": msg.TYPE}
+    for f in dataclasses.fields(msg):
+        if f.name == "arrays":
+            continue
+        body[f.name] = _plain(getattr(msg, f.name))
+    lo, hi = msg.ARRAYS
+    if not lo <= len(msg.arrays) <= hi:
+        raise ProtocolError(f"{msg.TYPE}: needs {lo}..{hi} arrays, got {len(msg.arrays)}")
+    specs = []
+    for a in msg.arrays:
+        dt = np.dtype(a.dtype).str
+        if dt not in ALLOWED_DTYPES:
+            raise ProtocolError(f"{msg.TYPE}: dtype {dt} is not allowed on the wire")
+        if not a.flags.c_contiguous:
+            raise ProtocolError(f"{msg.TYPE}: arrays must be C-contiguous")
+        specs.append([dt, list(a.shape)])
+    body["arrays"] = specs
+    header = HEADER_PREFIX + msgpack.packb(body, use_bin_type=True)
+    return [header, *(memoryview(a).cast("B") if a.ndim else a.tobytes() for a in msg.arrays)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding and validation
+# ---------------------------------------------------------------------------------------------
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp)
+
+
+def _check(value: Any, tp: Any, where: str) -> Any:
+    """Return ``value`` converted to ``tp`` (nested dataclasses) or raise ProtocolError."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _check(value, arg, where)
+            except ProtocolError as exc:
+                errors.append(str(exc))
+        raise ProtocolError(errors[0] if errors else f"{where}: bad value")
+    if origin is list:
+        if not isinstance(value, list):
+            raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}")
+        (arg,) = typing.get_args(tp)
+        return [_check(v, arg, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ProtocolError(f"{where}: expected a map, got {type(value).__name__}")
+        _, varg = typing.get_args(tp)
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ProtocolError(f"{where}: map keys must be strings")
+            out[k] = _check(v, varg, f"{where}.{k}")
+        return out
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ProtocolError(f"{where}: expected a map for {tp.__name__}")
+        return _build(tp, value, where)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ProtocolError(f"{where}: expected bool, got {type(value).__name__}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ProtocolError(f"{where}: expected int, got {type(value).__name__}")
+        if not -(1 << 62) <= value <= (1 << 62):
+            raise ProtocolError(f"{where}: int out of range")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ProtocolError(f"{where}: expected float, got {type(value).__name__}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ProtocolError(f"{where}: expected str, got {type(value).__name__}")
+        return value
+    raise ProtocolError(f"{where}: unsupported schema type {_type_name(tp)}")
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS:
+        hints = typing.get_type_hints(cls)
+        _HINTS[cls] = {
+            f.name: hints[f.name] for f in dataclasses.fields(cls) if f.name != "arrays"
+        }
+    return _HINTS[cls]
+
+
+def _build(cls: type, body: dict[str, Any], where: str) -> Any:
+    hints = _hints(cls)
+    unknown = set(body) - set(hints)
+    if unknown:
+        raise ProtocolError(f"{where}: unknown field(s) {sorted(unknown)}")
+    kwargs = {}
+    for name, tp in hints.items():
+        if name in body:
+            kwargs[name] = _check(body[name], tp, f"{where}.{name}")
+        else:
+            f = next(f for f in dataclasses.fields(cls) if f.name == name)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ProtocolError(f"{where}: missing field {name!r}")
+    return cls(**kwargs)
+
+
+def _frame_bytes(frame: Any) -> memoryview:
+    buf = getattr(frame, "buffer", frame)  # zmq.Frame or bytes-like
+    return memoryview(buf).cast("B")
+
+
+def decode(frames: Sequence[Any], *, max_array_bytes: int = 1 << 32) -> Message:
+    """Parse and validate a frame list; arrays come back as read-only views of the frames."""
+    if not frames:
+        raise ProtocolError("empty message")
+    head = bytes(_frame_bytes(frames[0]))
+    if len(head) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {len(head)} bytes exceeds {MAX_HEADER_BYTES}")
+    if not head.startswith(MAGIC):
+        raise ProtocolError("bad magic: not a message of this protocol")
+    if len(head) < len(HEADER_PREFIX) or head[len(MAGIC)] != VERSION:
+        got = head[len(MAGIC)] if len(head) > len(MAGIC) else None
+        raise ProtocolError(f"protocol version mismatch: got {got}, this build speaks {VERSION}")
+    try:
+        body = msgpack.unpackb(head[len(HEADER_PREFIX):], raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated exception types
+        raise ProtocolError(f"header is not valid msgpack: {exc}") from None
+    if not isinstance(body, dict):
+        raise ProtocolError("header must be a map")
+    kind = body.pop("t", None)
+    cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown message type {kind!r}")
+    specs = body.pop("arrays", [])
+    if not isinstance(specs, list):
+        raise ProtocolError(f"{kind}: 'arrays' must be a list")
+    lo, hi = cls.ARRAYS
+    if not lo <= len(specs) <= hi or len(specs) != len(frames) - 1:
+        raise ProtocolError(
+            f"{kind}: expects {lo}..{hi} array frames; header lists {len(specs)}, "
+            f"message has {len(frames) - 1}"
+        )
+    msg = _build(cls, body, kind)
+    msg.arrays = [
+        _decode_array(spec, frame, f"{kind}.arrays[{i}]", max_array_bytes)
+        for i, (spec, frame) in enumerate(zip(specs, frames[1:]))
+    ]
+    return msg
+
+
+def _decode_array(spec: Any, frame: Any, where: str, max_bytes: int) -> np.ndarray:
+    if not (isinstance(spec, list) and len(spec) == 2 and isinstance(spec[0], str)
+            and isinstance(spec[1], list)):
+        raise ProtocolError(f"{where}: spec must be [dtype, shape]")
+    dt, shape = spec
+    if dt not in ALLOWED_DTYPES:
+        raise ProtocolError(f"{where}: dtype {dt!r} not allowed")
+    if len(shape) > 8 or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
+                                 for s in shape):
+        raise ProtocolError(f"{where}: bad shape {shape!r}")
+    dtype = np.dtype(dt)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes > max_bytes:
+        raise ProtocolError(f"{where}: {nbytes} bytes exceeds the limit of {max_bytes}")
+    buf = _frame_bytes(frame)
+    if buf.nbytes != nbytes:
+        raise ProtocolError(f"{where}: frame has {buf.nbytes} bytes, shape/dtype need {nbytes}")
+    arr = np.frombuffer(buf, dtype=dtype).reshape(shape)
+    arr.flags.writeable = False
+    return arr
+
+
+def error_for(exc: BaseException, code: str = "bad_request") -> Error:
+    """An Error reply describing ``exc``; used by servers' dispatch loops."""
+    return Error(code=code, message=str(exc)[:2000])

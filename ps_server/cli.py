@@ -1,0 +1,45 @@
+"""``ps-server``: serve one parameter shard (shard 0 also coordinates the job)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ps_common.cli_util import add_common_args, load_cli_config, setup_logging
+from ps_common.config import ConfigError
+from ps_common.datasets import DatasetUnavailable
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="ps-server", description=__doc__)
+    add_common_args(ap)
+    ap.add_argument("--shard", type=int, default=0, help="shard index, 0..cluster.num_shards-1")
+    ap.add_argument("--host", default=None, help="address to bind (default cluster.host, 127.0.0.1)")
+    ap.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one")
+    ap.add_argument("--advertise", default=None,
+                    help="host name other machines use to reach this shard (multi-host runs)")
+    ap.add_argument("--coordinator", default=None, help="shard 0's endpoint (required for shard > 0)")
+    args = ap.parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        cfg = load_cli_config(args.config, args.set)
+        from ps_server.server import ShardServer
+
+        server = ShardServer(cfg, args.shard, host=args.host, port=args.port,
+                             advertise_host=args.advertise, coordinator=args.coordinator,
+                             run_dir=args.run_dir)
+    except (ConfigError, DatasetUnavailable, ValueError) as exc:
+        print(f"ps-server: error: {exc}", file=sys.stderr)
+        return 2
+    server.install_signal_handlers()
+    print(f"ps-server shard {args.shard} listening on {server.endpoint}", flush=True)
+    try:
+        server.run()
+    except RuntimeError as exc:
+        print(f"ps-server: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,314 @@
+"""The shard server's I/O loop: a ROUTER socket, a dispatch table, deferred replies.
+
+Shard 0 also runs the coordinator. Shards k > 0 register their endpoint with shard 0 so that
+workers only need shard 0's address. Each message is decoded and validated before anything
+touches state; a bad message is answered with an Error and counted, never a crash.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import zmq
+
+from batchsize_manager import WorkerReport, get_policy
+from ps_common import protocol as P
+from ps_common.config import JobConfig
+from ps_common.datasets import load_dataset
+from ps_common.layout import partition
+from ps_common.metrics import MetricsWriter
+from ps_common.models import FlatParameters, build_model
+from ps_common.transport import Connection, advertised, bind_address, make_router, send
+from ps_server.coordinator import Coordinator
+from ps_server.shard import ShardState
+from ps_server.sync import PushRejected, get_sync_policy
+
+log = logging.getLogger(__name__)
+
+HEADER_MARGIN = 1 << 20
+
+
+def initial_parameters(cfg: JobConfig) -> np.ndarray:
+    """The job's initial flat parameter vector: same (model, seed) -> same bits everywhere."""
+    model = build_model(cfg.model.name, seed=cfg.run.seed)
+    return FlatParameters(model).params_numpy().copy()
+
+
+@dataclass
+class _PendingPull:
+    ident: bytes
+    worker_id: int
+    min_version: int
+
+
+class ShardServer:
+    def __init__(self, cfg: JobConfig, shard: int, *, host: str | None = None, port: int = 0,
+                 advertise_host: str | None = None, coordinator: str | None = None,
+                 run_dir: str | Path | None = None, ctx: zmq.Context | None = None) -> None:
+        S = cfg.cluster.num_shards
+        if not 0 <= shard < S:
+            raise ValueError(f"--shard must be in 0..{S - 1} (cluster.num_shards={S})")
+        if shard > 0 and not coordinator:
+            raise ValueError("shards other than 0 need --coordinator ENDPOINT (shard 0's address)")
+        self.cfg = cfg
+        self.shard_id = shard
+        self.ctx = ctx or zmq.Context.instance()
+        full = initial_parameters(cfg)
+        self.ranges = partition(full.size, S)
+        lo, hi = self.ranges[shard]
+        self.state = ShardState(shard, full[lo:hi].copy(), cfg.optimizer, get_sync_policy(cfg.mode.sync),
+                                reject_nonfinite=cfg.training.reject_nonfinite)
+        self.num_params = full.size
+        self.max_array_bytes = (hi - lo) * 4
+        self.sock, bound = make_router(
+            self.ctx, bind_address(host or cfg.cluster.host, port),
+            max_msg_bytes=self.max_array_bytes + HEADER_MARGIN)
+        self.endpoint = advertised(bound, advertise_host)
+        self.job_digest = cfg.job_digest()
+        self.coordinator_endpoint = coordinator
+        self.shard_endpoints: dict[int, str] = {shard: self.endpoint}
+        self.pending_pulls: list[_PendingPull] = []
+        self.pending_joins: list[tuple[bytes, P.Join]] = []
+        self.errors_sent = 0
+        self.malformed = 0
+        self.running = False
+        self.stop_event = threading.Event()
+        run_dir = Path(run_dir) if run_dir else None
+        self.metrics = MetricsWriter(run_dir / "metrics" / f"shard-{shard}.jsonl" if run_dir else None)
+        self.coord: Coordinator | None = None
+        self.coord_metrics = MetricsWriter(run_dir / "metrics" / "coordinator.jsonl" if run_dir else None)
+        if shard == 0:
+            data = load_dataset(cfg.data.dataset, cache_dir=cfg.data.cache_dir, seed=cfg.run.seed,
+                                synthetic_train=cfg.data.synthetic_train,
+                                synthetic_test=cfg.data.synthetic_test)
+            policy = get_policy(cfg.mode.batch_policy, **cfg.mode.batch_policy_args)
+            self.coord = Coordinator(cfg, data.num_train, policy)
+        self.handlers: dict[type[P.Message], Callable[[bytes, Any], None]] = {
+            P.Hello: self._on_hello,
+            P.RegisterShard: self._on_register_shard,
+            P.Join: self._on_join,
+            P.Leave: self._on_leave,
+            P.Push: self._on_push,
+            P.Pull: self._on_pull,
+            P.StatusRequest: self._on_status,
+            P.EvalReport: self._on_eval,
+            P.Shutdown: self._on_shutdown,
+        }
+
+    # ----- lifecycle -----------------------------------------------------------------------
+    def run(self) -> None:
+        """Serve until a Shutdown message, ``stop_event``, or SIGINT/SIGTERM."""
+        self.running = True
+        if self.shard_id > 0:
+            self._register_with_coordinator()
+        try:
+            while not self.stop_event.is_set():
+                if self.sock.poll(100, zmq.POLLIN):
+                    self._handle(self.sock.recv_multipart(copy=False))
+                    self._serve_pending()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self.metrics.write(event="shutdown", version=self.state.version,
+                           rejected=self.state.rejected, malformed=self.malformed)
+        self.metrics.close()
+        self.coord_metrics.close()
+        self.sock.close(linger=0)
+
+    def install_signal_handlers(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: self.stop_event.set())
+
+    def _register_with_coordinator(self) -> None:
+        assert self.coordinator_endpoint
+        conn = Connection(self.ctx, self.coordinator_endpoint, timeout_s=2.0)
+        deadline = time.monotonic() + self.cfg.transport.connect_timeout_s
+        try:
+            while True:
+                try:
+                    conn.request(P.RegisterShard(shard=self.shard_id, endpoint=self.endpoint,
+                                                 job_digest=self.job_digest), P.Ack)
+                    return
+                except TimeoutError:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(
+                            f"coordinator {self.coordinator_endpoint} did not answer within "
+                            f"{self.cfg.transport.connect_timeout_s}s") from None
+                    conn.close()
+                    conn = Connection(self.ctx, self.coordinator_endpoint, timeout_s=2.0)
+        finally:
+            conn.close()
+
+    # ----- dispatch ------------------------------------------------------------------------
+    def _handle(self, frames: list[zmq.Frame]) -> None:
+        if len(frames) < 2:
+            self.malformed += 1
+            return
+        ident, body = frames[0].bytes, frames[1:]
+        try:
+            msg = P.decode(body, max_array_bytes=self.max_array_bytes)
+        except P.ProtocolError as exc:
+            self.malformed += 1
+            log.warning("malformed message: %s", exc)
+            self._reply(ident, P.error_for(exc, "malformed"))
+            return
+        handler = self.handlers.get(type(msg))
+        if handler is None:
+            self._reply(ident, P.Error(code="unsupported", message=f"shard does not accept {msg.TYPE}"))
+            return
+        try:
+            handler(ident, msg)
+        except PushRejected as exc:
+            log.warning("push rejected [%s]: %s", exc.code, exc)
+            self._reply(ident, P.Error(code=exc.code, message=str(exc)))
+        except _Refused as exc:
+            self._reply(ident, P.Error(code=exc.code, message=str(exc)))
+
+    def _reply(self, ident: bytes, msg: P.Message) -> None:
+        if isinstance(msg, P.Error):
+            self.errors_sent += 1
+        try:
+            send(self.sock, msg, ident)
+        except zmq.ZMQError as exc:  # peer vanished (ROUTER_MANDATORY): nothing to answer
+            log.info("reply to a vanished peer dropped: %s", exc)
+
+    def _require_coordinator(self) -> Coordinator:
+        if self.coord is None:
+            raise _Refused("not_coordinator", f"shard {self.shard_id} is not the coordinator (shard 0)")
+        return self.coord
+
+    def _check_digest(self, digest: str) -> None:
+        if digest and digest != self.job_digest:
+            raise _Refused("config_mismatch",
+                           f"job config digest {digest} differs from the server's {self.job_digest}: "
+                           "start every process of a job with the same model/data/optimizer/"
+                           "training/mode settings")
+
+    # ----- handlers ------------------------------------------------------------------------
+    def _on_hello(self, ident: bytes, msg: P.Hello) -> None:
+        self._reply(ident, P.HelloReply(shard=self.shard_id, num_shards=self.cfg.cluster.num_shards,
+                                        job_digest=self.job_digest))
+
+    def _on_register_shard(self, ident: bytes, msg: P.RegisterShard) -> None:
+        self._require_coordinator()
+        self._check_digest(msg.job_digest)
+        if not 0 < msg.shard < self.cfg.cluster.num_shards:
+            raise _Refused("bad_shard", f"shard index {msg.shard} out of range")
+        self.shard_endpoints[msg.shard] = msg.endpoint
+        log.info("shard %d registered at %s", msg.shard, msg.endpoint)
+        self._reply(ident, P.Ack(what="register_shard"))
+
+    def _all_shards_known(self) -> bool:
+        return len(self.shard_endpoints) == self.cfg.cluster.num_shards
+
+    def _on_join(self, ident: bytes, msg: P.Join) -> None:
+        self._require_coordinator()
+        self._check_digest(msg.job_digest)
+        if msg.role not in ("worker", "observer"):
+            raise _Refused("bad_role", f"unknown role {msg.role!r}; known: worker, observer")
+        self.pending_joins.append((ident, msg))
+
+    def _on_leave(self, ident: bytes, msg: P.Leave) -> None:
+        coord = self._require_coordinator()
+        coord.leave(msg.worker_id)
+        self._reply(ident, P.Ack(what="leave"))
+
+    def _on_push(self, ident: bytes, msg: P.Push) -> None:
+        coord = self.coord
+        if coord is not None and msg.worker_id not in coord.workers:
+            raise _Refused("unknown_worker", f"worker {msg.worker_id} has not joined")
+        (grad,) = msg.arrays
+        applied = self.state.push(msg.worker_id, msg.iteration, msg.batch_size, msg.expected_workers,
+                                  msg.global_batch, grad)
+        if coord is not None:
+            tel = msg.telemetry
+            coord.record_push(WorkerReport(
+                worker_id=msg.worker_id, iteration=msg.iteration, batch_size=msg.batch_size,
+                compute_s=float(tel.get("compute_s", 0.0)),
+                iteration_s=float(tel.get("iteration_s", 0.0)), telemetry=tel), msg.loss)
+            for it in applied:
+                rec = coord.complete_iteration(it)
+                self.coord_metrics.write(
+                    iteration=rec.iteration, elapsed=rec.elapsed, duration=rec.duration,
+                    loss=rec.loss, epoch=rec.epoch, samples=rec.samples,
+                    batch_sizes={str(k): v for k, v in rec.batch_sizes.items()},
+                    workers={str(r.worker_id): dict(r.telemetry) for r in rec.reports},
+                    stop=coord.stop, stop_reason=coord.stop_reason)
+        for it in applied:
+            self.metrics.write(iteration=it, version=self.state.version)
+
+    def _on_pull(self, ident: bytes, msg: P.Pull) -> None:
+        self.pending_pulls.append(_PendingPull(ident, msg.worker_id, msg.min_version))
+
+    def _on_status(self, ident: bytes, msg: P.StatusRequest) -> None:
+        coord = self._require_coordinator()
+        self._reply(ident, P.Status(
+            version=self.state.version, epoch=coord.cursor.epoch,
+            samples=coord.cursor.state.samples_served, workers=len(coord.workers),
+            stop=coord.stop, stop_reason=coord.stop_reason, started=coord.started,
+            elapsed=coord.elapsed(), last_accuracy=coord.last_accuracy))
+
+    def _on_eval(self, ident: bytes, msg: P.EvalReport) -> None:
+        coord = self._require_coordinator()
+        coord.on_eval(msg.accuracy)
+        t = self.cfg.training.target_accuracy
+        if t is not None and msg.accuracy >= t:
+            coord.request_stop(f"reached target_accuracy={t} (version {msg.version})")
+        self._reply(ident, P.Ack(what="eval_report"))
+
+    def _on_shutdown(self, ident: bytes, msg: P.Shutdown) -> None:
+        log.info("shutdown requested: %s", msg.reason)
+        self._reply(ident, P.Ack(what="shutdown"))
+        self.stop_event.set()
+
+    # ----- deferred replies ----------------------------------------------------------------
+    def _serve_pending(self) -> None:
+        coord = self.coord
+        if coord is not None and self.pending_joins and self._all_shards_known():
+            for ident, join in self.pending_joins:
+                wid = coord.join(join.name, join.device) if join.role == "worker" else -1
+                self._reply(ident, P.Welcome(
+                    worker_id=wid,
+                    shard_endpoints=[self.shard_endpoints[k] for k in range(self.cfg.cluster.num_shards)],
+                    shard_ranges=[list(r) for r in self.ranges], num_params=self.num_params,
+                    version=self.state.version, job=self.cfg.job_spec()))
+            self.pending_joins = []
+            coord.try_start()
+        if not self.pending_pulls:
+            return
+        still = []
+        for p in self.pending_pulls:
+            reply = self._pull_reply(p)
+            if reply is None:
+                still.append(p)
+            else:
+                self._reply(p.ident, reply)
+        self.pending_pulls = still
+
+    def _pull_reply(self, p: _PendingPull) -> P.Params | None:
+        st = self.state
+        coord = self.coord
+        stop = coord is not None and coord.stop
+        if not stop and not st.sync.pull_ready(st.version, p.worker_id, p.min_version):
+            return None
+        assignment = None
+        if coord is not None and p.worker_id >= 0 and not stop:
+            assignment = coord.assignment(p.worker_id, st.version)
+            if assignment is None:
+                return None
+        return P.Params(shard=self.shard_id, version=st.version, version_time=st.version_time,
+                        stop=stop, assignment=assignment, arrays=[st.params])
+
+
+class _Refused(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code

@@ -1,0 +1,69 @@
+"""One shard's state: its slice of the parameters, optimizer, version and aggregation buffers."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import numpy as np
+
+from ps_common.config import OptimizerConfig
+from ps_server.optimizer import SGD
+from ps_server.sync import Apply, PushRejected, SyncPolicy
+
+
+class ShardState:
+    """Validates pushes, hands them to the sync policy, applies the weighted updates.
+
+    Aggregation g = sum(x_i g_i) / sum(x_i) runs in preallocated float32 buffers; a gradient
+    that fails validation never reaches the policy, so parameters stay exactly as they were.
+    """
+
+    def __init__(self, shard: int, params: np.ndarray, opt_cfg: OptimizerConfig, sync: SyncPolicy,
+                 *, reject_nonfinite: bool = True, clock: Callable[[], float] = time.time) -> None:
+        if params.dtype != np.float32 or params.ndim != 1:
+            raise ValueError("shard parameters must be a flat float32 vector")
+        self.shard = shard
+        self.params = params
+        self.size = params.size
+        self.optimizer = SGD(opt_cfg, self.size)
+        self.sync = sync
+        self.reject_nonfinite = reject_nonfinite
+        self.clock = clock
+        self.version = 0
+        self.version_time = clock()
+        self._acc = np.zeros(self.size, dtype=np.float32)
+        self._scratch = np.empty(self.size, dtype=np.float32)
+        self.rejected: dict[str, int] = {}
+
+    def push(self, worker_id: int, iteration: int, batch_size: int, expected_workers: int,
+             global_batch: int, grad: np.ndarray) -> list[int]:
+        """Record a gradient; return the iterations whose updates were applied by it."""
+        try:
+            if grad.dtype != np.float32 or grad.shape != (self.size,):
+                raise PushRejected(
+                    "bad_shape", f"shard {self.shard} expects float32[{self.size}], got "
+                    f"{grad.dtype}{list(grad.shape)}")
+            if self.reject_nonfinite and not np.isfinite(np.sum(grad, dtype=np.float64)):
+                raise PushRejected("nonfinite", f"gradient from worker {worker_id} has NaN or Inf")
+            applies = self.sync.on_push(self.version, worker_id, iteration, batch_size,
+                                        expected_workers, global_batch, grad)
+        except PushRejected as exc:
+            self.rejected[exc.code] = self.rejected.get(exc.code, 0) + 1
+            raise
+        for a in applies:
+            self._apply(a)
+        return [a.iteration for a in applies]
+
+    def _apply(self, a: Apply) -> None:
+        acc, scratch = self._acc, self._scratch
+        acc.fill(0.0)
+        total = 0
+        for g in a.gradients:
+            np.multiply(g.grad, np.float32(g.batch_size), out=scratch)
+            acc += scratch
+            total += g.batch_size
+        acc /= np.float32(total)
+        self.params = self.optimizer.step(self.params, acc)
+        self.version += 1
+        self.version_time = self.clock()

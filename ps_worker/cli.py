@@ -1,0 +1,47 @@
+"""``ps-worker``: join a job through shard 0 and train until the coordinator says stop."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+from ps_common.cli_util import add_common_args, load_cli_config, setup_logging
+from ps_common.config import ConfigError
+from ps_common.datasets import DatasetUnavailable
+from ps_common.transport import RemoteError, TransportTimeout
+
+
+def _raise_interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="ps-worker", description=__doc__)
+    add_common_args(ap)
+    ap.add_argument("--server", required=True, help="shard 0 (coordinator) endpoint, tcp://HOST:PORT")
+    ap.add_argument("--name", default=None, help="a name for logs (default host:pid)")
+    ap.add_argument("--device", default=None, help="override worker.device (cpu, cuda, cuda:N, auto)")
+    ap.add_argument("--max-iterations", type=int, default=None, help="leave after this many iterations")
+    args = ap.parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        overrides = list(args.set)
+        if args.device:
+            overrides.append(f"worker.device={args.device}")
+        cfg = load_cli_config(args.config, overrides)
+        from ps_worker.worker import Worker
+
+        worker = Worker(cfg, args.server, name=args.name, run_dir=args.run_dir)
+        signal.signal(signal.SIGTERM, _raise_interrupt)
+        worker.run(max_iterations=args.max_iterations)
+        return 0
+    except KeyboardInterrupt:
+        return 130
+    except (ConfigError, DatasetUnavailable, TransportTimeout, RemoteError, RuntimeError) as exc:
+        print(f"ps-worker: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""The worker side of the protocol: join through shard 0, push slices, pull all shards."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import zmq
+
+from ps_common import protocol as P
+from ps_common.transport import Connection, TransportTimeout
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PullResult:
+    version: int
+    version_time: float
+    stop: bool
+    assignment: P.Assignment | None
+    wait_s: float  # until the first shard answered (the barrier)
+    pull_s: float  # from the first answer until every slice was in place
+
+
+class ShardClients:
+    """One DEALER per shard; shard 0 (the coordinator) is reached at the address given."""
+
+    def __init__(self, ctx: zmq.Context, server: str, *, timeout_s: float, connect_timeout_s: float) -> None:
+        self.ctx = ctx
+        self.server = server
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.conns: list[Connection] = []
+        self.ranges: list[tuple[int, int]] = []
+        self.welcome: P.Welcome | None = None
+
+    def join(self, name: str, job_digest: str, device: str, role: str = "worker") -> P.Welcome:
+        """Join the job; waits (up to connect_timeout_s) for the coordinator and all shards."""
+        c0 = Connection(self.ctx, self.server, timeout_s=self.timeout_s)
+        try:
+            welcome = c0.request(P.Join(name=name, job_digest=job_digest, device=device, role=role),
+                                 P.Welcome, timeout_s=self.connect_timeout_s)
+        except TransportTimeout:
+            c0.close()
+            raise TransportTimeout(
+                f"coordinator at {self.server} did not answer the join within "
+                f"{self.connect_timeout_s:.0f}s (is ps-server --shard 0 running there, and have "
+                "all shards registered?)") from None
+        except BaseException:
+            c0.close()
+            raise
+        assert isinstance(welcome, P.Welcome)
+        self.welcome = welcome
+        self.ranges = [(int(a), int(b)) for a, b in welcome.shard_ranges]
+        self.conns = [c0] + [
+            Connection(self.ctx, ep, timeout_s=self.timeout_s,
+                       max_array_bytes=(b - a) * 4)
+            for ep, (a, b) in zip(welcome.shard_endpoints[1:], self.ranges[1:])
+        ]
+        c0.max_array_bytes = (self.ranges[0][1] - self.ranges[0][0]) * 4
+        return welcome
+
+    def push(self, grads: np.ndarray, *, worker_id: int, assignment: P.Assignment, loss: float,
+             telemetry: dict[str, float]) -> None:
+        """Send each shard its slice of the flat gradient, zero-copy.
+
+        ``grads`` must not be modified until the following pull has been answered by every
+        shard: an answer proves the shard has read the push that preceded it on the same pipe.
+        """
+        for k, (conn, (a, b)) in enumerate(zip(self.conns, self.ranges)):
+            conn.send(P.Push(worker_id=worker_id, iteration=assignment.iteration,
+                             batch_size=assignment.batch_size,
+                             expected_workers=assignment.expected_workers,
+                             global_batch=assignment.global_batch, loss=loss,
+                             telemetry=telemetry if k == 0 else {}, arrays=[grads[a:b]]))
+
+    def pull(self, params: np.ndarray, *, worker_id: int, min_version: int) -> PullResult:
+        """Pull every shard's slice into ``params`` once its version reaches ``min_version``.
+
+        Shard 0's answer carries the assignment and fixes the version to train at; a shard that
+        answered with a different version is asked again for exactly that one.
+        """
+        t0 = time.perf_counter()
+        for conn in self.conns:
+            conn.send(P.Pull(worker_id=worker_id, min_version=min_version))
+        first = None
+        versions: dict[int, P.Params] = {}
+        poller = zmq.Poller()
+        for conn in self.conns:
+            poller.register(conn.sock, zmq.POLLIN)
+        waiting = set(range(len(self.conns)))
+        deadline = time.monotonic() + self.timeout_s
+        target: int | None = None
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                eps = [self.conns[k].endpoint for k in sorted(waiting)]
+                raise TransportTimeout(f"no parameters from {eps} within {self.timeout_s:.0f}s")
+            events = dict(poller.poll(int(left * 1000)))
+            for k in sorted(waiting):
+                conn = self.conns[k]
+                if conn.sock not in events:
+                    continue
+                reply = conn.recv(0)
+                if not isinstance(reply, P.Params):
+                    raise P.ProtocolError(f"{conn.endpoint}: expected params, got {reply.TYPE}")
+                if first is None:
+                    first = time.perf_counter()
+                if k == 0:
+                    if reply.stop:
+                        return PullResult(reply.version, reply.version_time, True, None,
+                                          first - t0, time.perf_counter() - first)
+                    target = reply.version
+                versions[k] = reply
+                a, b = self.ranges[k]
+                params[a:b] = reply.arrays[0]
+                waiting.discard(k)
+            if target is not None:
+                for k, r in list(versions.items()):
+                    if r.version < target:  # e.g. a worker joining mid-run
+                        del versions[k]
+                        waiting.add(k)
+                        self.conns[k].send(P.Pull(worker_id=worker_id, min_version=target))
+                    elif r.version > target:
+                        raise RuntimeError(f"shard {k} is at version {r.version}, ahead of the "
+                                           f"coordinator's {target}: shards disagree")
+        r0 = versions[0]
+        return PullResult(r0.version, max(r.version_time for r in versions.values()), False,
+                          r0.assignment, (first or t0) - t0, time.perf_counter() - (first or t0))
+
+    def send_to_coordinator(self, msg: P.Message, expect: type[P.Message]) -> P.Message:
+        return self.conns[0].request(msg, expect)
+
+    def close(self) -> None:
+        for c in self.conns:
+            c.close()
+        self.conns = []
