@@ -295,6 +295,7 @@ def _write_npz_atomic(arrays: dict[str, np.ndarray], dest: Path) -> None:
             np.savez(f, **arrays)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp_name, 0o644)  # mkstemp makes it 0600; the cache may be shared
         os.replace(tmp_name, dest)
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
@@ -375,15 +376,18 @@ def make_synthetic(
     num_train: int = 4096,
     num_test: int = 1024,
     num_classes: int = 10,
-    noise: float = 1.5,
+    noise: float = 3.0,
 ) -> ArrayDataset:
     """A small, deterministic, learnable dataset for fast tests.
 
     Each class has a blocky random prototype (7x7 Gaussian cells upsampled to
     28x28, so CNNs with pooling see it as well as MLPs); a sample is its
-    class prototype plus i.i.d. Gaussian noise. Values are roughly zero-mean,
-    so no normalisation is applied. Prototypes, train and test draw from
-    separate streams: the test set does not depend on ``num_train``.
+    class prototype plus i.i.d. Gaussian noise of std ``noise`` (relative to
+    the prototype's 1), rescaled to unit variance. Values are already zero-mean
+    and unit-variance, so no normalisation is applied. With the default noise
+    an MLP or LeNet reaches >95% test accuracy in a few hundred SGD steps but
+    not in a handful. Prototypes, train and test draw from separate streams:
+    the test set does not depend on ``num_train``.
     """
     if num_train < 0 or num_test < 0 or num_classes < 2 or noise < 0:
         raise ValueError("need num_train, num_test >= 0, num_classes >= 2, noise >= 0")

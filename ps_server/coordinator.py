@@ -38,6 +38,7 @@ class IterationRecord:
     elapsed: float
     duration: float
     batch_sizes: dict[int, int]
+    ranges: dict[int, list[list[int]]]
     loss: float
     epoch: int
     samples: int
@@ -125,7 +126,8 @@ class Coordinator:
         loss = sum(self.losses.get(w, 0.0) * x for w, x in sizes.items()) / X
         record = IterationRecord(
             iteration=iteration, elapsed=now - self.start_time, duration=now - self.iteration_started,
-            batch_sizes=sizes, loss=loss, epoch=self.cursor.epoch,
+            batch_sizes=sizes, ranges={w: a.ranges for w, a in self.plan.items()},
+            loss=loss, epoch=self.cursor.epoch,
             samples=self.cursor.state.samples_served, reports=list(self.reports.values()),
         )
         self._check_stop(iteration + 1, now)

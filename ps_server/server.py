@@ -240,6 +240,7 @@ class ShardServer:
                     iteration=rec.iteration, elapsed=rec.elapsed, duration=rec.duration,
                     loss=rec.loss, epoch=rec.epoch, samples=rec.samples,
                     batch_sizes={str(k): v for k, v in rec.batch_sizes.items()},
+                    ranges={str(k): v for k, v in rec.ranges.items()},
                     workers={str(r.worker_id): dict(r.telemetry) for r in rec.reports},
                     stop=coord.stop, stop_reason=coord.stop_reason)
         for it in applied:

@@ -77,23 +77,24 @@ class ShardClients:
                              global_batch=assignment.global_batch, loss=loss,
                              telemetry=telemetry if k == 0 else {}, arrays=[grads[a:b]]))
 
-    def pull(self, params: np.ndarray, *, worker_id: int, min_version: int) -> PullResult:
+    def pull(self, params: np.ndarray, *, worker_id: int, min_version: int,
+             honor_stop: bool = True) -> PullResult:
         """Pull every shard's slice into ``params`` once its version reaches ``min_version``.
 
-        Shard 0's answer carries the assignment and fixes the version to train at; a shard that
-        answered with a different version is asked again for exactly that one.
+        Shard 0's answer carries the assignment. Shards can answer at different versions (a
+        worker joining mid-run, an observer racing an update): any shard behind the newest
+        version seen is asked again for exactly that one, so the result is one consistent version.
         """
         t0 = time.perf_counter()
         for conn in self.conns:
             conn.send(P.Pull(worker_id=worker_id, min_version=min_version))
-        first = None
-        versions: dict[int, P.Params] = {}
+        first: float | None = None
+        replies: dict[int, P.Params] = {}
         poller = zmq.Poller()
         for conn in self.conns:
             poller.register(conn.sock, zmq.POLLIN)
         waiting = set(range(len(self.conns)))
         deadline = time.monotonic() + self.timeout_s
-        target: int | None = None
         while waiting:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -107,29 +108,24 @@ class ShardClients:
                 reply = conn.recv(0)
                 if not isinstance(reply, P.Params):
                     raise P.ProtocolError(f"{conn.endpoint}: expected params, got {reply.TYPE}")
-                if first is None:
-                    first = time.perf_counter()
-                if k == 0:
-                    if reply.stop:
-                        return PullResult(reply.version, reply.version_time, True, None,
-                                          first - t0, time.perf_counter() - first)
-                    target = reply.version
-                versions[k] = reply
+                first = first or time.perf_counter()
+                if k == 0 and reply.stop and honor_stop:
+                    return PullResult(reply.version, reply.version_time, True, None,
+                                      first - t0, time.perf_counter() - first)
+                replies[k] = reply
                 a, b = self.ranges[k]
                 params[a:b] = reply.arrays[0]
                 waiting.discard(k)
-            if target is not None:
-                for k, r in list(versions.items()):
-                    if r.version < target:  # e.g. a worker joining mid-run
-                        del versions[k]
-                        waiting.add(k)
-                        self.conns[k].send(P.Pull(worker_id=worker_id, min_version=target))
-                    elif r.version > target:
-                        raise RuntimeError(f"shard {k} is at version {r.version}, ahead of the "
-                                           f"coordinator's {target}: shards disagree")
-        r0 = versions[0]
-        return PullResult(r0.version, max(r.version_time for r in versions.values()), False,
-                          r0.assignment, (first or t0) - t0, time.perf_counter() - (first or t0))
+            target = max(r.version for r in replies.values())
+            for k, r in list(replies.items()):
+                if r.version < target:
+                    del replies[k]
+                    waiting.add(k)
+                    self.conns[k].send(P.Pull(worker_id=worker_id, min_version=target))
+        r0 = replies[0]
+        assert first is not None
+        return PullResult(r0.version, max(r.version_time for r in replies.values()), r0.stop,
+                          r0.assignment, first - t0, time.perf_counter() - first)
 
     def send_to_coordinator(self, msg: P.Message, expect: type[P.Message]) -> P.Message:
         return self.conns[0].request(msg, expect)

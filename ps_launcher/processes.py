@@ -1,0 +1,86 @@
+"""Start, watch and stop the processes of a local cluster; every child is always reaped."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ENDPOINT_RE = re.compile(r"listening on (tcp://\S+)")
+
+
+@dataclass
+class Child:
+    role: str
+    proc: subprocess.Popen
+    log_path: Path
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+@dataclass
+class ProcessGroup:
+    """The children of one run; ``stop_all`` terminates, then kills what lingers."""
+
+    log_dir: Path
+    children: list[Child] = field(default_factory=list)
+
+    def start(self, role: str, module: str, args: list[str], env: dict[str, str] | None = None) -> Child:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"{role}.log"
+        fh = open(log_path, "w")
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=fh,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env,
+                                start_new_session=True)
+        fh.close()
+        child = Child(role, proc, log_path)
+        self.children.append(child)
+        return child
+
+    def wait_endpoint(self, child: Child, timeout_s: float) -> str:
+        """The endpoint a ps-server child printed once it had bound its port."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            m = ENDPOINT_RE.search(child.log_path.read_text(errors="replace"))
+            if m:
+                return m.group(1)
+            if child.proc.poll() is not None:
+                raise RuntimeError(f"{child.role} exited with code {child.proc.returncode}:\n{child.tail()}")
+            time.sleep(0.05)
+        raise RuntimeError(f"{child.role} did not report its endpoint within {timeout_s:.0f}s:\n{child.tail()}")
+
+    def failed(self) -> Child | None:
+        """A child that exited with an error (Ctrl-C'd children excepted)."""
+        for c in self.children:
+            rc = c.proc.poll()
+            if rc not in (None, 0):
+                return c
+        return None
+
+    def stop_all(self, grace_s: float = 5.0) -> None:
+        for c in self.children:
+            if c.proc.poll() is None:
+                try:
+                    os.killpg(c.proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + grace_s
+        for c in self.children:
+            try:
+                c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(c.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                c.proc.wait()

@@ -1,0 +1,102 @@
+"""Turn a run directory's per-process metrics into a summary (JSON + Markdown)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from ps_common.metrics import read_jsonl
+
+ACCURACY_MARKS = (0.90, 0.95, 0.97, 0.98, 0.99)
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    return list(read_jsonl(path)) if path.exists() else []
+
+
+def time_to_accuracy(curve: list[dict[str, Any]], target: float) -> dict[str, Any] | None:
+    """First evaluation at or above ``target``: its elapsed seconds, iteration and samples."""
+    for point in curve:
+        if point["accuracy"] >= target:
+            return {"seconds": point["elapsed"], "iterations": point["version"], "samples": point["samples"]}
+    return None
+
+
+def summarize(run_dir: str | Path, *, target_accuracy: float | None = None,
+              wall_s: float | None = None, stop_reason: str = "") -> dict[str, Any]:
+    run_dir = Path(run_dir)
+    m = run_dir / "metrics"
+    coord = _records(m / "coordinator.jsonl")
+    evals = _records(m / "evaluator.jsonl")
+    start_wall = coord[0]["wall_time"] - coord[0]["elapsed"] if coord else None
+    durations = [r["duration"] for r in coord]
+    curve = []
+    for e in evals:
+        elapsed = e["version_time"] - start_wall if start_wall is not None else None
+        curve.append({"version": e["version"], "samples": e["samples"],
+                      "elapsed": None if elapsed is None else max(0.0, elapsed),
+                      "accuracy": e["accuracy"], "loss": e["loss"]})
+    workers: dict[str, dict[str, Any]] = {}
+    for path in sorted(m.glob("worker-*.jsonl")):
+        recs = _records(path)
+        if not recs:
+            continue
+        wid = path.stem.split("-", 1)[1]
+        workers[wid] = {
+            "iterations": len(recs),
+            "mean_batch": statistics.fmean(r["batch_size"] for r in recs),
+            "mean_compute_s": statistics.fmean(r["compute_s"] for r in recs),
+            "mean_wait_s": statistics.fmean(r["wait_s"] for r in recs),
+            "mean_iteration_s": statistics.fmean(r["iteration_s"] for r in recs),
+        }
+    marks = sorted({*ACCURACY_MARKS, *([target_accuracy] if target_accuracy else [])})
+    summary: dict[str, Any] = {
+        "run_dir": str(run_dir),
+        "stop_reason": stop_reason or (coord[-1].get("stop_reason", "") if coord else ""),
+        "wall_s": wall_s,
+        "training_s": coord[-1]["elapsed"] if coord else 0.0,
+        "iterations": len(coord),
+        "samples": coord[-1]["samples"] if coord else 0,
+        "epochs": (coord[-1]["epoch"] if coord else 0),
+        "median_iteration_s": statistics.median(durations) if durations else None,
+        "mean_iteration_s": statistics.fmean(durations) if durations else None,
+        "final_accuracy": curve[-1]["accuracy"] if curve else None,
+        "best_accuracy": max((p["accuracy"] for p in curve), default=None),
+        "final_loss": coord[-1]["loss"] if coord else None,
+        "time_to_accuracy": {f"{t:.2f}": time_to_accuracy(curve, t) for t in marks},
+        "accuracy_curve": curve,
+        "workers": workers,
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    (run_dir / "summary.md").write_text(summary_markdown(summary))
+    return summary
+
+
+def _fmt(v: Any, spec: str = ".3f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def summary_markdown(s: dict[str, Any]) -> str:
+    lines = [
+        f"# Run summary: {s['run_dir']}", "",
+        "| metric | value |", "|---|---|",
+        f"| stop reason | {s['stop_reason']} |",
+        f"| training time (s) | {_fmt(s['training_s'], '.1f')} |",
+        f"| iterations | {s['iterations']} |",
+        f"| samples | {s['samples']} |",
+        f"| median iteration (s) | {_fmt(s['median_iteration_s'], '.4f')} |",
+        f"| final test accuracy | {_fmt(s['final_accuracy'], '.4f')} |",
+        f"| final training loss | {_fmt(s['final_loss'], '.4f')} |",
+    ]
+    for t, hit in s["time_to_accuracy"].items():
+        val = "not reached" if hit is None else f"{hit['seconds']:.1f} s, {hit['iterations']} it"
+        lines.append(f"| time to {float(t):.0%} | {val} |")
+    if s["workers"]:
+        lines += ["", "| worker | iterations | mean batch | compute (s) | wait (s) | iteration (s) |",
+                  "|---|---|---|---|---|---|"]
+        for wid, w in s["workers"].items():
+            lines.append(f"| {wid} | {w['iterations']} | {w['mean_batch']:.1f} | {w['mean_compute_s']:.4f} "
+                         f"| {w['mean_wait_s']:.4f} | {w['mean_iteration_s']:.4f} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,103 @@
+"""The evaluator: test accuracy of the current parameters, off the workers' critical path.
+
+It runs as its own process, watches the coordinator's status, and every
+``evaluator.every_iterations`` versions pulls a consistent copy of the parameters (the same
+version from every shard), measures test accuracy and reports it to the coordinator (which may
+stop the run at a target accuracy). A final measurement is taken when the run stops.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import zmq
+
+from ps_common import protocol as P
+from ps_common.config import JobConfig
+from ps_common.datasets import ArrayDataset, load_dataset
+from ps_common.metrics import MetricsWriter
+from ps_common.models import FlatParameters, build_model
+from ps_worker.client import ShardClients
+
+log = logging.getLogger(__name__)
+
+
+def evaluate(model: torch.nn.Module, data: ArrayDataset, *, limit: int | None = None,
+             batch: int = 1000) -> tuple[float, float]:
+    """(accuracy, mean loss) on the first ``limit`` test samples (all when None)."""
+    n = data.num_test if limit is None else min(limit, data.num_test)
+    correct, loss_sum = 0, 0.0
+    model.eval()
+    with torch.no_grad():
+        for a in range(0, n, batch):
+            x, y = data.test_batch(a, min(a + batch, n))
+            out = model(x)
+            loss_sum += float(F.cross_entropy(out, y, reduction="sum"))
+            correct += int((out.argmax(1) == y).sum())
+    model.train()
+    return correct / n, loss_sum / n
+
+
+class Evaluator:
+    def __init__(self, cfg: JobConfig, server: str, *, run_dir: str | Path | None = None,
+                 ctx: zmq.Context | None = None, dataset: ArrayDataset | None = None,
+                 poll_s: float = 0.2) -> None:
+        self.cfg = cfg
+        torch.set_num_threads(1)
+        self.ctx = ctx or zmq.Context.instance()
+        self.client = ShardClients(self.ctx, server, timeout_s=cfg.transport.timeout_s,
+                                   connect_timeout_s=cfg.transport.connect_timeout_s)
+        self.data = dataset or load_dataset(
+            cfg.data.dataset, cache_dir=cfg.data.cache_dir, seed=cfg.run.seed,
+            synthetic_train=cfg.data.synthetic_train, synthetic_test=cfg.data.synthetic_test)
+        self.model = build_model(cfg.model.name, seed=cfg.run.seed)
+        self.flat = FlatParameters(self.model)
+        self.params = np.empty(self.flat.numel, dtype=np.float32)
+        self.poll_s = poll_s
+        self.metrics = MetricsWriter(Path(run_dir) / "metrics" / "evaluator.jsonl" if run_dir else None)
+        self.results: list[dict[str, float]] = []
+
+    def run(self) -> list[dict[str, float]]:
+        self.client.join("evaluator", self.cfg.job_digest(), "cpu", role="observer")
+        every = self.cfg.evaluator.every_iterations
+        next_version = 0
+        last_done = -1
+        try:
+            while True:
+                status = self.client.send_to_coordinator(P.StatusRequest(), P.Status)
+                assert isinstance(status, P.Status)
+                if status.stop:
+                    if status.version != last_done:
+                        self._measure(status.version, report=False)
+                    return self.results
+                if status.started and status.version >= next_version:
+                    v = self._measure(status.version, report=True)
+                    last_done = v
+                    next_version = (v // every + 1) * every
+                else:
+                    time.sleep(self.poll_s)
+        finally:
+            self.metrics.close()
+            self.client.close()
+
+    def _measure(self, version: int, *, report: bool) -> int:
+        res = self.client.pull(self.params, worker_id=-1, min_version=version, honor_stop=False)
+        self.flat.load_(self.params)
+        t0 = time.perf_counter()
+        acc, loss = evaluate(self.model, self.data, limit=self.cfg.evaluator.test_samples,
+                             batch=self.cfg.evaluator.batch)
+        rec = {"version": res.version, "samples": res.version * self.cfg.training.global_batch,
+               "accuracy": acc, "loss": loss, "version_time": res.version_time,
+               "eval_s": time.perf_counter() - t0}
+        self.results.append(rec)
+        self.metrics.write(**rec)
+        log.info("version %d: test accuracy %.4f loss %.4f", res.version, acc, loss)
+        if report:
+            self.client.send_to_coordinator(
+                P.EvalReport(version=res.version, samples=rec["samples"], accuracy=acc, loss=loss), P.Ack)
+        return res.version

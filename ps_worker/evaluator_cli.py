@@ -1,0 +1,40 @@
+"""``ps-evaluator``: measure test accuracy of a running job at fixed iteration counts."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+from ps_common.cli_util import add_common_args, load_cli_config, setup_logging
+from ps_common.config import ConfigError
+from ps_common.datasets import DatasetUnavailable
+from ps_common.transport import RemoteError, TransportTimeout
+
+
+def _raise_interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="ps-evaluator", description=__doc__)
+    add_common_args(ap)
+    ap.add_argument("--server", required=True, help="shard 0 (coordinator) endpoint")
+    args = ap.parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        cfg = load_cli_config(args.config, args.set)
+        from ps_worker.evaluator import Evaluator
+
+        signal.signal(signal.SIGTERM, _raise_interrupt)
+        Evaluator(cfg, args.server, run_dir=args.run_dir).run()
+        return 0
+    except KeyboardInterrupt:
+        return 130
+    except (ConfigError, DatasetUnavailable, TransportTimeout, RemoteError, RuntimeError) as exc:
+        print(f"ps-evaluator: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""Configuration: examples load; unknown keys and bad values name the key; override order."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ps_common.config import ConfigError, JobConfig, load_config
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_every_example_config_loads(path):
+    cfg = load_config(path, env={})
+    assert isinstance(cfg, JobConfig)
+    assert cfg.training.global_batch >= cfg.cluster.num_workers * cfg.training.min_batch
+    assert any(v is not None for v in (cfg.training.max_iterations, cfg.training.epochs,
+                                       cfg.training.max_seconds, cfg.training.target_accuracy))
+
+
+def write(tmp_path, text):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_unknown_key_is_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"training\.global_bach: unknown key"):
+        load_config(write(tmp_path, "training: {global_bach: 5}"), env={})
+
+
+def test_bad_value_is_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"training\.global_batch: .*greater than 0"):
+        load_config(write(tmp_path, "training: {global_batch: -1}"), env={})
+
+
+def test_enum_errors_list_allowed_values(tmp_path):
+    with pytest.raises(ConfigError, match=r"mode\.sync: .*'bsp'"):
+        load_config(write(tmp_path, "mode: {sync: bogus}"), env={})
+    with pytest.raises(ConfigError, match=r"model\.name: .*known models: .*lenet"):
+        load_config(write(tmp_path, "model: {name: resnet999}"), env={})
+    with pytest.raises(ConfigError, match=r"mode\.batch_policy: .*known: .*uniform"):
+        load_config(write(tmp_path, "mode: {batch_policy: magic}"), env={})
+
+
+def test_bad_yaml_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(write(tmp_path, "a: [1,"), env={})
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml", env={})
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(write(tmp_path, "- 1\n- 2"), env={})
+
+
+def test_override_precedence_yaml_env_cli(tmp_path):
+    p = write(tmp_path, "training: {global_batch: 100, max_iterations: 5}")
+    assert load_config(p, env={}).training.global_batch == 100
+    env = {"LBBSP__TRAINING__GLOBAL_BATCH": "200"}
+    assert load_config(p, env=env).training.global_batch == 200
+    cfg = load_config(p, ["training.global_batch=300"], env=env)
+    assert cfg.training.global_batch == 300 and cfg.training.max_iterations == 5
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        load_config(p, ["training.global_batch"], env={})
+
+
+def test_config_is_frozen_and_digest_tracks_job_settings():
+    a = load_config(None, env={})
+    with pytest.raises(Exception):
+        a.training.global_batch = 5  # type: ignore[misc]
+    b = a.with_overrides(["worker.torch_threads=2"])
+    c = a.with_overrides(["optimizer.lr=0.5"])
+    assert a.job_digest() == b.job_digest(), "worker-local settings are not part of the job"
+    assert a.job_digest() != c.job_digest()

@@ -1,0 +1,123 @@
+"""Wire protocol: round trips over dtypes and shapes; malformed frames rejected clearly."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ps_common import protocol as P
+
+
+def roundtrip(msg: P.Message) -> P.Message:
+    frames = [bytes(f) for f in P.encode(msg)]
+    return P.decode(frames)
+
+
+@pytest.mark.parametrize("dtype", ["<f4", "<f8", "<i8", "<i4", "|u1"])
+@pytest.mark.parametrize("shape", [(0,), (1,), (7,), (3, 5), (2, 3, 4)])
+def test_array_roundtrip_dtypes_shapes(dtype, shape):
+    a = (np.arange(int(np.prod(shape))) * 3).astype(dtype).reshape(shape)
+    out = roundtrip(P.Params(shard=1, version=7, version_time=1.5, stop=False, arrays=[a]))
+    assert isinstance(out, P.Params)
+    (b,) = out.arrays
+    assert b.dtype == a.dtype and b.shape == a.shape
+    np.testing.assert_array_equal(a, b)
+    assert not b.flags.writeable, "received arrays must be read-only views"
+    assert (out.shard, out.version, out.version_time) == (1, 7, 1.5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    worker=st.integers(0, 2**31), it=st.integers(0, 2**40), bs=st.integers(1, 10**6),
+    loss=st.floats(allow_nan=False), tel=st.dictionaries(st.text(max_size=10), st.floats(allow_nan=False), max_size=5),
+    values=st.lists(st.floats(width=32, allow_nan=False), max_size=50),
+)
+def test_push_roundtrip_property(worker, it, bs, loss, tel, values):
+    g = np.array(values, dtype=np.float32)
+    msg = P.Push(worker_id=worker, iteration=it, batch_size=bs, expected_workers=3, global_batch=bs * 3,
+                 loss=loss, telemetry=tel, arrays=[g])
+    out = roundtrip(msg)
+    assert out == msg  # arrays are excluded from ==, compared below
+    np.testing.assert_array_equal(out.arrays[0], g)
+
+
+def test_nested_assignment_roundtrip():
+    a = P.Assignment(iteration=3, batch_size=10, ranges=[[0, 50, 55], [1, 0, 5]], expected_workers=2, global_batch=20)
+    out = roundtrip(P.Params(assignment=a, arrays=[np.zeros(2, np.float32)]))
+    assert out.assignment == a
+
+
+def test_every_message_type_roundtrips_with_defaults():
+    for cls in P.MESSAGE_TYPES.values():
+        lo, _ = cls.ARRAYS
+        msg = cls(arrays=[np.zeros(3, np.float32)] * lo)
+        assert type(roundtrip(msg)) is cls
+
+
+def header(body: dict, prefix: bytes = P.HEADER_PREFIX) -> bytes:
+    return prefix + msgpack.packb(body)
+
+
+@pytest.mark.parametrize(
+    "frames, match",
+    [
+        ([], "empty"),
+        ([b"XXXX\x01" + msgpack.packb({"t": "hello"})], "bad magic"),
+        ([P.MAGIC + b"\x09" + msgpack.packb({"t": "hello"})], "version mismatch"),
+        ([P.HEADER_PREFIX + b"\xc1\xc1"], "not valid msgpack"),
+        ([header([1, 2])], "must be a map"),
+        ([header({"t": "nope"})], "unknown message type"),
+        ([header({"t": "hello", "role": 5})], r"hello\.role: expected str"),
+        ([header({"t": "hello", "bogus": 1})], "unknown field"),
+        ([header({"t": "pull", "worker_id": True})], "expected int"),
+        ([header({"t": "pull", "min_version": 2**63})], "out of range"),
+        ([header({"t": "push", "arrays": []})], "array frames"),
+        ([header({"t": "push", "arrays": [["<f4", [4]]]})], "array frames"),
+        ([header({"t": "push", "arrays": [["<f4", [4]]]}), b"\0" * 12], "frame has 12 bytes"),
+        ([header({"t": "push", "arrays": [["O", [1]]]}), b"\0" * 8], "not allowed"),
+        ([header({"t": "push", "arrays": [["<f4", [-1]]]}), b""], "bad shape"),
+        ([header({"t": "push", "arrays": [["<f4"]]}), b""], r"\[dtype, shape\]"),
+        ([header({"t": "hello", "arrays": [["<f4", [1]]]}), b"\0" * 4], "array frames"),
+        ([header({"t": "push", "telemetry": {"a": "x"}, "arrays": [["<f4", [1]]]}), b"\0" * 4], "expected float"),
+        ([header({"t": "params", "assignment": {"iteration": 1}, "arrays": [["<f4", [1]]]}), b"\0" * 4],
+         "missing field"),
+    ],
+)
+def test_malformed_frames_rejected(frames, match):
+    with pytest.raises(P.ProtocolError, match=match):
+        P.decode(frames)
+
+
+def test_array_size_limit():
+    frames = [bytes(f) for f in P.encode(P.Push(arrays=[np.zeros(100, np.float32)]))]
+    with pytest.raises(P.ProtocolError, match="exceeds the limit"):
+        P.decode(frames, max_array_bytes=399)
+    P.decode(frames, max_array_bytes=400)
+
+
+def test_oversized_header_rejected():
+    big = header({"t": "error", "message": "x" * (P.MAX_HEADER_BYTES + 10)})
+    with pytest.raises(P.ProtocolError, match="exceeds"):
+        P.decode([big])
+
+
+def test_encode_refuses_bad_arrays():
+    with pytest.raises(P.ProtocolError, match="not allowed"):
+        P.encode(P.Push(arrays=[np.zeros(2, dtype=np.complex64)]))
+    with pytest.raises(P.ProtocolError, match="contiguous"):
+        P.encode(P.Push(arrays=[np.zeros((4, 4), np.float32)[:, 1]]))
+    with pytest.raises(P.ProtocolError, match="needs 1..1 arrays"):
+        P.encode(P.Push())
+
+
+def test_no_pickle_anywhere_in_wire_modules():
+    import inspect
+
+    from ps_common import transport
+
+    for mod in (P, transport):
+        src = inspect.getsource(mod)
+        assert "import pickle" not in src and "pickle.loads" not in src
