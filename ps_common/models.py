@@ -125,6 +125,17 @@ def _cnn1m(num_classes: int = 10) -> nn.Module:
     )
 
 
+@register_model("mlp10m")
+def _mlp10m(num_classes: int = 10) -> nn.Module:
+    """784-12600-classes MLP (~10.0M parameters): the data-plane benchmark's 40 MB model."""
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(28 * 28, 12600),
+        nn.ReLU(),
+        nn.Linear(12600, num_classes),
+    )
+
+
 class FlatParameters:
     """Rebinds a model's parameters and grads as views into two flat float32 tensors.
 

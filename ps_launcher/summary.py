@@ -65,7 +65,7 @@ def summarize(run_dir: str | Path, *, target_accuracy: float | None = None,
         "final_accuracy": curve[-1]["accuracy"] if curve else None,
         "best_accuracy": max((p["accuracy"] for p in curve), default=None),
         "final_loss": coord[-1]["loss"] if coord else None,
-        "time_to_accuracy": {f"{t:.2f}": time_to_accuracy(curve, t) for t in marks},
+        "time_to_accuracy": {f"{t:g}": time_to_accuracy(curve, t) for t in marks},
         "accuracy_curve": curve,
         "workers": workers,
     }

@@ -1,0 +1,85 @@
+"""System tests through the real CLIs: separate processes, real sockets on loopback.
+
+The invariant: BSP training with 2 shards and 3 workers, with weighted aggregation, ends with
+the same parameters as one process doing SGD with the global batch over the same samples in
+the same order, for uniform and uneven per-worker batch sizes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ps_common.datasets import load_dataset, sample_order
+from ps_common.metrics import read_jsonl
+from ps_common.reference import train_reference
+from tests.cluster_util import pull_params, start_servers, start_workers, status, wait_exit, write_config
+
+pytestmark = pytest.mark.system
+
+ITERATIONS = 24
+JOB = {
+    "run": {"name": "invariant", "seed": 11},
+    "model": {"name": "lenet"},
+    "data": {"dataset": "synthetic", "synthetic_train": 500, "synthetic_test": 200},
+    # 100 is not divisible by 3 and 24 x 100 samples cross 4 epoch boundaries of 500.
+    "training": {"global_batch": 100, "max_iterations": ITERATIONS},
+    "optimizer": {"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-4, "nesterov": False},
+    "cluster": {"num_shards": 2, "num_workers": 3},
+    "evaluator": {"enabled": False},
+}
+
+
+def rel_err(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize("policy, args", [("uniform", {}), ("fixed", {"weights": [1, 3, 6]})])
+def test_bsp_equals_single_process_sgd(procs, tmp_path, policy, args):
+    job = {**JOB, "mode": {"sync": "bsp", "batch_policy": policy, "batch_policy_args": args}}
+    cfg_path, cfg = write_config(tmp_path, job)
+    run_dir = tmp_path / "run"
+    eps = start_servers(procs, cfg_path, 2, run_dir)
+    wait_exit(start_workers(procs, cfg_path, eps[0], 3, run_dir), timeout_s=180)
+    st = status(eps[0])
+    assert st.stop and st.version == ITERATIONS
+
+    params, version = pull_params(cfg, eps[0])
+    assert version == ITERATIONS
+    data = load_dataset("synthetic", seed=11, synthetic_train=500, synthetic_test=200)
+    ref = train_reference("lenet", 11, data, 11, 100, ITERATIONS, lr=0.05, momentum=0.9, weight_decay=1e-4)
+    init = train_reference("lenet", 11, data, 11, 100, 0, lr=0.05)
+    assert rel_err(params, init) > 1e-2, "training must have moved the parameters"
+    assert rel_err(params, ref) < 1e-5, f"PS result differs from single-process SGD: {rel_err(params, ref):.2e}"
+
+    # The coordinator's assignment log: batch sizes as the policy says, samples exactly once per epoch.
+    recs = list(read_jsonl(run_dir / "metrics" / "coordinator.jsonl"))
+    assert [r["iteration"] for r in recs] == list(range(ITERATIONS))
+    expected = {"uniform": {"0": 34, "1": 33, "2": 33}, "fixed": {"0": 10, "1": 30, "2": 60}}[policy]
+    seen: dict[int, list[int]] = {}
+    stream = []
+    for r in recs:
+        assert r["batch_sizes"] == expected
+        for w in sorted(r["ranges"], key=int):
+            for e, a, b in r["ranges"][w]:
+                stream.append((e, a, b))
+                seen.setdefault(e, []).extend(sample_order(11, e, 500)[a:b].tolist())
+    for e in range(ITERATIONS * 100 // 500):
+        assert sorted(seen[e]) == list(range(500)), f"epoch {e}: a sample missing or repeated"
+    # Workers logged the batch sizes they trained on.
+    for w, x in expected.items():
+        wrecs = list(read_jsonl(run_dir / "metrics" / f"worker-{w}.jsonl"))
+        assert len(wrecs) == ITERATIONS and all(r["batch_size"] == x for r in wrecs)
+        assert all(r["compute_s"] > 0 and r["rss_mb"] > 0 for r in wrecs)
+
+
+def test_worker_with_different_config_is_refused(procs, tmp_path):
+    job = {**JOB, "cluster": {"num_shards": 1, "num_workers": 1}}
+    cfg_path, cfg = write_config(tmp_path, job)
+    eps = start_servers(procs, cfg_path, 1, tmp_path / "run")
+    bad = tmp_path / "other.yaml"
+    bad.write_text(cfg_path.read_text().replace("0.05", "0.07"))
+    (w,) = start_workers(procs, bad, eps[0], 1, tmp_path / "run")
+    assert w.proc.wait(timeout=60) == 2
+    assert "config_mismatch" in w.tail() and "digest" in w.tail()
+    assert status(eps[0]).workers == 0

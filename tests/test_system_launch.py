@@ -1,0 +1,64 @@
+"""End to end through ``ps-launch``: real MNIST, real processes, a run directory to read."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import zmq
+
+from ps_common import protocol as P
+from ps_common.transport import Connection
+from tests.cluster_util import start_servers, status, write_config
+
+pytestmark = pytest.mark.system
+
+
+def test_launch_mnist_lenet_reaches_accuracy(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "ps_launcher.cli", "configs/mnist_bsp.yaml", "--run-dir", str(run_dir),
+           "--no-progress", "--set", "training.epochs=1.5", "--set", "training.target_accuracy=0.975",
+           "--set", "evaluator.every_iterations=60"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stdout + out.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["final_accuracy"] >= 0.95, summary
+    assert summary["iterations"] > 100
+    assert (run_dir / "config.yaml").exists() and (run_dir / "summary.md").exists()
+    assert "final test accuracy" in out.stdout
+    assert len(summary["workers"]) == 2
+    hit = summary["time_to_accuracy"]["0.95"]
+    assert hit is not None and 0 < hit["seconds"] < summary["training_s"] + 1
+
+
+def test_launch_rejects_bad_config_naming_the_key(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("training: {global_batch: 64, max_iterations: 5, lr: 0.1}\n")
+    out = subprocess.run([sys.executable, "-m", "ps_launcher.cli", str(bad)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2
+    assert "training.lr: unknown key" in out.stderr
+
+
+def test_server_survives_malformed_messages(procs, tmp_path):
+    cfg_path, cfg = write_config(tmp_path, {
+        "model": {"name": "mlp"}, "data": {"dataset": "synthetic"},
+        "training": {"global_batch": 8, "max_iterations": 5}, "cluster": {"num_shards": 1, "num_workers": 1}})
+    (ep,) = start_servers(procs, cfg_path, 1, tmp_path / "run")
+    ctx = zmq.Context.instance()
+    conn = Connection(ctx, ep, timeout_s=10)
+    try:
+        junk = [[b"garbage"], [P.HEADER_PREFIX + b"\xff"], [b"LBPS\x07"],
+                [P.encode(P.Hello())[0], b"extra frame"]]
+        for frames in junk:
+            conn.sock.send_multipart(frames)
+            reply = P.decode(conn.sock.recv_multipart())
+            assert isinstance(reply, P.Error) and reply.code == "malformed"
+        conn.send(P.Push(worker_id=99, arrays=[__import__("numpy").zeros(3, "float32")]))
+        reply = P.decode(conn.sock.recv_multipart())
+        assert isinstance(reply, P.Error) and reply.code == "unknown_worker"
+    finally:
+        conn.close()
+    assert status(ep).version == 0
