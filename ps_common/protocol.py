@@ -150,6 +150,7 @@ class Pull(Message):
     TYPE: ClassVar[str] = "pull"
     worker_id: int = -1
     min_version: int = 0
+    exact: bool = False  # observers: exactly ``min_version``, from the shard's snapshots
 
 
 @dataclass

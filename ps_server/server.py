@@ -46,6 +46,7 @@ class _PendingPull:
     ident: bytes
     worker_id: int
     min_version: int
+    exact: bool = False
 
 
 class ShardServer:
@@ -63,8 +64,10 @@ class ShardServer:
         full = initial_parameters(cfg)
         self.ranges = partition(full.size, S)
         lo, hi = self.ranges[shard]
-        self.state = ShardState(shard, full[lo:hi].copy(), cfg.optimizer, get_sync_policy(cfg.mode.sync),
-                                reject_nonfinite=cfg.training.reject_nonfinite)
+        self.state = ShardState(
+            shard, full[lo:hi].copy(), cfg.optimizer, get_sync_policy(cfg.mode.sync),
+            reject_nonfinite=cfg.training.reject_nonfinite,
+            snapshot_every=cfg.evaluator.every_iterations if cfg.evaluator.enabled else 0)
         self.num_params = full.size
         self.max_array_bytes = (hi - lo) * 4
         self.sock, bound = make_router(
@@ -247,7 +250,7 @@ class ShardServer:
             self.metrics.write(iteration=it, version=self.state.version)
 
     def _on_pull(self, ident: bytes, msg: P.Pull) -> None:
-        self.pending_pulls.append(_PendingPull(ident, msg.worker_id, msg.min_version))
+        self.pending_pulls.append(_PendingPull(ident, msg.worker_id, msg.min_version, msg.exact))
 
     def _on_status(self, ident: bytes, msg: P.StatusRequest) -> None:
         coord = self._require_coordinator()
@@ -294,10 +297,21 @@ class ShardServer:
                 self._reply(p.ident, reply)
         self.pending_pulls = still
 
-    def _pull_reply(self, p: _PendingPull) -> P.Params | None:
+    def _pull_reply(self, p: _PendingPull) -> P.Params | P.Error | None:
         st = self.state
         coord = self.coord
         stop = coord is not None and coord.stop
+        if p.exact:
+            if st.version < p.min_version:
+                if stop:
+                    return P.Error(code="beyond_final", message=f"the run stopped at version {st.version}")
+                return None
+            snap = st.snapshots.get(p.min_version)
+            if snap is None:
+                return P.Error(code="snapshot_gone",
+                               message=f"no snapshot of version {p.min_version} (kept: {sorted(st.snapshots)})")
+            return P.Params(shard=self.shard_id, version=p.min_version, version_time=snap[1],
+                            stop=stop, arrays=[snap[0]])
         if not stop and not st.sync.pull_ready(st.version, p.worker_id, p.min_version):
             return None
         assignment = None

@@ -20,7 +20,8 @@ class ShardState:
     """
 
     def __init__(self, shard: int, params: np.ndarray, opt_cfg: OptimizerConfig, sync: SyncPolicy,
-                 *, reject_nonfinite: bool = True, clock: Callable[[], float] = time.time) -> None:
+                 *, reject_nonfinite: bool = True, clock: Callable[[], float] = time.time,
+                 snapshot_every: int = 0, max_snapshots: int = 8) -> None:
         if params.dtype != np.float32 or params.ndim != 1:
             raise ValueError("shard parameters must be a flat float32 vector")
         self.shard = shard
@@ -35,6 +36,19 @@ class ShardState:
         self._acc = np.zeros(self.size, dtype=np.float32)
         self._scratch = np.empty(self.size, dtype=np.float32)
         self.rejected: dict[str, int] = {}
+        # Parameters at every ``snapshot_every``-th version, so the evaluator measures exactly
+        # those versions even when it falls behind. Updates are out of place, so a snapshot is
+        # a reference, not a copy; at most ``max_snapshots`` are kept.
+        self.snapshot_every = snapshot_every
+        self.max_snapshots = max_snapshots
+        self.snapshots: dict[int, tuple[np.ndarray, float]] = {}
+        self._snapshot()
+
+    def _snapshot(self) -> None:
+        if self.snapshot_every and self.version % self.snapshot_every == 0:
+            self.snapshots[self.version] = (self.params, self.version_time)
+            while len(self.snapshots) > self.max_snapshots:
+                del self.snapshots[next(iter(self.snapshots))]
 
     def push(self, worker_id: int, iteration: int, batch_size: int, expected_workers: int,
              global_batch: int, grad: np.ndarray) -> list[int]:
@@ -67,3 +81,4 @@ class ShardState:
         self.params = self.optimizer.step(self.params, acc)
         self.version += 1
         self.version_time = self.clock()
+        self._snapshot()

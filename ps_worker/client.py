@@ -10,7 +10,7 @@ import numpy as np
 import zmq
 
 from ps_common import protocol as P
-from ps_common.transport import Connection, TransportTimeout
+from ps_common.transport import Connection, RemoteError, TransportTimeout
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class ShardClients:
                              telemetry=telemetry if k == 0 else {}, arrays=[grads[a:b]]))
 
     def pull(self, params: np.ndarray, *, worker_id: int, min_version: int,
-             honor_stop: bool = True) -> PullResult:
+             honor_stop: bool = True, exact: bool = False) -> PullResult:
         """Pull every shard's slice into ``params`` once its version reaches ``min_version``.
 
         Shard 0's answer carries the assignment. Shards can answer at different versions (a
@@ -87,13 +87,14 @@ class ShardClients:
         """
         t0 = time.perf_counter()
         for conn in self.conns:
-            conn.send(P.Pull(worker_id=worker_id, min_version=min_version))
+            conn.send(P.Pull(worker_id=worker_id, min_version=min_version, exact=exact))
         first: float | None = None
         replies: dict[int, P.Params] = {}
         poller = zmq.Poller()
         for conn in self.conns:
             poller.register(conn.sock, zmq.POLLIN)
         waiting = set(range(len(self.conns)))
+        error: RemoteError | None = None
         deadline = time.monotonic() + self.timeout_s
         while waiting:
             left = deadline - time.monotonic()
@@ -105,7 +106,14 @@ class ShardClients:
                 conn = self.conns[k]
                 if conn.sock not in events:
                     continue
-                reply = conn.recv(0)
+                try:
+                    reply = conn.recv(0)
+                except RemoteError as exc:
+                    # Keep draining the other shards' answers, so none is left queued to be
+                    # mistaken for the answer to a later pull.
+                    error = error or exc
+                    waiting.discard(k)
+                    continue
                 if not isinstance(reply, P.Params):
                     raise P.ProtocolError(f"{conn.endpoint}: expected params, got {reply.TYPE}")
                 first = first or time.perf_counter()
@@ -116,12 +124,16 @@ class ShardClients:
                 a, b = self.ranges[k]
                 params[a:b] = reply.arrays[0]
                 waiting.discard(k)
+            if error is not None:
+                continue
             target = max(r.version for r in replies.values())
             for k, r in list(replies.items()):
                 if r.version < target:
                     del replies[k]
                     waiting.add(k)
                     self.conns[k].send(P.Pull(worker_id=worker_id, min_version=target))
+        if error is not None:
+            raise error
         r0 = replies[0]
         assert first is not None
         return PullResult(r0.version, max(r.version_time for r in replies.values()), r0.stop,

@@ -22,6 +22,7 @@ from ps_common.config import JobConfig
 from ps_common.datasets import ArrayDataset, load_dataset
 from ps_common.metrics import MetricsWriter
 from ps_common.models import FlatParameters, build_model
+from ps_common.transport import RemoteError
 from ps_worker.client import ShardClients
 
 log = logging.getLogger(__name__)
@@ -61,8 +62,14 @@ class Evaluator:
         self.poll_s = poll_s
         self.metrics = MetricsWriter(Path(run_dir) / "metrics" / "evaluator.jsonl" if run_dir else None)
         self.results: list[dict[str, float]] = []
+        self.skipped = 0
 
     def run(self) -> list[dict[str, float]]:
+        """Measure versions 0, k, 2k, ... exactly (from the shards' snapshots), then the final one.
+
+        If the evaluator falls so far behind that a snapshot was dropped, it skips ahead to
+        the newest multiple of k and counts the skip.
+        """
         self.client.join("evaluator", self.cfg.job_digest(), "cpu", role="observer")
         every = self.cfg.evaluator.every_iterations
         next_version = 0
@@ -71,22 +78,31 @@ class Evaluator:
             while True:
                 status = self.client.send_to_coordinator(P.StatusRequest(), P.Status)
                 assert isinstance(status, P.Status)
+                if status.started and status.version >= next_version:
+                    try:
+                        last_done = self._measure(next_version, report=not status.stop, exact=True)
+                        next_version += every
+                    except RemoteError as exc:
+                        if exc.code != "snapshot_gone":
+                            raise
+                        newest = status.version // every * every
+                        log.warning("evaluator fell behind: skipping versions %d..%d", next_version,
+                                    newest - every)
+                        self.skipped += (newest - next_version) // every
+                        next_version = newest
+                    continue
                 if status.stop:
                     if status.version != last_done:
-                        self._measure(status.version, report=False)
+                        self._measure(status.version, report=False, exact=False)
                     return self.results
-                if status.started and status.version >= next_version:
-                    v = self._measure(status.version, report=True)
-                    last_done = v
-                    next_version = (v // every + 1) * every
-                else:
-                    time.sleep(self.poll_s)
+                time.sleep(self.poll_s)
         finally:
             self.metrics.close()
             self.client.close()
 
-    def _measure(self, version: int, *, report: bool) -> int:
-        res = self.client.pull(self.params, worker_id=-1, min_version=version, honor_stop=False)
+    def _measure(self, version: int, *, report: bool, exact: bool) -> int:
+        res = self.client.pull(self.params, worker_id=-1, min_version=version, honor_stop=False,
+                               exact=exact)
         self.flat.load_(self.params)
         t0 = time.perf_counter()
         acc, loss = evaluate(self.model, self.data, limit=self.cfg.evaluator.test_samples,

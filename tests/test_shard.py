@@ -111,3 +111,13 @@ def test_sgd_matches_torch(momentum, wd, nesterov):
 def test_unknown_sync_policy():
     with pytest.raises(ValueError, match="known: bsp"):
         get_sync_policy("nope")
+
+
+def test_snapshots_at_multiples_are_bounded_references():
+    cfg = OptimizerConfig(lr=0.1, momentum=0.0)
+    s = ShardState(0, np.zeros(3, np.float32), cfg, BSP(), snapshot_every=2, max_snapshots=3)
+    for it in range(8):
+        s.push(0, it, 4, 1, 4, g([1, 1, 1]))
+    assert s.version == 8 and sorted(s.snapshots) == [4, 6, 8]
+    np.testing.assert_allclose(s.snapshots[4][0], [-0.4] * 3, rtol=1e-6)
+    assert s.snapshots[8][0] is s.params, "a snapshot is a reference, not a copy"
