@@ -16,6 +16,7 @@ from ps_common.config import JobConfig, dump_yaml
 from ps_common.datasets import load_dataset
 from ps_common.transport import Connection, TransportTimeout
 from ps_launcher.processes import ProcessGroup
+from ps_launcher.plots import plot_run
 from ps_launcher.summary import summarize
 
 log = logging.getLogger(__name__)
@@ -60,8 +61,10 @@ class LocalCluster:
             stop_reason = "interrupted (Ctrl-C)"
         finally:
             self._shutdown()
-        return summarize(self.run_dir, target_accuracy=self.cfg.training.target_accuracy,
-                         wall_s=time.monotonic() - t0, stop_reason=stop_reason)
+        summary = summarize(self.run_dir, target_accuracy=self.cfg.training.target_accuracy,
+                            wall_s=time.monotonic() - t0, stop_reason=stop_reason)
+        plot_run(self.run_dir, summary)
+        return summary
 
     def _common(self, cfg_path: Path) -> list[str]:
         return ["--config", str(cfg_path), "--run-dir", str(self.run_dir)]

@@ -26,7 +26,8 @@ def test_launch_mnist_lenet_reaches_accuracy(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final_accuracy"] >= 0.95, summary
     assert summary["iterations"] > 100
-    assert (run_dir / "config.yaml").exists() and (run_dir / "summary.md").exists()
+    for name in ("config.yaml", "summary.md", "accuracy.png", "workers.png", "metrics/coordinator.jsonl"):
+        assert (run_dir / name).stat().st_size > 0, name
     assert "final test accuracy" in out.stdout
     assert len(summary["workers"]) == 2
     hit = summary["time_to_accuracy"]["0.95"]
