@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Sequence
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 ENV_PREFIX = "LBBSP__"
 
@@ -79,7 +79,9 @@ class ClusterConfig(_Strict):
 
 
 class ModeConfig(_Strict):
-    sync: Literal["bsp"] = "bsp"
+    sync: Literal["bsp", "asp", "ssp", "backup"] = "bsp"
+    staleness: int = Field(5, ge=0, description="SSP bound s")
+    backup_workers: int = Field(1, ge=1, description="b for sync=backup: N + b workers run")
     batch_policy: str = "uniform"
     batch_policy_args: dict[str, Any] = Field(default_factory=dict)
 
@@ -118,6 +120,8 @@ class TransportConfig(_Strict):
 
 
 class JobConfig(_Strict):
+    """The whole job. Cross-field rules are checked here so errors still name the key."""
+
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
@@ -128,6 +132,26 @@ class JobConfig(_Strict):
     worker: WorkerConfig = WorkerConfig()
     evaluator: EvaluatorConfig = EvaluatorConfig()
     transport: TransportConfig = TransportConfig()
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "JobConfig":
+        if self.mode.sync == "backup" and self.mode.backup_workers >= self.cluster.num_workers:
+            raise ValueError(
+                f"mode.backup_workers ({self.mode.backup_workers}) must be below "
+                f"cluster.num_workers ({self.cluster.num_workers}): N + b workers run, N are waited for")
+        if self.training.global_batch < self.cluster.num_workers * self.training.min_batch:
+            raise ValueError(
+                f"training.global_batch ({self.training.global_batch}) is below cluster.num_workers "
+                f"x training.min_batch ({self.cluster.num_workers} x {self.training.min_batch})")
+        return self
+
+    def sync_args(self) -> dict[str, Any]:
+        """Constructor arguments of the configured sync policy (shard-independent part)."""
+        if self.mode.sync == "ssp":
+            return {"staleness": self.mode.staleness}
+        if self.mode.sync == "backup":
+            return {"required": self.cluster.num_workers - self.mode.backup_workers}
+        return {}
 
     def job_spec(self) -> dict[str, Any]:
         """The part every process of one job must agree on (checked by digest at join)."""
@@ -183,10 +207,10 @@ def _format_error(exc: ValidationError, source: str) -> str:
         if err["type"] == "extra_forbidden":
             lines.append(f"  {key}: unknown key")
         else:
-            msg = err["msg"]
-            if "input" in err and err["type"] != "missing":
+            msg = err["msg"].removeprefix("Value error, ")
+            if key and "input" in err and err["type"] != "missing":
                 msg += f" (got {err['input']!r})"
-            lines.append(f"  {key}: {msg}")
+            lines.append(f"  {key}: {msg}" if key else f"  {msg}")
     return "\n".join(lines)
 
 

@@ -160,8 +160,23 @@ class Params(Message):
     shard: int = 0
     version: int = 0
     version_time: float = 0.0
+    samples: int = 0  # samples whose gradients made up this version (sum of applied x_i)
     stop: bool = False
     assignment: Union[Assignment, None] = None
+
+
+@dataclass
+class Commit(Message):
+    """Coordinator -> shard: iteration ``iteration`` is made of exactly these gradients.
+
+    Sent when the set differs from the plan every push carries (backup workers' first N, a
+    lost worker left out), so that every shard aggregates the same set.
+    """
+
+    TYPE: ClassVar[str] = "commit"
+    iteration: int = 0
+    workers: list[int] = field(default_factory=list)
+    batch_sizes: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -175,6 +190,7 @@ class Status(Message):
 
     TYPE: ClassVar[str] = "status"
     version: int = 0
+    iterations: float = 0.0  # progress in global batches (X-sample equivalents in async modes)
     epoch: int = 0
     samples: int = 0
     workers: int = 0
@@ -212,7 +228,7 @@ class Error(Message):
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (
-        Hello, HelloReply, RegisterShard, Ack, Join, Welcome, Leave, Push, Pull, Params,
+        Hello, HelloReply, RegisterShard, Ack, Join, Welcome, Leave, Push, Pull, Params, Commit,
         StatusRequest, Status, EvalReport, Shutdown, Error,
     )
 }

@@ -95,7 +95,7 @@ class LocalCluster:
         total = t.max_iterations
         bar = tqdm(total=total, unit="it", desc=self.cfg.run.name, disable=not self.progress,
                    dynamic_ncols=True)
-        last_version = 0
+        last = 0
         try:
             while True:
                 failed = self.group.failed()
@@ -107,11 +107,12 @@ class LocalCluster:
                 except TransportTimeout:
                     raise RunFailed("shard 0 stopped answering status requests") from None
                 assert isinstance(st, P.Status)
-                if st.version != last_version:
+                done = int(st.iterations)
+                if done != last:
                     bar.set_postfix(epoch=st.epoch, workers=st.workers, refresh=False,
                                     acc=f"{st.last_accuracy:.4f}" if st.last_accuracy >= 0 else "-")
-                    bar.update(st.version - last_version)
-                    last_version = st.version
+                    bar.update(done - last)
+                    last = done
                 if st.stop:
                     self._wait_finish()
                     return st.stop_reason

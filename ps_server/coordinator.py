@@ -1,9 +1,14 @@
-"""The coordinator (a role of shard 0): membership, iteration plans, data cursor, stop rules.
+"""The coordinator (a role of shard 0): membership, assignments, data cursor, stop rules.
 
-Pure bookkeeping with an injected clock; the server loop calls it and does the I/O. Under BSP
-the coordinator makes one plan per iteration: the live workers, each one's batch size from the
-batch policy (sum exactly X), and each one's sample ranges cut from the data cursor. The plan
-for t+1 is made when iteration t completes, from the reports that came with t's pushes.
+Pure bookkeeping with an injected clock; the server loop calls it and does the I/O.
+
+- Round modes (BSP, LB-BSP, backup workers): one plan per iteration. The live workers, each
+  one's batch size from the batch policy, each one's sample ranges cut from the data cursor.
+  The plan for t+1 is made when iteration t is applied, from the reports that came with t's
+  pushes. Samples of gradients that were not applied (a backup worker's late gradient) go back
+  to the cursor, so every applied sample is used exactly once per epoch.
+- Async modes (ASP, SSP): each worker has its own clock; its next assignment is cut when it
+  asks for it.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 from batchsize_manager import BatchPolicy, WorkerReport
 from ps_common.config import JobConfig
@@ -28,27 +33,33 @@ class WorkerInfo:
     joined_at: float
     device: str = "cpu"
     last_seen: float = 0.0
+    clock: int = 0  # iterations pushed
 
 
 @dataclass
-class IterationRecord:
-    """What the coordinator logs for each finished iteration."""
+class UpdateRecord:
+    """What the coordinator logs for each applied update (one iteration in round modes)."""
 
     iteration: int
     elapsed: float
     duration: float
     batch_sizes: dict[int, int]
     ranges: dict[int, list[list[int]]]
+    accepted: list[int]
     loss: float
     epoch: int
     samples: int
+    applied_samples: int
     reports: list[WorkerReport] = field(default_factory=list)
 
 
 class Coordinator:
-    def __init__(self, cfg: JobConfig, num_samples: int, policy: BatchPolicy,
+    def __init__(self, cfg: JobConfig, num_samples: int, policy: BatchPolicy, *, kind: str = "round",
                  clock: Callable[[], float] = time.monotonic) -> None:
+        if kind not in ("round", "async"):
+            raise ValueError(f"unknown coordination kind {kind!r}")
         self.cfg = cfg
+        self.kind = kind
         self.num_samples = num_samples
         self.policy = policy
         self.clock = clock
@@ -57,21 +68,29 @@ class Coordinator:
         self._next_id = 0
         self.started = False
         self.start_time = 0.0
-        self.iteration_started = 0.0
+        self.last_update_time = 0.0
         self.iteration = -1
         self.plan: dict[int, Assignment] = {}
+        self.async_plan: dict[int, Assignment] = {}
         self.stop = False
         self.stop_reason = ""
         self.last_accuracy = -1.0
+        self.applied_samples = 0
+        self.updates = 0
         self.reports: dict[int, WorkerReport] = {}
         self.losses: dict[int, float] = {}
+
+    @property
+    def global_batch(self) -> int:
+        return self.cfg.training.global_batch
 
     # ----- membership -------------------------------------------------------------------
     def join(self, name: str, device: str = "cpu") -> int:
         wid = self._next_id
         self._next_id += 1
         now = self.clock()
-        self.workers[wid] = WorkerInfo(wid, name, now, device, now)
+        clock = min((w.clock for w in self.workers.values()), default=0)
+        self.workers[wid] = WorkerInfo(wid, name, now, device, now, clock)
         self.policy.join(wid)
         log.info("worker %d (%s) joined; %d live", wid, name, len(self.workers))
         return wid
@@ -79,73 +98,134 @@ class Coordinator:
     def leave(self, worker_id: int) -> None:
         if self.workers.pop(worker_id, None) is not None:
             self.policy.leave(worker_id)
+            pending = self.async_plan.pop(worker_id, None)
+            if pending is not None:
+                self.cursor.give_back(pending.ranges)
             log.info("worker %d left; %d live", worker_id, len(self.workers))
 
-    # ----- iteration plans --------------------------------------------------------------
+    def live(self) -> list[int]:
+        return sorted(self.workers)
+
+    # ----- starting and planning ----------------------------------------------------------
     def try_start(self) -> bool:
-        """Plan iteration 0 once the configured number of workers has joined."""
+        """Start once the configured number of workers has joined (plans iteration 0)."""
         if self.started or len(self.workers) < self.cfg.cluster.num_workers:
             return False
         self.started = True
-        self.start_time = self.clock()
-        self._plan(0)
+        self.start_time = self.last_update_time = self.clock()
+        if self.kind == "round":
+            self._plan(0)
+        else:
+            self.iteration = 0
         return True
+
+    def _split(self, live: list[int]) -> tuple[dict[int, int], int]:
+        """Batch sizes for ``live`` and their sum.
+
+        With backup workers each of the N + b workers gets a share of X / N, so the first N
+        gradients add up to X.
+        """
+        X = self.global_batch
+        b = self.cfg.mode.backup_workers if self.cfg.mode.sync == "backup" else 0
+        required = max(1, self.cfg.cluster.num_workers - b)
+        total = X if b == 0 else max(len(live), round(X * len(live) / required))
+        sizes = self.policy.assign(live, total, self.cfg.training.min_batch)
+        if sorted(sizes) != live or sum(sizes.values()) != total or min(sizes.values()) <= 0:
+            raise RuntimeError(f"batch policy {self.policy.name} returned an invalid split {sizes}")
+        return sizes, total
 
     def _plan(self, iteration: int) -> None:
         self.iteration = iteration
-        self.iteration_started = self.clock()
         self.reports, self.losses = {}, {}
-        live = sorted(self.workers)
-        X = self.cfg.training.global_batch
-        sizes = self.policy.assign(live, X, self.cfg.training.min_batch)
-        if sorted(sizes) != live or sum(sizes.values()) != X or min(sizes.values()) <= 0:
-            raise RuntimeError(f"batch policy {self.policy.name} returned an invalid split {sizes}")
+        live = self.live()
+        if not live:
+            self.plan = {}
+            return
+        sizes, total = self._split(live)
         self.plan = {
             w: Assignment(iteration=iteration, batch_size=x, ranges=self.cursor.take(x),
-                          expected_workers=len(live), global_batch=X)
+                          expected_workers=len(live), global_batch=total)
             for w, x in sizes.items()
         }
 
     def assignment(self, worker_id: int, iteration: int) -> Assignment | None:
-        if iteration != self.iteration:
+        """The assignment answering a pull: ``iteration`` is the shard version (round modes) or
+        the worker's next clock (async modes)."""
+        if self.stop or worker_id not in self.workers or not self.started:
             return None
-        return self.plan.get(worker_id)
+        if self.kind == "round":
+            return self.plan.get(worker_id) if iteration == self.iteration else None
+        a = self.async_plan.get(worker_id)
+        if a is None or a.iteration != iteration:
+            if a is not None:
+                self.cursor.give_back(a.ranges)
+            live = self.live()
+            sizes, total = self._split(live)
+            x = sizes[worker_id]
+            a = Assignment(iteration=iteration, batch_size=x, ranges=self.cursor.take(x),
+                           expected_workers=len(live), global_batch=total)
+            self.async_plan[worker_id] = a
+        return a
 
+    # ----- progress -------------------------------------------------------------------------
     def record_push(self, report: WorkerReport, loss: float) -> None:
         self.reports[report.worker_id] = report
         self.losses[report.worker_id] = loss
         self.policy.observe(report)
-        if report.worker_id in self.workers:
-            self.workers[report.worker_id].last_seen = self.clock()
+        info = self.workers.get(report.worker_id)
+        if info is not None:
+            info.last_seen = self.clock()
+            info.clock = max(info.clock, report.iteration + 1)
 
-    def complete_iteration(self, iteration: int) -> IterationRecord:
-        """Iteration ``iteration`` was applied: check stop rules and plan the next one."""
+    def on_update(self, iteration: int, accepted: Iterable[int], samples: int) -> UpdateRecord:
+        """An update was applied on shard 0: log it, check stop rules, plan what comes next."""
         now = self.clock()
-        sizes = {w: a.batch_size for w, a in self.plan.items()}
-        X = sum(sizes.values()) or 1
-        loss = sum(self.losses.get(w, 0.0) * x for w, x in sizes.items()) / X
-        record = IterationRecord(
-            iteration=iteration, elapsed=now - self.start_time, duration=now - self.iteration_started,
-            batch_sizes=sizes, ranges={w: a.ranges for w, a in self.plan.items()},
-            loss=loss, epoch=self.cursor.epoch,
-            samples=self.cursor.state.samples_served, reports=list(self.reports.values()),
-        )
-        self._check_stop(iteration + 1, now)
-        if self.stop:
-            self.plan = {}
-            self.iteration = iteration + 1
+        accepted = sorted(accepted)
+        self.applied_samples += samples
+        self.updates += 1
+        if self.kind == "round":
+            plan = self.plan
+            for w, a in plan.items():
+                if w not in accepted:  # dropped (late backup worker): its samples are reused
+                    self.cursor.give_back(a.ranges)
         else:
-            self._plan(iteration + 1)
+            plan = {w: a for w, a in self.async_plan.items() if w in accepted}
+            for w in accepted:
+                self.async_plan.pop(w, None)
+        sizes = {w: a.batch_size for w, a in plan.items() if w in accepted}
+        n = sum(sizes.values()) or 1
+        loss = sum(self.losses.get(w, 0.0) * x for w, x in sizes.items()) / n
+        record = UpdateRecord(
+            iteration=iteration, elapsed=now - self.start_time, duration=now - self.last_update_time,
+            batch_sizes={w: a.batch_size for w, a in plan.items()},
+            ranges={w: a.ranges for w, a in plan.items()}, accepted=accepted, loss=loss,
+            epoch=self.cursor.epoch, samples=self.cursor.state.samples_served,
+            applied_samples=self.applied_samples,
+            reports=[self.reports[w] for w in accepted if w in self.reports])
+        self.last_update_time = now
+        self._check_stop(now)
+        if self.kind == "round":
+            if self.stop:
+                self.plan = {}
+                self.iteration = iteration + 1
+            else:
+                self._plan(iteration + 1)
         return record
 
+    def iterations_done(self) -> float:
+        """Progress in global batches: iterations in round modes, X-sample equivalents in async."""
+        if self.kind == "round":
+            return float(self.updates)
+        return self.applied_samples / self.global_batch
+
     # ----- stop rules -------------------------------------------------------------------
-    def _check_stop(self, version: int, now: float) -> None:
+    def _check_stop(self, now: float) -> None:
         t = self.cfg.training
         if self.stop:
             return
-        if t.max_iterations is not None and version >= t.max_iterations:
+        if t.max_iterations is not None and self.iterations_done() >= t.max_iterations:
             self.request_stop(f"reached max_iterations={t.max_iterations}")
-        elif t.epochs is not None and self.cursor.state.samples_served >= t.epochs * self.num_samples:
+        elif t.epochs is not None and self.applied_samples >= t.epochs * self.num_samples:
             self.request_stop(f"reached epochs={t.epochs}")
         elif t.max_seconds is not None and now - self.start_time >= t.max_seconds:
             self.request_stop(f"reached max_seconds={t.max_seconds}")

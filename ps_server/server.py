@@ -64,8 +64,12 @@ class ShardServer:
         full = initial_parameters(cfg)
         self.ranges = partition(full.size, S)
         lo, hi = self.ranges[shard]
+        sync_args = cfg.sync_args()
+        if cfg.mode.sync == "backup":
+            sync_args["leader"] = shard == 0
+        self.sync = get_sync_policy(cfg.mode.sync, **sync_args)
         self.state = ShardState(
-            shard, full[lo:hi].copy(), cfg.optimizer, get_sync_policy(cfg.mode.sync),
+            shard, full[lo:hi].copy(), cfg.optimizer, self.sync,
             reject_nonfinite=cfg.training.reject_nonfinite,
             snapshot_every=cfg.evaluator.every_iterations if cfg.evaluator.enabled else 0)
         self.num_params = full.size
@@ -92,7 +96,8 @@ class ShardServer:
                                 synthetic_train=cfg.data.synthetic_train,
                                 synthetic_test=cfg.data.synthetic_test)
             policy = get_policy(cfg.mode.batch_policy, **cfg.mode.batch_policy_args)
-            self.coord = Coordinator(cfg, data.num_train, policy)
+            self.coord = Coordinator(cfg, data.num_train, policy, kind=self.sync.kind)
+        self.shard_links: dict[int, Connection] = {}
         self.handlers: dict[type[P.Message], Callable[[bytes, Any], None]] = {
             P.Hello: self._on_hello,
             P.RegisterShard: self._on_register_shard,
@@ -100,6 +105,7 @@ class ShardServer:
             P.Leave: self._on_leave,
             P.Push: self._on_push,
             P.Pull: self._on_pull,
+            P.Commit: self._on_commit,
             P.StatusRequest: self._on_status,
             P.EvalReport: self._on_eval,
             P.Shutdown: self._on_shutdown,
@@ -124,6 +130,8 @@ class ShardServer:
                            rejected=self.state.rejected, malformed=self.malformed)
         self.metrics.close()
         self.coord_metrics.close()
+        for link in getattr(self, "shard_links", {}).values():
+            link.close()
         self.sock.close(linger=0)
 
     def install_signal_handlers(self) -> None:
@@ -206,6 +214,10 @@ class ShardServer:
         if not 0 < msg.shard < self.cfg.cluster.num_shards:
             raise _Refused("bad_shard", f"shard index {msg.shard} out of range")
         self.shard_endpoints[msg.shard] = msg.endpoint
+        old = self.shard_links.pop(msg.shard, None)
+        if old is not None:
+            old.close()
+        self.shard_links[msg.shard] = Connection(self.ctx, msg.endpoint)
         log.info("shard %d registered at %s", msg.shard, msg.endpoint)
         self._reply(ident, P.Ack(what="register_shard"))
 
@@ -222,6 +234,7 @@ class ShardServer:
     def _on_leave(self, ident: bytes, msg: P.Leave) -> None:
         coord = self._require_coordinator()
         coord.leave(msg.worker_id)
+        self.sync.set_live(coord.live())
         self._reply(ident, P.Ack(what="leave"))
 
     def _on_push(self, ident: bytes, msg: P.Push) -> None:
@@ -237,17 +250,40 @@ class ShardServer:
                 worker_id=msg.worker_id, iteration=msg.iteration, batch_size=msg.batch_size,
                 compute_s=float(tel.get("compute_s", 0.0)),
                 iteration_s=float(tel.get("iteration_s", 0.0)), telemetry=tel), msg.loss)
-            for it in applied:
-                rec = coord.complete_iteration(it)
-                self.coord_metrics.write(
-                    iteration=rec.iteration, elapsed=rec.elapsed, duration=rec.duration,
-                    loss=rec.loss, epoch=rec.epoch, samples=rec.samples,
-                    batch_sizes={str(k): v for k, v in rec.batch_sizes.items()},
-                    ranges={str(k): v for k, v in rec.ranges.items()},
-                    workers={str(r.worker_id): dict(r.telemetry) for r in rec.reports},
-                    stop=coord.stop, stop_reason=coord.stop_reason)
-        for it in applied:
-            self.metrics.write(iteration=it, version=self.state.version)
+        self._after_applies(applied)
+
+    def _on_commit(self, ident: bytes, msg: P.Commit) -> None:
+        if self.coord is not None:
+            raise _Refused("not_follower", "the coordinator's shard makes commits, it does not take them")
+        if len(msg.workers) != len(msg.batch_sizes) or not msg.workers:
+            raise _Refused("bad_commit", "commit needs one batch size per worker")
+        accepted = dict(zip(msg.workers, msg.batch_sizes))
+        self._after_applies(self.state.commit(msg.iteration, accepted, sum(msg.batch_sizes)))
+
+    def _after_applies(self, applied: list) -> None:
+        """Log applied updates; on the coordinator, commit non-plan choices and plan onwards."""
+        coord = self.coord
+        for a in applied:
+            self.metrics.write(iteration=a.iteration, version=self.state.version, samples=a.samples)
+            if coord is None:
+                continue
+            if self.sync.name == "backup":
+                self._commit_to_shards(a.iteration, {g.worker_id: g.batch_size for g in a.gradients})
+            rec = coord.on_update(a.iteration, a.workers, a.samples)
+            self.coord_metrics.write(
+                iteration=rec.iteration, version=self.state.version, elapsed=rec.elapsed,
+                duration=rec.duration, loss=rec.loss, epoch=rec.epoch, samples=rec.samples,
+                applied_samples=rec.applied_samples, accepted=rec.accepted,
+                batch_sizes={str(k): v for k, v in rec.batch_sizes.items()},
+                ranges={str(k): v for k, v in rec.ranges.items()},
+                workers={str(r.worker_id): dict(r.telemetry) for r in rec.reports},
+                dropped=self.state.dropped, stop=coord.stop, stop_reason=coord.stop_reason)
+
+    def _commit_to_shards(self, iteration: int, accepted: dict[int, int]) -> None:
+        workers = sorted(accepted)
+        for link in self.shard_links.values():
+            link.send(P.Commit(iteration=iteration, workers=workers,
+                               batch_sizes=[accepted[w] for w in workers]))
 
     def _on_pull(self, ident: bytes, msg: P.Pull) -> None:
         self.pending_pulls.append(_PendingPull(ident, msg.worker_id, msg.min_version, msg.exact))
@@ -255,7 +291,7 @@ class ShardServer:
     def _on_status(self, ident: bytes, msg: P.StatusRequest) -> None:
         coord = self._require_coordinator()
         self._reply(ident, P.Status(
-            version=self.state.version, epoch=coord.cursor.epoch,
+            version=self.state.version, iterations=coord.iterations_done(), epoch=coord.cursor.epoch,
             samples=coord.cursor.state.samples_served, workers=len(coord.workers),
             stop=coord.stop, stop_reason=coord.stop_reason, started=coord.started,
             elapsed=coord.elapsed(), last_accuracy=coord.last_accuracy))
@@ -279,12 +315,16 @@ class ShardServer:
         if coord is not None and self.pending_joins and self._all_shards_known():
             for ident, join in self.pending_joins:
                 wid = coord.join(join.name, join.device) if join.role == "worker" else -1
+                # Round modes start a worker at the current version; async ones at its clock.
+                start = coord.workers[wid].clock if wid >= 0 and self.sync.kind == "async" \
+                    else self.state.version
                 self._reply(ident, P.Welcome(
                     worker_id=wid,
                     shard_endpoints=[self.shard_endpoints[k] for k in range(self.cfg.cluster.num_shards)],
                     shard_ranges=[list(r) for r in self.ranges], num_params=self.num_params,
-                    version=self.state.version, job=self.cfg.job_spec()))
+                    version=start, job=self.cfg.job_spec()))
             self.pending_joins = []
+            self.sync.set_live(coord.live())
             coord.try_start()
         if not self.pending_pulls:
             return
@@ -311,16 +351,20 @@ class ShardServer:
                 return P.Error(code="snapshot_gone",
                                message=f"no snapshot of version {p.min_version} (kept: {sorted(st.snapshots)})")
             return P.Params(shard=self.shard_id, version=p.min_version, version_time=snap[1],
-                            stop=stop, arrays=[snap[0]])
+                            samples=snap[2], stop=stop, arrays=[snap[0]])
         if not stop and not st.sync.pull_ready(st.version, p.worker_id, p.min_version):
             return None
         assignment = None
         if coord is not None and p.worker_id >= 0 and not stop:
-            assignment = coord.assignment(p.worker_id, st.version)
+            # Round modes hand out the plan of the current version; async modes cut the
+            # worker's next assignment for the clock it asked to start.
+            key = st.version if self.sync.kind == "round" else p.min_version
+            assignment = coord.assignment(p.worker_id, key)
             if assignment is None:
                 return None
         return P.Params(shard=self.shard_id, version=st.version, version_time=st.version_time,
-                        stop=stop, assignment=assignment, arrays=[st.params])
+                        samples=st.samples_applied, stop=stop, assignment=assignment,
+                        arrays=[st.params])
 
 
 class _Refused(Exception):

@@ -9,7 +9,7 @@ import numpy as np
 
 from ps_common.config import OptimizerConfig
 from ps_server.optimizer import SGD
-from ps_server.sync import Apply, PushRejected, SyncPolicy
+from ps_server.sync import Apply, PushOutcome, PushRejected, SyncPolicy
 
 
 class ShardState:
@@ -36,23 +36,25 @@ class ShardState:
         self._acc = np.zeros(self.size, dtype=np.float32)
         self._scratch = np.empty(self.size, dtype=np.float32)
         self.rejected: dict[str, int] = {}
+        self.dropped = 0
+        self.samples_applied = 0
         # Parameters at every ``snapshot_every``-th version, so the evaluator measures exactly
         # those versions even when it falls behind. Updates are out of place, so a snapshot is
         # a reference, not a copy; at most ``max_snapshots`` are kept.
         self.snapshot_every = snapshot_every
         self.max_snapshots = max_snapshots
-        self.snapshots: dict[int, tuple[np.ndarray, float]] = {}
+        self.snapshots: dict[int, tuple[np.ndarray, float, int]] = {}
         self._snapshot()
 
     def _snapshot(self) -> None:
         if self.snapshot_every and self.version % self.snapshot_every == 0:
-            self.snapshots[self.version] = (self.params, self.version_time)
+            self.snapshots[self.version] = (self.params, self.version_time, self.samples_applied)
             while len(self.snapshots) > self.max_snapshots:
                 del self.snapshots[next(iter(self.snapshots))]
 
     def push(self, worker_id: int, iteration: int, batch_size: int, expected_workers: int,
-             global_batch: int, grad: np.ndarray) -> list[int]:
-        """Record a gradient; return the iterations whose updates were applied by it."""
+             global_batch: int, grad: np.ndarray) -> list[Apply]:
+        """Record a gradient; return the updates it completed (already applied)."""
         try:
             if grad.dtype != np.float32 or grad.shape != (self.size,):
                 raise PushRejected(
@@ -60,14 +62,22 @@ class ShardState:
                     f"{grad.dtype}{list(grad.shape)}")
             if self.reject_nonfinite and not np.isfinite(np.sum(grad, dtype=np.float64)):
                 raise PushRejected("nonfinite", f"gradient from worker {worker_id} has NaN or Inf")
-            applies = self.sync.on_push(self.version, worker_id, iteration, batch_size,
+            outcome = self.sync.on_push(self.version, worker_id, iteration, batch_size,
                                         expected_workers, global_batch, grad)
         except PushRejected as exc:
             self.rejected[exc.code] = self.rejected.get(exc.code, 0) + 1
             raise
-        for a in applies:
+        return self._carry_out(outcome)
+
+    def commit(self, iteration: int, accepted: dict[int, int], global_batch: int) -> list[Apply]:
+        """The coordinator fixed which gradients make up ``iteration``."""
+        return self._carry_out(self.sync.on_commit(self.version, iteration, accepted, global_batch))
+
+    def _carry_out(self, outcome: PushOutcome) -> list[Apply]:
+        self.dropped += outcome.dropped
+        for a in outcome.applies:
             self._apply(a)
-        return [a.iteration for a in applies]
+        return outcome.applies
 
     def _apply(self, a: Apply) -> None:
         acc, scratch = self._acc, self._scratch
@@ -78,7 +88,8 @@ class ShardState:
             acc += scratch
             total += g.batch_size
         acc /= np.float32(total)
-        self.params = self.optimizer.step(self.params, acc)
+        self.params = self.optimizer.step(self.params, acc, lr_scale=a.lr_scale)
+        self.samples_applied += total
         self.version += 1
         self.version_time = self.clock()
         self._snapshot()

@@ -23,6 +23,7 @@ class PullResult:
     assignment: P.Assignment | None
     wait_s: float  # until the first shard answered (the barrier)
     pull_s: float  # from the first answer until every slice was in place
+    samples: int = 0  # shard 0's count of samples applied up to this version
 
 
 class ShardClients:
@@ -78,12 +79,13 @@ class ShardClients:
                              telemetry=telemetry if k == 0 else {}, arrays=[grads[a:b]]))
 
     def pull(self, params: np.ndarray, *, worker_id: int, min_version: int,
-             honor_stop: bool = True, exact: bool = False) -> PullResult:
+             honor_stop: bool = True, exact: bool = False, consistent: bool = True) -> PullResult:
         """Pull every shard's slice into ``params`` once its version reaches ``min_version``.
 
-        Shard 0's answer carries the assignment. Shards can answer at different versions (a
-        worker joining mid-run, an observer racing an update): any shard behind the newest
-        version seen is asked again for exactly that one, so the result is one consistent version.
+        Shard 0's answer carries the assignment. With ``consistent`` (round modes): shards can
+        answer at different versions (a worker joining mid-run, an observer racing an update),
+        so any shard behind the newest version seen is asked again for exactly that one and the
+        result is one consistent version. Async modes take each shard's latest slice.
         """
         t0 = time.perf_counter()
         for conn in self.conns:
@@ -124,7 +126,7 @@ class ShardClients:
                 a, b = self.ranges[k]
                 params[a:b] = reply.arrays[0]
                 waiting.discard(k)
-            if error is not None:
+            if error is not None or not consistent:
                 continue
             target = max(r.version for r in replies.values())
             for k, r in list(replies.items()):
@@ -137,7 +139,7 @@ class ShardClients:
         r0 = replies[0]
         assert first is not None
         return PullResult(r0.version, max(r.version_time for r in replies.values()), r0.stop,
-                          r0.assignment, first - t0, time.perf_counter() - first)
+                          r0.assignment, first - t0, time.perf_counter() - first, r0.samples)
 
     def send_to_coordinator(self, msg: P.Message, expect: type[P.Message]) -> P.Message:
         return self.conns[0].request(msg, expect)

@@ -102,12 +102,12 @@ class Evaluator:
 
     def _measure(self, version: int, *, report: bool, exact: bool) -> int:
         res = self.client.pull(self.params, worker_id=-1, min_version=version, honor_stop=False,
-                               exact=exact)
+                               exact=exact, consistent=self.cfg.mode.sync in ("bsp", "backup"))
         self.flat.load_(self.params)
         t0 = time.perf_counter()
         acc, loss = evaluate(self.model, self.data, limit=self.cfg.evaluator.test_samples,
                              batch=self.cfg.evaluator.batch)
-        rec = {"version": res.version, "samples": res.version * self.cfg.training.global_batch,
+        rec = {"version": res.version, "samples": res.samples,
                "accuracy": acc, "loss": loss, "version_time": res.version_time,
                "eval_s": time.perf_counter() - t0}
         self.results.append(rec)

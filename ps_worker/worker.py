@@ -80,6 +80,9 @@ class Worker:
         self.metrics: MetricsWriter | None = None
         self.worker_id = -1
         self.iterations_done = 0
+        # Round modes need one consistent version from every shard; async modes take each
+        # shard's latest slice as it is.
+        self.consistent = cfg.mode.sync in ("bsp", "backup")
 
     def run(self, max_iterations: int | None = None) -> int:
         """Train until the coordinator says stop; returns the number of iterations done."""
@@ -99,7 +102,8 @@ class Worker:
         return self.iterations_done
 
     def _loop(self, version: int, max_iterations: int | None) -> None:
-        res = self.client.pull(self.host_params, worker_id=self.worker_id, min_version=version)
+        res = self.client.pull(self.host_params, worker_id=self.worker_id, min_version=version,
+                               consistent=self.consistent)
         self._load_params()
         prev = {"push_s": 0.0, "wait_s": res.wait_s, "pull_s": res.pull_s, "iteration_s": 0.0}
         while not res.stop and res.assignment is not None:
@@ -122,7 +126,7 @@ class Worker:
                              telemetry=tel)
             t3 = time.perf_counter()
             res = self.client.pull(self.host_params, worker_id=self.worker_id,
-                                   min_version=a.iteration + 1)
+                                   min_version=a.iteration + 1, consistent=self.consistent)
             if not res.stop:
                 self._load_params()
             t4 = time.perf_counter()
