@@ -127,7 +127,9 @@ class ShardServer:
 
     def close(self) -> None:
         self.metrics.write(event="shutdown", version=self.state.version,
-                           rejected=self.state.rejected, malformed=self.malformed)
+                           samples_applied=self.state.samples_applied, dropped=self.state.dropped,
+                           rejected=self.state.rejected, malformed=self.malformed,
+                           errors_sent=self.errors_sent)
         self.metrics.close()
         self.coord_metrics.close()
         for link in getattr(self, "shard_links", {}).values():
