@@ -17,6 +17,8 @@ from typing import Any, Literal, Mapping, Optional, Sequence
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ps_common.scenario import ScenarioConfig
+
 ENV_PREFIX = "LBBSP__"
 
 
@@ -114,6 +116,11 @@ class EvaluatorConfig(_Strict):
     batch: int = Field(1000, gt=0)
 
 
+class HeartbeatConfig(_Strict):
+    interval_s: float = Field(0.5, gt=0, description="how often workers send a heartbeat")
+    timeout_s: float = Field(5.0, gt=0, description="silence after which a worker is declared lost")
+
+
 class TransportConfig(_Strict):
     timeout_s: float = Field(120.0, gt=0)
     connect_timeout_s: float = Field(60.0, gt=0)
@@ -132,6 +139,8 @@ class JobConfig(_Strict):
     worker: WorkerConfig = WorkerConfig()
     evaluator: EvaluatorConfig = EvaluatorConfig()
     transport: TransportConfig = TransportConfig()
+    heartbeat: HeartbeatConfig = HeartbeatConfig()
+    scenario: ScenarioConfig = ScenarioConfig()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "JobConfig":
@@ -157,7 +166,7 @@ class JobConfig(_Strict):
         """The part every process of one job must agree on (checked by digest at join)."""
         d = self.model_dump(mode="json")
         return {"seed": d["run"]["seed"], **{k: d[k] for k in ("model", "data", "optimizer",
-                                                               "training", "mode")},
+                                                               "training", "mode", "scenario")},
                 "num_shards": d["cluster"]["num_shards"]}
 
     def job_digest(self) -> str:
@@ -242,7 +251,10 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
         data = loaded
     _apply_overrides(data, _env_overrides(os.environ if env is None else env), source="environment")
     _apply_overrides(data, overrides, source="--set")
-    return validate(data, source=source)
+    cfg = validate(data, source=source)
+    if path is not None:  # trace files named relative to the config file
+        cfg = cfg.model_copy(update={"scenario": cfg.scenario.resolved(Path(path).parent)})
+    return cfg
 
 
 def dump_yaml(cfg: JobConfig) -> str:

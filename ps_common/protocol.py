@@ -122,6 +122,22 @@ class Welcome(Message):
 
 
 @dataclass
+class Heartbeat(Message):
+    """Worker -> coordinator, every ``heartbeat.interval_s``; the reply is the coordinator's beat."""
+
+    TYPE: ClassVar[str] = "heartbeat"
+    worker_id: int = 0
+
+
+@dataclass
+class HeartbeatReply(Message):
+    TYPE: ClassVar[str] = "heartbeat_reply"
+    incarnation: str = ""  # changes when the coordinator restarts
+    version: int = 0
+    stop: bool = False
+
+
+@dataclass
 class Leave(Message):
     TYPE: ClassVar[str] = "leave"
     worker_id: int = 0
@@ -228,7 +244,7 @@ class Error(Message):
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (
-        Hello, HelloReply, RegisterShard, Ack, Join, Welcome, Leave, Push, Pull, Params, Commit,
+        Hello, HelloReply, RegisterShard, Ack, Join, Welcome, Heartbeat, HeartbeatReply, Leave, Push, Pull, Params, Commit,
         StatusRequest, Status, EvalReport, Shutdown, Error,
     )
 }

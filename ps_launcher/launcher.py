@@ -81,7 +81,8 @@ class LocalCluster:
         self.shard_endpoints += [self.group.wait_endpoint(ch, self.startup_timeout_s) for ch in others]
         for i in range(c.cluster.num_workers):
             self.group.start(f"worker-{i}", "ps_worker.cli",
-                             [*self._common(cfg_path), "--server", ep0, "--name", f"worker-{i}"])
+                             [*self._common(cfg_path), "--server", ep0, "--name", f"worker-{i}",
+                              "--scenario-index", str(i)])
         if c.evaluator.enabled:
             self.group.start("evaluator", "ps_worker.evaluator_cli", [*self._common(cfg_path), "--server", ep0])
 

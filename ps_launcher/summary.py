@@ -28,7 +28,9 @@ def summarize(run_dir: str | Path, *, target_accuracy: float | None = None,
               wall_s: float | None = None, stop_reason: str = "") -> dict[str, Any]:
     run_dir = Path(run_dir)
     m = run_dir / "metrics"
-    coord = _records(m / "coordinator.jsonl")
+    all_coord = _records(m / "coordinator.jsonl")
+    coord = [r for r in all_coord if "event" not in r]
+    events = [r for r in all_coord if "event" in r]
     evals = _records(m / "evaluator.jsonl")
     start_wall = coord[0]["wall_time"] - coord[0]["elapsed"] if coord else None
     durations = [r["duration"] for r in coord]
@@ -67,6 +69,7 @@ def summarize(run_dir: str | Path, *, target_accuracy: float | None = None,
         "final_loss": coord[-1]["loss"] if coord else None,
         "time_to_accuracy": {f"{t:g}": time_to_accuracy(curve, t) for t in marks},
         "accuracy_curve": curve,
+        "membership_events": events,
         "workers": workers,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -79,6 +79,8 @@ class Coordinator:
         self.updates = 0
         self.reports: dict[int, WorkerReport] = {}
         self.losses: dict[int, float] = {}
+        self.lost: list[tuple[int, str, float]] = []
+        self.replan_pending = False
 
     @property
     def global_batch(self) -> int:
@@ -95,20 +97,55 @@ class Coordinator:
         log.info("worker %d (%s) joined; %d live", wid, name, len(self.workers))
         return wid
 
-    def leave(self, worker_id: int) -> None:
-        if self.workers.pop(worker_id, None) is not None:
-            self.policy.leave(worker_id)
-            pending = self.async_plan.pop(worker_id, None)
-            if pending is not None:
-                self.cursor.give_back(pending.ranges)
-            log.info("worker %d left; %d live", worker_id, len(self.workers))
+    def leave(self, worker_id: int, reason: str = "left") -> dict[int, int] | None:
+        """Remove a worker (graceful leave or declared lost); never let a barrier wait for it.
+
+        Its unused samples go back to the cursor. In round modes, if it was part of the current
+        iteration's plan, returns the reduced set {worker: batch size} that the iteration must
+        now be committed to (the server sends that commit to every shard); else None. If it was
+        the last worker of the plan, the iteration is planned again for whoever joins next.
+        """
+        if self.workers.pop(worker_id, None) is None:
+            return None
+        self.policy.leave(worker_id)
+        self.lost.append((worker_id, reason, self.clock()))
+        log.info("worker %d %s; %d live", worker_id, reason, len(self.workers))
+        pending = self.async_plan.pop(worker_id, None)
+        if pending is not None:
+            self.cursor.give_back(pending.ranges)
+        if self.kind != "round" or worker_id not in self.plan or self.stop:
+            return None
+        self.cursor.give_back(self.plan.pop(worker_id).ranges)
+        if not self.plan:
+            self.replan_pending = True
+            return None
+        return {w: a.batch_size for w, a in self.plan.items()}
+
+    def silent_workers(self, timeout_s: float) -> list[int]:
+        """Workers not heard from (push or heartbeat) for longer than ``timeout_s``."""
+        now = self.clock()
+        return [w for w, info in self.workers.items() if now - info.last_seen > timeout_s]
+
+    def heard_from(self, worker_id: int) -> bool:
+        info = self.workers.get(worker_id)
+        if info is None:
+            return False
+        info.last_seen = self.clock()
+        return True
 
     def live(self) -> list[int]:
         return sorted(self.workers)
 
     # ----- starting and planning ----------------------------------------------------------
     def try_start(self) -> bool:
-        """Start once the configured number of workers has joined (plans iteration 0)."""
+        """Start once the configured number of workers has joined (plans iteration 0).
+
+        Also re-plans an iteration whose every worker left, once somebody is live again.
+        """
+        if self.started and self.replan_pending and self.workers and not self.stop:
+            self.replan_pending = False
+            self._plan(self.iteration)
+            return True
         if self.started or len(self.workers) < self.cfg.cluster.num_workers:
             return False
         self.started = True

@@ -8,6 +8,7 @@ touches state; a bad message is answered with an Error and counted, never a cras
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -84,6 +85,7 @@ class ShardServer:
         self.pending_pulls: list[_PendingPull] = []
         self.pending_joins: list[tuple[bytes, P.Join]] = []
         self.errors_sent = 0
+        self.incarnation = os.urandom(6).hex()
         self.malformed = 0
         self.running = False
         self.stop_event = threading.Event()
@@ -103,6 +105,7 @@ class ShardServer:
             P.RegisterShard: self._on_register_shard,
             P.Join: self._on_join,
             P.Leave: self._on_leave,
+            P.Heartbeat: self._on_heartbeat,
             P.Push: self._on_push,
             P.Pull: self._on_pull,
             P.Commit: self._on_commit,
@@ -118,10 +121,14 @@ class ShardServer:
         if self.shard_id > 0:
             self._register_with_coordinator()
         try:
+            next_check = time.monotonic()
             while not self.stop_event.is_set():
                 if self.sock.poll(100, zmq.POLLIN):
                     self._handle(self.sock.recv_multipart(copy=False))
                     self._serve_pending()
+                if self.coord is not None and time.monotonic() >= next_check:
+                    next_check = time.monotonic() + min(0.2, self.cfg.heartbeat.interval_s)
+                    self._check_liveness()
         finally:
             self.close()
 
@@ -234,10 +241,38 @@ class ShardServer:
         self.pending_joins.append((ident, msg))
 
     def _on_leave(self, ident: bytes, msg: P.Leave) -> None:
-        coord = self._require_coordinator()
-        coord.leave(msg.worker_id)
-        self.sync.set_live(coord.live())
+        self._require_coordinator()
+        self._remove_worker(msg.worker_id, f"left ({msg.reason or 'no reason given'})")
         self._reply(ident, P.Ack(what="leave"))
+
+    def _on_heartbeat(self, ident: bytes, msg: P.Heartbeat) -> None:
+        coord = self._require_coordinator()
+        if not coord.heard_from(msg.worker_id):
+            raise _Refused("unknown_worker", f"worker {msg.worker_id} is not a member (declared lost?)")
+        self._reply(ident, P.HeartbeatReply(incarnation=self.incarnation, version=self.state.version,
+                                            stop=coord.stop))
+
+    def _check_liveness(self) -> None:
+        assert self.coord is not None
+        if not self.coord.started or self.coord.stop:
+            return  # after stop, workers leave on their own
+        for w in self.coord.silent_workers(self.cfg.heartbeat.timeout_s):
+            self._remove_worker(w, f"lost (silent for more than {self.cfg.heartbeat.timeout_s}s)")
+
+    def _remove_worker(self, worker_id: int, reason: str) -> None:
+        """Leave or loss: membership, batch re-split, and no barrier waiting for the worker."""
+        coord = self.coord
+        assert coord is not None
+        reduced = coord.leave(worker_id, reason)
+        self.sync.set_live(coord.live())
+        self.coord_metrics.write(event="worker_removed", worker=worker_id, reason=reason,
+                                 live=coord.live(), version=self.state.version)
+        if reduced is not None:
+            it = coord.iteration
+            self._commit_to_shards(it, reduced)
+            self._after_applies(self.state.commit(it, reduced, sum(reduced.values())))
+        coord.try_start()  # re-plans if every worker of the iteration is gone and others remain
+        self._serve_pending()
 
     def _on_push(self, ident: bytes, msg: P.Push) -> None:
         coord = self.coord

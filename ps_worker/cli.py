@@ -23,6 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--name", default=None, help="a name for logs (default host:pid)")
     ap.add_argument("--device", default=None, help="override worker.device (cpu, cuda, cuda:N, auto)")
     ap.add_argument("--max-iterations", type=int, default=None, help="leave after this many iterations")
+    ap.add_argument("--scenario-index", type=int, default=None,
+                    help="which scenario.workers entry applies to this worker (default: its worker id)")
     args = ap.parse_args(argv)
     setup_logging(args.log_level)
     try:
@@ -32,13 +34,14 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_cli_config(args.config, overrides)
         from ps_worker.worker import Worker
 
-        worker = Worker(cfg, args.server, name=args.name, run_dir=args.run_dir)
+        worker = Worker(cfg, args.server, name=args.name, run_dir=args.run_dir,
+                        scenario_index=args.scenario_index)
         signal.signal(signal.SIGTERM, _raise_interrupt)
         worker.run(max_iterations=args.max_iterations)
         return 0
     except KeyboardInterrupt:
         return 130
-    except (ConfigError, DatasetUnavailable, TransportTimeout, RemoteError, RuntimeError) as exc:
+    except (ConfigError, DatasetUnavailable, TransportTimeout, RemoteError, RuntimeError, ValueError) as exc:
         print(f"ps-worker: error: {exc}", file=sys.stderr)
         return 2
 

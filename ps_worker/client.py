@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import zmq
@@ -13,6 +14,10 @@ from ps_common import protocol as P
 from ps_common.transport import Connection, RemoteError, TransportTimeout
 
 log = logging.getLogger(__name__)
+
+
+class PullAborted(RuntimeError):
+    """A pull given up because the membership or the coordinator changed under it."""
 
 
 @dataclass
@@ -37,6 +42,8 @@ class ShardClients:
         self.conns: list[Connection] = []
         self.ranges: list[tuple[int, int]] = []
         self.welcome: P.Welcome | None = None
+        # Heterogeneity lab: an added delay per push and per pull (a slower link); no-op by default.
+        self.comm_delay: Callable[[int], float] = lambda nbytes: 0.0
 
     def join(self, name: str, job_digest: str, device: str, role: str = "worker") -> P.Welcome:
         """Join the job; waits (up to connect_timeout_s) for the coordinator and all shards."""
@@ -71,6 +78,7 @@ class ShardClients:
         ``grads`` must not be modified until the following pull has been answered by every
         shard: an answer proves the shard has read the push that preceded it on the same pipe.
         """
+        self.comm_delay(grads.nbytes)
         for k, (conn, (a, b)) in enumerate(zip(self.conns, self.ranges)):
             conn.send(P.Push(worker_id=worker_id, iteration=assignment.iteration,
                              batch_size=assignment.batch_size,
@@ -79,7 +87,8 @@ class ShardClients:
                              telemetry=telemetry if k == 0 else {}, arrays=[grads[a:b]]))
 
     def pull(self, params: np.ndarray, *, worker_id: int, min_version: int,
-             honor_stop: bool = True, exact: bool = False, consistent: bool = True) -> PullResult:
+             honor_stop: bool = True, exact: bool = False, consistent: bool = True,
+             abort: Callable[[], str | None] | None = None) -> PullResult:
         """Pull every shard's slice into ``params`` once its version reaches ``min_version``.
 
         Shard 0's answer carries the assignment. With ``consistent`` (round modes): shards can
@@ -103,7 +112,9 @@ class ShardClients:
             if left <= 0:
                 eps = [self.conns[k].endpoint for k in sorted(waiting)]
                 raise TransportTimeout(f"no parameters from {eps} within {self.timeout_s:.0f}s")
-            events = dict(poller.poll(int(left * 1000)))
+            events = dict(poller.poll(int(min(left, 0.5) * 1000)))
+            if not events and abort is not None and (reason := abort()):
+                raise PullAborted(reason)
             for k in sorted(waiting):
                 conn = self.conns[k]
                 if conn.sock not in events:
@@ -136,6 +147,7 @@ class ShardClients:
                     self.conns[k].send(P.Pull(worker_id=worker_id, min_version=target))
         if error is not None:
             raise error
+        self.comm_delay(params.nbytes)
         r0 = replies[0]
         assert first is not None
         return PullResult(r0.version, max(r.version_time for r in replies.values()), r0.stop,

@@ -18,7 +18,11 @@ from ps_common.datasets import ArrayDataset, load_dataset, sample_order
 from ps_common.metrics import MetricsWriter
 from ps_common.models import FlatParameters, build_model
 from ps_common.protocol import Assignment
-from ps_worker.client import ShardClients
+from ps_common import protocol as P
+from ps_common.transport import RemoteError, TransportTimeout
+from ps_worker.client import PullAborted, ShardClients
+from ps_worker.contention import CommDelay, ContentionDriver, EmulatedSlowdown
+from ps_worker.heartbeat import Heartbeat
 from ps_worker.telemetry import ResourceProbe
 
 log = logging.getLogger(__name__)
@@ -55,7 +59,7 @@ class SampleIndexer:
 class Worker:
     def __init__(self, cfg: JobConfig, server: str, *, name: str | None = None,
                  run_dir: str | Path | None = None, ctx: zmq.Context | None = None,
-                 dataset: ArrayDataset | None = None) -> None:
+                 dataset: ArrayDataset | None = None, scenario_index: int | None = None) -> None:
         self.cfg = cfg
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         self.device = resolve_device(cfg.worker.device)
@@ -80,42 +84,119 @@ class Worker:
         self.metrics: MetricsWriter | None = None
         self.worker_id = -1
         self.iterations_done = 0
+        self.rejoins = 0
+        # The heterogeneity scenario is looked up by the launcher's index (stable across modes),
+        # not by the coordinator's worker id (join order is racy).
+        self.scenario_index = scenario_index
+        self.contention: ContentionDriver | None = None
         # Round modes need one consistent version from every shard; async modes take each
         # shard's latest slice as it is.
         self.consistent = cfg.mode.sync in ("bsp", "backup")
 
     def run(self, max_iterations: int | None = None) -> int:
-        """Train until the coordinator says stop; returns the number of iterations done."""
+        """Train until the coordinator says stop; returns the number of iterations done.
+
+        If the coordinator drops this worker (declared lost after a stall) or restarts, the
+        worker joins again, with exponential backoff while the coordinator is unreachable.
+        Leaving early (``max_iterations``, SIGTERM) tells the coordinator, so no barrier waits.
+        """
+        backoff = 0.25
+        try:
+            while True:
+                welcome = self._join()
+                hb = Heartbeat(self.ctx, self.client.server, self.worker_id,
+                               self.cfg.heartbeat.interval_s).start()
+                try:
+                    outcome = self._loop(welcome.version, max_iterations, hb)
+                except KeyboardInterrupt:
+                    self._leave("interrupted")
+                    raise
+                except (PullAborted, RemoteError, TransportTimeout) as exc:
+                    code = getattr(exc, "code", "")
+                    if isinstance(exc, RemoteError) and code not in ("unknown_worker",):
+                        raise
+                    log.warning("worker %d: %s; joining again in %.2fs", self.worker_id, exc, backoff)
+                    outcome = "rejoin"
+                finally:
+                    hb.stop()
+                if outcome == "leave":
+                    self._leave(f"max_iterations={max_iterations}")
+                if outcome != "rejoin":
+                    return self.iterations_done
+                self.rejoins += 1
+                self.client.close()
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+        finally:
+            if self.contention is not None:
+                self.contention.stop()
+            if self.metrics is not None:
+                self.metrics.close()
+            self.client.close()
+
+    def _join(self):
         welcome = self.client.join(self.name, self.cfg.job_digest(), str(self.device))
-        self.worker_id = welcome.worker_id
         if welcome.num_params != self.flat.numel:
             raise RuntimeError(f"server has {welcome.num_params} parameters, model has {self.flat.numel}")
+        self.worker_id = welcome.worker_id
+        if self.contention is None:
+            idx = self.scenario_index if self.scenario_index is not None else self.worker_id
+            self.scenario = self.cfg.scenario.for_worker(idx).runtime(idx)
+            self.slowdown = EmulatedSlowdown(self.scenario)
+            self.contention = ContentionDriver(self.scenario)
+            self.client.comm_delay = CommDelay(self.scenario)
+            if self.scenario.is_emulated or self.scenario.has_real_load:
+                log.info("worker %d scenario: %s", self.worker_id, self.scenario.describe())
+        if self.metrics is not None:
+            self.metrics.close()
         self.metrics = MetricsWriter(
             self.run_dir / "metrics" / f"worker-{self.worker_id}.jsonl" if self.run_dir else None)
         log.info("worker %d (%s) joined at version %d on %s", self.worker_id, self.name,
                  welcome.version, self.device)
-        try:
-            self._loop(welcome.version, max_iterations)
-        finally:
-            self.metrics.close()
-            self.client.close()
-        return self.iterations_done
+        return welcome
 
-    def _loop(self, version: int, max_iterations: int | None) -> None:
+    def _leave(self, reason: str) -> None:
+        try:
+            self.client.send_to_coordinator(P.Leave(worker_id=self.worker_id, reason=reason), P.Ack)
+        except Exception as exc:  # best effort: the heartbeat timeout covers a failed leave
+            log.info("leave not acknowledged: %s", exc)
+
+    def _abort_reason(self, hb: Heartbeat) -> str | None:
+        if hb.dropped:
+            return "the coordinator no longer counts this worker as a member"
+        if hb.restarted:
+            return "the coordinator restarted"
+        if hb.coordinator_silent_s() > self.cfg.heartbeat.timeout_s:
+            return f"no heartbeat reply for {hb.coordinator_silent_s():.1f}s"
+        return None
+
+    def _loop(self, version: int, max_iterations: int | None, hb: Heartbeat) -> str:
+        """Iterations until stop ("stop"), the iteration budget ("leave")."""
+        abort = lambda: self._abort_reason(hb)  # noqa: E731
         res = self.client.pull(self.host_params, worker_id=self.worker_id, min_version=version,
-                               consistent=self.consistent)
+                               consistent=self.consistent, abort=abort)
         self._load_params()
+        assert self.contention is not None
+        if not self.contention.started:
+            self.contention.start()  # the scenario clock starts with training, not start-up
+        origin = self.contention.origin
         prev = {"push_s": 0.0, "wait_s": res.wait_s, "pull_s": res.pull_s, "iteration_s": 0.0}
         while not res.stop and res.assignment is not None:
             if max_iterations is not None and self.iterations_done >= max_iterations:
-                break
+                return "leave"
             a = res.assignment
             t0 = time.perf_counter()
             x, y = self._batch(a)
             t1 = time.perf_counter()
             loss = self._gradient(x, y)
+            # Emulated slowdown: sleep (f - 1) x compute, counted inside the compute phase so
+            # every policy (and LB-BSP's predictors) sees it as slower compute.
+            emulated = self.slowdown.after_compute(self.iterations_done, time.monotonic() - origin,
+                                                   time.perf_counter() - t1)
             t2 = time.perf_counter()
             resources = self.probe.sample(str(self.device))
+            resources.update(emulated_s=emulated, slowdown=self.slowdown.last_factor,
+                             burners=float(self.contention.target))
             # Timings of this iteration's compute, and of the previous iteration's communication
             # (the current one's is not known before the push).
             tel = {"data_s": t1 - t0, "compute_s": t2 - t1,
@@ -126,7 +207,8 @@ class Worker:
                              telemetry=tel)
             t3 = time.perf_counter()
             res = self.client.pull(self.host_params, worker_id=self.worker_id,
-                                   min_version=a.iteration + 1, consistent=self.consistent)
+                                   min_version=a.iteration + 1, consistent=self.consistent,
+                                   abort=abort)
             if not res.stop:
                 self._load_params()
             t4 = time.perf_counter()
@@ -139,6 +221,7 @@ class Worker:
                                wait_s=res.wait_s, pull_s=res.pull_s, iteration_s=t4 - t0,
                                **resources)
         log.info("worker %d stopping after %d iterations", self.worker_id, self.iterations_done)
+        return "stop"
 
     def _batch(self, a: Assignment) -> tuple[torch.Tensor, torch.Tensor]:
         idx = self.indexer.indices(a.ranges)

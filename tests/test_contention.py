@@ -1,0 +1,233 @@
+"""The I/O side of scenarios: real CPU burners, the driver thread, emulated sleeps."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from ps_common.scenario import WorkerScenario
+from ps_worker.contention import (BURNER_TAG, CommDelay, ContentionDriver, CpuBurners,
+                                  EmulatedSlowdown, kill_pid)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def rt(**spec):
+    return WorkerScenario.model_validate(spec).runtime(0)
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def wait_gone(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if gone(pid):
+            return True
+        time.sleep(0.05)
+    return gone(pid)
+
+
+def cpu_share(pid: int, window_s: float = 0.5) -> tuple[float, float]:
+    """(fraction of one core the process used, host CPU busy %) over the window."""
+    p = psutil.Process(pid)
+    psutil.cpu_percent(None)
+    t0, c0 = time.monotonic(), sum(p.cpu_times()[:2])
+    time.sleep(window_s)
+    share = (sum(p.cpu_times()[:2]) - c0) / (time.monotonic() - t0)
+    return share, psutil.cpu_percent(None)
+
+
+def burns(pid: int) -> bool:
+    """More than half a core; or, when others load the (shared) host, at least half of what a
+    plain ``while True: pass`` spinner gets beside it at the same time.
+
+    An idle or sleeping process scores ~0 either way, so a burner that does not burn fails.
+    """
+    seen = []
+    for _ in range(2):
+        share, host = cpu_share(pid)
+        seen.append((round(share, 2), host))
+        if share > 0.5:
+            return True
+    ref = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.1)
+        p, r = psutil.Process(pid), psutil.Process(ref.pid)
+        c0, r0, t0 = sum(p.cpu_times()[:2]), sum(r.cpu_times()[:2]), time.monotonic()
+        time.sleep(1.0)
+        dt = time.monotonic() - t0
+        share, ref_share = (sum(p.cpu_times()[:2]) - c0) / dt, (sum(r.cpu_times()[:2]) - r0) / dt
+    finally:
+        ref.kill()
+        ref.wait()
+    if ref_share < 0.02:
+        pytest.skip(f"host too loaded to measure CPU shares (reference spinner got {ref_share:.3f})")
+    if share >= 0.5 * ref_share:
+        return True
+    pytest.fail(f"burner {pid} does not burn CPU: (share of a core, host busy %) = {seen}; "
+                f"beside a reference spinner: {share:.2f} vs {ref_share:.2f}")
+
+
+def test_burner_burns_cpu_and_set_count_converges():
+    burners = CpuBurners()
+    try:
+        assert burners.set_count(1) == 1 and burners.count == 1
+        (pid,) = burners.pids
+        assert BURNER_TAG in " ".join(psutil.Process(pid).cmdline())
+        assert burns(pid)
+        burners.set_count(2)
+        assert burners.count == 2 and pid in burners.pids
+        burners.set_count(0)
+        assert burners.count == 0 and gone(pid)
+        # A burner killed from outside is replaced on the next set_count.
+        burners.set_count(1)
+        (pid2,) = burners.pids
+        kill_pid(pid2)
+        assert wait_gone(pid2, 3.0) or psutil.Process(pid2).status() == psutil.STATUS_ZOMBIE
+        burners.set_count(1)
+        assert burners.count == 1 and burners.pids != [pid2]
+        pids = burners.pids
+    finally:
+        burners.close()
+        burners.close()  # idempotent
+    assert all(wait_gone(p, 3.0) for p in pids)
+    with pytest.raises(RuntimeError, match="closed"):
+        burners.set_count(1)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this OS")
+def test_burner_affinity():
+    cpu = sorted(os.sched_getaffinity(0))[0]
+    with CpuBurners(cpus=[cpu]) as burners:
+        burners.set_count(1)
+        assert os.sched_getaffinity(burners.pids[0]) == {cpu}
+
+
+def test_burners_die_with_a_sigkilled_parent():
+    code = textwrap.dedent("""
+        import sys, time
+        from ps_worker.contention import CpuBurners
+        b = CpuBurners()
+        b.set_count(1)
+        print(b.pids[0], flush=True)
+        time.sleep(60)
+    """)
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=env, text=True)
+    burner = None
+    try:
+        line = child.stdout.readline()
+        assert line.strip(), "child printed no burner pid"
+        burner = int(line)
+        assert not gone(burner)
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=5)
+        assert wait_gone(burner, 3.0), "burner outlived its SIGKILLed parent"
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        if burner is not None:
+            kill_pid(burner)
+
+
+class FakeBurners:
+    def __init__(self) -> None:
+        self.counts: list[int] = []
+        self.closed = False
+
+    def set_count(self, n: int) -> int:
+        self.counts.append(n)
+        return n
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_driver_tick_follows_the_schedule_with_an_injected_clock():
+    now = [100.0]
+    fake = FakeBurners()
+    r = rt(cpu_load=[{"start_s": 1.0, "stop_s": 3.0, "processes": 2}, {"start_s": 2.0, "processes": 1}])
+    d = ContentionDriver(r, clock=lambda: now[0], burners=fake, interval_s=60.0)
+    d.start()  # origin = 100; the thread waits 60 s between ticks, so only our ticks count
+    try:
+        assert d.origin == 100.0 and fake.counts == [0]
+        for t in (0.5, 1.0, 2.5, 3.0, 10.0):
+            now[0] = 100.0 + t
+            d.tick()
+        assert fake.counts == [0, 0, 2, 3, 1, 1]
+        assert d.elapsed() == pytest.approx(10.0)
+    finally:
+        d.stop()
+    assert fake.closed
+    d.stop()  # idempotent
+
+
+def test_driver_without_real_load_starts_nothing():
+    d = ContentionDriver(rt(slowdown=2.0))
+    with d:
+        assert d._thread is None and d._burners is None
+        assert d.elapsed() >= 0
+
+
+def test_driver_thread_runs_real_burners():
+    r = rt(cpu_load=[{"start_s": 0.0, "stop_s": 0.8, "processes": 1}])
+    d = ContentionDriver(r, interval_s=0.05)
+    try:
+        d.start()
+        assert d.burners.count == 1
+        pid = d.burners.pids[0]
+        deadline = time.monotonic() + 5.0
+        while d.burners.count and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert d.burners.count == 0 and d.elapsed() >= 0.8
+        assert wait_gone(pid, 3.0)
+    finally:
+        d.stop()
+
+
+def test_emulated_slowdown_sleeps_f_minus_one_times_compute():
+    slept: list[float] = []
+    now = [0.0]
+
+    def fake_sleep(s: float) -> None:
+        slept.append(s)
+        now[0] += s
+
+    r = rt(slowdown=2.0, steps=[{"at_iteration": 10, "slowdown": 2.0}])
+    e = EmulatedSlowdown(r, sleep=fake_sleep, clock=lambda: now[0])
+    assert e.after_compute(0, 0.0, 0.5) == pytest.approx(0.5)      # f = 2
+    assert e.after_compute(10, 0.0, 0.5) == pytest.approx(1.5)     # f = 4
+    assert e.last_factor == 4.0 and e.total_s == pytest.approx(2.0)
+    assert slept == pytest.approx([0.5, 1.5])
+    e1 = EmulatedSlowdown(rt(), sleep=fake_sleep)
+    assert e1.after_compute(0, 0.0, 0.5) == 0.0 and len(slept) == 2  # f = 1: no sleep at all
+
+
+def test_emulated_slowdown_real_sleep():
+    e = EmulatedSlowdown(rt(slowdown=3.0))
+    t0 = time.perf_counter()
+    got = e.after_compute(0, 0.0, 0.05)
+    took = time.perf_counter() - t0
+    assert 0.095 <= got <= 1.0 and got <= took + 1e-6
+
+
+def test_comm_delay_sleeps_per_message():
+    slept: list[float] = []
+    c = CommDelay(rt(comm_delay_ms=5.0, comm_bandwidth_mb_s=1.0), sleep=slept.append)
+    assert c(0) == pytest.approx(0.005) and c(1_000_000) == pytest.approx(1.005)
+    assert slept == pytest.approx([0.005, 1.005])
+    none = CommDelay(rt(), sleep=slept.append)
+    assert none(10**9) == 0.0 and len(slept) == 2
