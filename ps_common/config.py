@@ -26,17 +26,17 @@ class ConfigError(ValueError):
     """A configuration problem, with a message that names the key."""
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class RunConfig(_Strict):
+class RunConfig(StrictModel):
     name: str = "run"
     seed: int = 0
     run_dir: str = "runs"
 
 
-class ModelConfig(_Strict):
+class ModelConfig(StrictModel):
     name: str = "lenet"
 
     @field_validator("name")
@@ -49,14 +49,14 @@ class ModelConfig(_Strict):
         return v
 
 
-class DataConfig(_Strict):
+class DataConfig(StrictModel):
     dataset: Literal["mnist", "synthetic"] = "mnist"
     cache_dir: Optional[str] = None
     synthetic_train: int = Field(4096, gt=0)
     synthetic_test: int = Field(1024, gt=0)
 
 
-class OptimizerConfig(_Strict):
+class OptimizerConfig(StrictModel):
     name: Literal["sgd"] = "sgd"
     lr: float = Field(0.05, gt=0)
     momentum: float = Field(0.9, ge=0, lt=1)
@@ -64,7 +64,7 @@ class OptimizerConfig(_Strict):
     nesterov: bool = False
 
 
-class TrainingConfig(_Strict):
+class TrainingConfig(StrictModel):
     global_batch: int = Field(128, gt=0)
     min_batch: int = Field(1, gt=0, description="x_min: floor of any worker's batch size")
     max_iterations: Optional[int] = Field(None, gt=0)
@@ -74,13 +74,13 @@ class TrainingConfig(_Strict):
     reject_nonfinite: bool = True
 
 
-class ClusterConfig(_Strict):
+class ClusterConfig(StrictModel):
     num_shards: int = Field(1, ge=1, le=64)
     num_workers: int = Field(2, ge=1)
     host: str = "127.0.0.1"
 
 
-class ModeConfig(_Strict):
+class ModeConfig(StrictModel):
     sync: Literal["bsp", "asp", "ssp", "backup"] = "bsp"
     staleness: int = Field(5, ge=0, description="SSP bound s")
     backup_workers: int = Field(1, ge=1, description="b for sync=backup: N + b workers run")
@@ -97,7 +97,7 @@ class ModeConfig(_Strict):
         return v
 
 
-class WorkerConfig(_Strict):
+class WorkerConfig(StrictModel):
     device: str = "cpu"
     torch_threads: int = Field(1, ge=1)
 
@@ -109,24 +109,24 @@ class WorkerConfig(_Strict):
         return v
 
 
-class EvaluatorConfig(_Strict):
+class EvaluatorConfig(StrictModel):
     enabled: bool = True
     every_iterations: int = Field(50, gt=0)
     test_samples: Optional[int] = Field(None, gt=0)
     batch: int = Field(1000, gt=0)
 
 
-class HeartbeatConfig(_Strict):
+class HeartbeatConfig(StrictModel):
     interval_s: float = Field(0.5, gt=0, description="how often workers send a heartbeat")
     timeout_s: float = Field(5.0, gt=0, description="silence after which a worker is declared lost")
 
 
-class TransportConfig(_Strict):
+class TransportConfig(StrictModel):
     timeout_s: float = Field(120.0, gt=0)
     connect_timeout_s: float = Field(60.0, gt=0)
 
 
-class JobConfig(_Strict):
+class JobConfig(StrictModel):
     """The whole job. Cross-field rules are checked here so errors still name the key."""
 
     run: RunConfig = RunConfig()
@@ -209,7 +209,7 @@ def _env_overrides(env: Mapping[str, str]) -> list[str]:
     return out
 
 
-def _format_error(exc: ValidationError, source: str) -> str:
+def format_validation_error(exc: ValidationError, source: str) -> str:
     lines = [f"invalid configuration ({source}):"]
     for err in exc.errors():
         key = ".".join(str(p) for p in err["loc"])
@@ -227,7 +227,7 @@ def validate(data: Mapping[str, Any], *, source: str = "config") -> JobConfig:
     try:
         return JobConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_format_error(exc, source)) from None
+        raise ConfigError(format_validation_error(exc, source)) from None
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = (),

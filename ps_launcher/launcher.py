@@ -61,7 +61,8 @@ class LocalCluster:
             stop_reason = "interrupted (Ctrl-C)"
         finally:
             self._shutdown()
-        summary = summarize(self.run_dir, target_accuracy=self.cfg.training.target_accuracy,
+        summary = summarize(self.run_dir, global_batch=self.cfg.training.global_batch,
+                            target_accuracy=self.cfg.training.target_accuracy,
                             wall_s=time.monotonic() - t0, stop_reason=stop_reason)
         plot_run(self.run_dir, summary)
         return summary

@@ -17,14 +17,32 @@ def _records(path: Path) -> list[dict[str, Any]]:
 
 
 def time_to_accuracy(curve: list[dict[str, Any]], target: float) -> dict[str, Any] | None:
-    """First evaluation at or above ``target``: its elapsed seconds, iteration and samples."""
+    """First evaluation at or above ``target``: its elapsed seconds, iterations and samples.
+
+    ``iterations`` counts global batches (samples / X), so async modes, whose versions are
+    single-worker updates, compare with round modes on the same scale.
+    """
     for point in curve:
         if point["accuracy"] >= target:
-            return {"seconds": point["elapsed"], "iterations": point["version"], "samples": point["samples"]}
+            return {"seconds": point["elapsed"], "iterations": point["iterations"],
+                    "samples": point["samples"]}
     return None
 
 
-def summarize(run_dir: str | Path, *, target_accuracy: float | None = None,
+def normalized_durations(coord: list[dict[str, Any]], global_batch: int) -> list[float]:
+    """Seconds per global batch for each update: duration x X / samples applied by it."""
+    out = []
+    prev = 0
+    for r in coord:
+        applied = r.get("applied_samples", prev + global_batch)
+        n = applied - prev
+        prev = applied
+        if n > 0:
+            out.append(r["duration"] * global_batch / n)
+    return out
+
+
+def summarize(run_dir: str | Path, *, global_batch: int, target_accuracy: float | None = None,
               wall_s: float | None = None, stop_reason: str = "") -> dict[str, Any]:
     run_dir = Path(run_dir)
     m = run_dir / "metrics"
@@ -33,11 +51,12 @@ def summarize(run_dir: str | Path, *, target_accuracy: float | None = None,
     events = [r for r in all_coord if "event" in r]
     evals = _records(m / "evaluator.jsonl")
     start_wall = coord[0]["wall_time"] - coord[0]["elapsed"] if coord else None
-    durations = [r["duration"] for r in coord]
+    durations = normalized_durations(coord, global_batch)
     curve = []
     for e in evals:
         elapsed = e["version_time"] - start_wall if start_wall is not None else None
         curve.append({"version": e["version"], "samples": e["samples"],
+                      "iterations": e["samples"] / global_batch,
                       "elapsed": None if elapsed is None else max(0.0, elapsed),
                       "accuracy": e["accuracy"], "loss": e["loss"]})
     workers: dict[str, dict[str, Any]] = {}
@@ -59,8 +78,9 @@ def summarize(run_dir: str | Path, *, target_accuracy: float | None = None,
         "stop_reason": stop_reason or (coord[-1].get("stop_reason", "") if coord else ""),
         "wall_s": wall_s,
         "training_s": coord[-1]["elapsed"] if coord else 0.0,
-        "iterations": len(coord),
-        "samples": coord[-1]["samples"] if coord else 0,
+        "iterations": (coord[-1].get("applied_samples", 0) / global_batch) if coord else 0,
+        "updates": len(coord),
+        "samples": coord[-1].get("applied_samples", coord[-1]["samples"]) if coord else 0,
         "epochs": (coord[-1]["epoch"] if coord else 0),
         "median_iteration_s": statistics.median(durations) if durations else None,
         "mean_iteration_s": statistics.fmean(durations) if durations else None,
@@ -87,14 +107,14 @@ def summary_markdown(s: dict[str, Any]) -> str:
         "| metric | value |", "|---|---|",
         f"| stop reason | {s['stop_reason']} |",
         f"| training time (s) | {_fmt(s['training_s'], '.1f')} |",
-        f"| iterations | {s['iterations']} |",
+        f"| iterations (global batches) | {s['iterations']:.0f} |",
         f"| samples | {s['samples']} |",
-        f"| median iteration (s) | {_fmt(s['median_iteration_s'], '.4f')} |",
+        f"| median time per global batch (s) | {_fmt(s['median_iteration_s'], '.4f')} |",
         f"| final test accuracy | {_fmt(s['final_accuracy'], '.4f')} |",
         f"| final training loss | {_fmt(s['final_loss'], '.4f')} |",
     ]
     for t, hit in s["time_to_accuracy"].items():
-        val = "not reached" if hit is None else f"{hit['seconds']:.1f} s, {hit['iterations']} it"
+        val = "not reached" if hit is None else f"{hit['seconds']:.1f} s, {hit['iterations']:.0f} it"
         lines.append(f"| time to {float(t):.0%} | {val} |")
     if s["workers"]:
         lines += ["", "| worker | iterations | mean batch | compute (s) | wait (s) | iteration (s) |",

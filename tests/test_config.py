@@ -13,7 +13,13 @@ CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_every_example_config_loads(path):
-    cfg = load_config(path, env={})
+    if "compare:" in path.read_text():
+        from ps_launcher.compare import load_comparison
+
+        cfg, comp = load_comparison(path)
+        assert comp.repeats >= 1 and len(comp.modes) >= 2
+    else:
+        cfg = load_config(path, env={})
     assert isinstance(cfg, JobConfig)
     assert cfg.training.global_batch >= cfg.cluster.num_workers * cfg.training.min_batch
     assert any(v is not None for v in (cfg.training.max_iterations, cfg.training.epochs,
