@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-from batchsize_manager.allocation import proportional_split, uniform_split
+from batchsize_manager.allocation import CapsArg, bounded_split, proportional_split, uniform_split
 
 
 @dataclass(frozen=True)
@@ -41,8 +41,26 @@ class BatchPolicy(ABC):
         """A worker's report for a finished iteration."""
 
     @abstractmethod
-    def assign(self, workers: Sequence[int], global_batch: int, min_batch: int = 1) -> dict[int, int]:
-        """The next batch size of every worker in ``workers``; sums exactly to ``global_batch``."""
+    def assign(self, workers: Sequence[int], global_batch: int, min_batch: int = 1, *,
+               max_batch: CapsArg = None) -> dict[int, int]:
+        """The next batch size of every worker in ``workers``; sums exactly to ``global_batch``.
+
+        Every size is >= ``min_batch`` and <= the worker's cap: ``max_batch`` is one int for
+        all, a ``{worker: cap}`` mapping (missing = uncapped) or None. Policies written before
+        caps existed may omit the keyword; :class:`~batchsize_manager.manager.BatchSizeManager`
+        then checks their answer against the caps instead.
+        """
+
+    def memory_caps(self) -> dict[int, int]:
+        """Per-worker batch caps the policy knows of (from config or learned from OOM reports)."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain JSON-able state for checkpoints (stateless policies: empty)."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
 
 
 _REGISTRY: dict[str, Callable[..., BatchPolicy]] = {}
@@ -76,8 +94,12 @@ def get_policy(name: str, **args: Any) -> BatchPolicy:
 class UniformPolicy(BatchPolicy):
     """Plain BSP: x_i = X / N (the remainder to the lowest ids)."""
 
-    def assign(self, workers: Sequence[int], global_batch: int, min_batch: int = 1) -> dict[int, int]:
-        return uniform_split(sorted(workers), global_batch)
+    def assign(self, workers: Sequence[int], global_batch: int, min_batch: int = 1, *,
+               max_batch: CapsArg = None) -> dict[int, int]:
+        if max_batch is None:
+            return uniform_split(sorted(workers), global_batch)
+        # Equal shares up to the caps; what capped workers cannot take goes to the others.
+        return bounded_split({w: 1.0 for w in workers}, global_batch, min_batch, max_batch)
 
 
 @register_policy("fixed")
@@ -96,6 +118,9 @@ class FixedWeightsPolicy(BatchPolicy):
         if any(v <= 0 for v in self.weights.values()):
             raise ValueError("weights must be positive")
 
-    def assign(self, workers: Sequence[int], global_batch: int, min_batch: int = 1) -> dict[int, int]:
+    def assign(self, workers: Sequence[int], global_batch: int, min_batch: int = 1, *,
+               max_batch: CapsArg = None) -> dict[int, int]:
         shares = {w: self.weights.get(w, 1.0) for w in sorted(workers)}
-        return proportional_split(shares, global_batch, min_batch)
+        if max_batch is None:
+            return proportional_split(shares, global_batch, min_batch)
+        return bounded_split(shares, global_batch, min_batch, max_batch)

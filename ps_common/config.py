@@ -121,6 +121,13 @@ class HeartbeatConfig(StrictModel):
     timeout_s: float = Field(5.0, gt=0, description="silence after which a worker is declared lost")
 
 
+class CheckpointConfig(StrictModel):
+    dir: Optional[str] = Field(None, description="default: RUN_DIR/checkpoints")
+    every_iterations: Optional[int] = Field(None, gt=0)
+    every_seconds: Optional[float] = Field(None, gt=0)
+    keep: int = Field(3, ge=2, description="checkpoints kept per shard (>= 2 for rollbacks)")
+
+
 class TransportConfig(StrictModel):
     timeout_s: float = Field(120.0, gt=0)
     connect_timeout_s: float = Field(60.0, gt=0)
@@ -140,6 +147,7 @@ class JobConfig(StrictModel):
     evaluator: EvaluatorConfig = EvaluatorConfig()
     transport: TransportConfig = TransportConfig()
     heartbeat: HeartbeatConfig = HeartbeatConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
     scenario: ScenarioConfig = ScenarioConfig()
 
     @model_validator(mode="after")

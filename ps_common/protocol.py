@@ -91,6 +91,8 @@ class RegisterShard(Message):
     shard: int = 0
     endpoint: str = ""
     job_digest: str = ""
+    version: int = 0
+    resumed: bool = False
 
 
 @dataclass
@@ -196,6 +198,22 @@ class Commit(Message):
 
 
 @dataclass
+class CheckpointAt(Message):
+    """Coordinator -> shard: write a checkpoint when your version reaches ``version``."""
+
+    TYPE: ClassVar[str] = "checkpoint_at"
+    version: int = 0
+
+
+@dataclass
+class Rollback(Message):
+    """Coordinator -> shard: go back to your checkpoint at ``version`` (a shard restarted)."""
+
+    TYPE: ClassVar[str] = "rollback"
+    version: int = 0
+
+
+@dataclass
 class StatusRequest(Message):
     TYPE: ClassVar[str] = "status_request"
 
@@ -245,6 +263,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (
         Hello, HelloReply, RegisterShard, Ack, Join, Welcome, Heartbeat, HeartbeatReply, Leave, Push, Pull, Params, Commit,
+        CheckpointAt, Rollback,
         StatusRequest, Status, EvalReport, Shutdown, Error,
     )
 }

@@ -104,8 +104,8 @@ class Connection:
             )
         return reply
 
-    def close(self) -> None:
-        self.sock.close(linger=0)
+    def close(self, linger_ms: int = 0) -> None:
+        self.sock.close(linger=linger_ms)
 
 
 class RemoteError(RuntimeError):

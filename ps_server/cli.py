@@ -8,6 +8,7 @@ import sys
 from ps_common.cli_util import add_common_args, load_cli_config, setup_logging
 from ps_common.config import ConfigError
 from ps_common.datasets import DatasetUnavailable
+from ps_server.checkpoint import CheckpointError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,6 +20,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--advertise", default=None,
                     help="host name other machines use to reach this shard (multi-host runs)")
     ap.add_argument("--coordinator", default=None, help="shard 0's endpoint (required for shard > 0)")
+    ap.add_argument("--resume", action="store_true",
+                    help="restart from this shard's newest checkpoint (checkpoint.dir or RUN_DIR/checkpoints)")
     args = ap.parse_args(argv)
     setup_logging(args.log_level)
     try:
@@ -27,8 +30,8 @@ def main(argv: list[str] | None = None) -> int:
 
         server = ShardServer(cfg, args.shard, host=args.host, port=args.port,
                              advertise_host=args.advertise, coordinator=args.coordinator,
-                             run_dir=args.run_dir)
-    except (ConfigError, DatasetUnavailable, ValueError) as exc:
+                             run_dir=args.run_dir, resume=args.resume)
+    except (ConfigError, DatasetUnavailable, ValueError, CheckpointError) as exc:
         print(f"ps-server: error: {exc}", file=sys.stderr)
         return 2
     server.install_signal_handlers()

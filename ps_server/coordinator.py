@@ -81,6 +81,8 @@ class Coordinator:
         self.losses: dict[int, float] = {}
         self.lost: list[tuple[int, str, float]] = []
         self.replan_pending = False
+        self.resumed = False
+        self.elapsed_at_resume = 0.0
 
     @property
     def global_batch(self) -> int:
@@ -149,11 +151,15 @@ class Coordinator:
         if self.started or len(self.workers) < self.cfg.cluster.num_workers:
             return False
         self.started = True
-        self.start_time = self.last_update_time = self.clock()
-        if self.kind == "round":
-            self._plan(0)
-        else:
+        now = self.clock()
+        if not self.resumed:
+            self.start_time = now
             self.iteration = 0
+        else:  # keep the elapsed clock running across the restart
+            self.start_time = now - self.elapsed_at_resume
+        self.last_update_time = now
+        if self.kind == "round":
+            self._plan(self.iteration)
         return True
 
     def _split(self, live: list[int]) -> tuple[dict[int, int], int]:
@@ -248,6 +254,39 @@ class Coordinator:
             else:
                 self._plan(iteration + 1)
         return record
+
+    # ----- checkpoints ------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """What a resumed coordinator needs: the data cursor at the end of the last applied
+        iteration (the in-flight plan's samples count as unused), progress counters, the batch
+        policy's state. Membership is not saved: workers join again after a restart."""
+        cursor = DataCursor(self.num_samples)
+        cursor.load_state_dict(self.cursor.state_dict())
+        for a in list(self.plan.values()) + list(self.async_plan.values()):
+            cursor.give_back(a.ranges)
+        policy_state = self.policy.state_dict() if hasattr(self.policy, "state_dict") else None
+        return {"cursor": cursor.state_dict(), "iteration": self.updates if self.kind == "round" else 0,
+                "elapsed": self.elapsed(), "updates": self.updates,
+                "applied_samples": self.applied_samples, "last_accuracy": self.last_accuracy,
+                "next_id": self._next_id, "policy": policy_state}
+
+    def load_state_dict(self, d: dict) -> None:
+        """Resume: progress and cursor from the checkpoint; wait for the workers to join again."""
+        for w in list(self.workers):
+            self.policy.leave(w)
+        self.workers.clear()
+        self.plan, self.async_plan = {}, {}
+        self.cursor.load_state_dict(d["cursor"])
+        self.iteration = int(d["iteration"])
+        self.updates = int(d["updates"])
+        self.applied_samples = int(d["applied_samples"])
+        self.last_accuracy = float(d["last_accuracy"])
+        self.elapsed_at_resume = float(d.get("elapsed", 0.0))
+        self._next_id = max(self._next_id, int(d["next_id"]))
+        if d.get("policy") is not None and hasattr(self.policy, "load_state_dict"):
+            self.policy.load_state_dict(d["policy"])
+        self.started, self.stop, self.stop_reason = False, False, ""
+        self.resumed = True
 
     def iterations_done(self) -> float:
         """Progress in global batches: iterations in round modes, X-sample equivalents in async."""

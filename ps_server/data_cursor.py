@@ -58,6 +58,14 @@ class DataCursor:
         self.state.samples_served += count
         return out
 
+    def state_dict(self) -> dict:
+        return {"epoch": self.state.epoch, "offset": self.state.offset,
+                "samples_served": self.state.samples_served, "returned": [list(r) for r in self._returned]}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.state = CursorState(int(d["epoch"]), int(d["offset"]), int(d["samples_served"]))
+        self._returned = deque([int(x) for x in r] for r in d["returned"])
+
     def give_back(self, ranges: list[Range]) -> None:
         """Unused ranges return to the pool and are served first."""
         for r in ranges:

@@ -43,5 +43,16 @@ class SGD:
         out += params
         return out
 
-    def state(self) -> dict[str, np.ndarray | bool]:
-        return {"momentum_buffer": self.buf, "has_buf": self._has_buf}
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        return {"momentum_buffer": self.buf} if self.buf is not None and self._has_buf else {}
+
+    def load_state_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        buf = arrays.get("momentum_buffer")
+        if self.buf is not None and buf is not None:
+            if buf.shape != self.buf.shape:
+                raise ValueError(f"momentum buffer of shape {buf.shape}, expected {self.buf.shape}")
+            np.copyto(self.buf, buf)
+            self._has_buf = True
+        elif self.buf is not None:
+            self.buf.fill(0.0)
+            self._has_buf = False

@@ -27,6 +27,7 @@ from ps_common.layout import partition
 from ps_common.metrics import MetricsWriter
 from ps_common.models import FlatParameters, build_model
 from ps_common.transport import Connection, advertised, bind_address, make_router, send
+from ps_server.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, save_checkpoint
 from ps_server.coordinator import Coordinator
 from ps_server.shard import ShardState
 from ps_server.sync import PushRejected, get_sync_policy
@@ -53,7 +54,8 @@ class _PendingPull:
 class ShardServer:
     def __init__(self, cfg: JobConfig, shard: int, *, host: str | None = None, port: int = 0,
                  advertise_host: str | None = None, coordinator: str | None = None,
-                 run_dir: str | Path | None = None, ctx: zmq.Context | None = None) -> None:
+                 run_dir: str | Path | None = None, ctx: zmq.Context | None = None,
+                 resume: bool = False) -> None:
         S = cfg.cluster.num_shards
         if not 0 <= shard < S:
             raise ValueError(f"--shard must be in 0..{S - 1} (cluster.num_shards={S})")
@@ -86,6 +88,15 @@ class ShardServer:
         self.pending_joins: list[tuple[bytes, P.Join]] = []
         self.errors_sent = 0
         self.incarnation = os.urandom(6).hex()
+        ck = cfg.checkpoint
+        self.checkpoint_dir: Path | None = (
+            Path(ck.dir) if ck.dir else (Path(run_dir) / "checkpoints" if run_dir else None))
+        if self.checkpoint_dir is None and (ck.every_iterations or ck.every_seconds or resume):
+            raise ValueError("checkpoints need checkpoint.dir or --run-dir")
+        self.checkpoint_due: int | None = None  # a version the coordinator asked us to save at
+        self.last_checkpoint_time = time.monotonic()
+        self.checkpoints_written = 0
+        self.resumed = False
         self.malformed = 0
         self.running = False
         self.stop_event = threading.Event()
@@ -109,10 +120,14 @@ class ShardServer:
             P.Push: self._on_push,
             P.Pull: self._on_pull,
             P.Commit: self._on_commit,
+            P.CheckpointAt: self._on_checkpoint_at,
+            P.Rollback: self._on_rollback,
             P.StatusRequest: self._on_status,
             P.EvalReport: self._on_eval,
             P.Shutdown: self._on_shutdown,
         }
+        if resume:
+            self._resume()
 
     # ----- lifecycle -----------------------------------------------------------------------
     def run(self) -> None:
@@ -155,7 +170,8 @@ class ShardServer:
             while True:
                 try:
                     conn.request(P.RegisterShard(shard=self.shard_id, endpoint=self.endpoint,
-                                                 job_digest=self.job_digest), P.Ack)
+                                                 job_digest=self.job_digest, version=self.state.version,
+                                                 resumed=self.resumed), P.Ack)
                     return
                 except TimeoutError:
                     if time.monotonic() > deadline:
@@ -222,12 +238,23 @@ class ShardServer:
         self._check_digest(msg.job_digest)
         if not 0 < msg.shard < self.cfg.cluster.num_shards:
             raise _Refused("bad_shard", f"shard index {msg.shard} out of range")
+        own = self.state.version
+        if msg.version != own:
+            if not msg.resumed:
+                raise _Refused("needs_resume",
+                               f"shard {msg.shard} is at version {msg.version} but the job is at {own}: "
+                               "restart a shard of a running job with --resume")
+            target = min(own, msg.version)
+            if target < own:
+                self._rollback_all(target, f"shard {msg.shard} resumed from version {msg.version}")
         self.shard_endpoints[msg.shard] = msg.endpoint
         old = self.shard_links.pop(msg.shard, None)
         if old is not None:
             old.close()
         self.shard_links[msg.shard] = Connection(self.ctx, msg.endpoint)
-        log.info("shard %d registered at %s", msg.shard, msg.endpoint)
+        if msg.version > own:
+            self.shard_links[msg.shard].send(P.Rollback(version=own))
+        log.info("shard %d registered at %s (version %d)", msg.shard, msg.endpoint, msg.version)
         self._reply(ident, P.Ack(what="register_shard"))
 
     def _all_shards_known(self) -> bool:
@@ -303,6 +330,7 @@ class ShardServer:
         for a in applied:
             self.metrics.write(iteration=a.iteration, version=self.state.version, samples=a.samples)
             if coord is None:
+                self._maybe_checkpoint()
                 continue
             if self.sync.name == "backup":
                 self._commit_to_shards(a.iteration, {g.worker_id: g.batch_size for g in a.gradients})
@@ -315,6 +343,89 @@ class ShardServer:
                 ranges={str(k): v for k, v in rec.ranges.items()},
                 workers={str(r.worker_id): dict(r.telemetry) for r in rec.reports},
                 dropped=self.state.dropped, stop=coord.stop, stop_reason=coord.stop_reason)
+            self._maybe_checkpoint()  # after the coordinator planned onwards: its state matches
+
+    # ----- checkpoints ----------------------------------------------------------------------
+    def _maybe_checkpoint(self) -> None:
+        """Every shard saves at multiples of every_iterations (consistent by construction); for
+        every_seconds the coordinator picks a version two ahead and tells the other shards,
+        which cannot have reached it yet."""
+        ck = self.cfg.checkpoint
+        v = self.state.version
+        if (ck.every_iterations and v % ck.every_iterations == 0) or self.checkpoint_due == v:
+            self.checkpoint_due = None
+            self.write_checkpoint()
+        if (self.coord is not None and ck.every_seconds and self.checkpoint_due is None
+                and time.monotonic() - self.last_checkpoint_time >= ck.every_seconds):
+            self.checkpoint_due = v + 2
+            for link in self.shard_links.values():
+                link.send(P.CheckpointAt(version=v + 2))
+
+    def write_checkpoint(self) -> Path:
+        assert self.checkpoint_dir is not None
+        meta = {**self.state.state_meta(), "shard": self.shard_id, "num_params": self.num_params,
+                "job_digest": self.job_digest}
+        if self.coord is not None:
+            meta["coordinator"] = self.coord.state_dict()
+            meta["shard_endpoints"] = {str(k): ep for k, ep in self.shard_endpoints.items()}
+        path = save_checkpoint(self.checkpoint_dir, self.shard_id, self.state.version,
+                               self.state.state_arrays(), meta, keep=self.cfg.checkpoint.keep)
+        self.last_checkpoint_time = time.monotonic()
+        self.checkpoints_written += 1
+        self.metrics.write(event="checkpoint", version=self.state.version, path=str(path))
+        return path
+
+    def _restore(self, version: int | None) -> dict:
+        assert self.checkpoint_dir is not None
+        path = find_checkpoint(self.checkpoint_dir, self.shard_id, version)
+        arrays, meta = load_checkpoint(path)
+        if meta.get("job_digest") != self.job_digest:
+            raise CheckpointError(f"{path} belongs to another job (digest {meta.get('job_digest')})")
+        self.state.restore(arrays, meta)
+        self.pending_pulls = []
+        self.checkpoint_due = None
+        if self.coord is not None:
+            self.coord.load_state_dict(meta["coordinator"])
+            self.incarnation = os.urandom(6).hex()  # workers notice and join again
+        self.metrics.write(event="restored", version=self.state.version, path=str(path))
+        log.info("shard %d restored version %d from %s", self.shard_id, self.state.version, path)
+        return meta
+
+    def _resume(self) -> None:
+        """``--resume``: the newest checkpoint; shard 0 also rolls the other shards back to it."""
+        meta = self._restore(None)
+        self.resumed = True
+        if self.coord is not None:
+            for k, ep in meta.get("shard_endpoints", {}).items():
+                if int(k) != 0:
+                    link = Connection(self.ctx, ep)
+                    link.send(P.Rollback(version=self.state.version))
+                    link.close(linger_ms=2000)
+
+    def _rollback_all(self, version: int, reason: str) -> None:
+        log.warning("rolling the job back to version %d: %s", version, reason)
+        self._restore(version)
+        self.coord_metrics.write(event="rollback", version=version, reason=reason)
+        for link in self.shard_links.values():
+            link.send(P.Rollback(version=version))
+
+    def _on_checkpoint_at(self, ident: bytes, msg: P.CheckpointAt) -> None:
+        if msg.version == self.state.version:
+            self.write_checkpoint()
+        elif msg.version > self.state.version:
+            self.checkpoint_due = msg.version
+        else:
+            log.warning("checkpoint for version %d asked at version %d: skipped", msg.version,
+                        self.state.version)
+
+    def _on_rollback(self, ident: bytes, msg: P.Rollback) -> None:
+        if self.coord is not None:
+            raise _Refused("not_follower", "the coordinator decides rollbacks")
+        try:
+            self._restore(msg.version)
+        except CheckpointError as exc:
+            log.error("cannot roll back: %s; stopping this shard to avoid inconsistent parameters", exc)
+            self.stop_event.set()
 
     def _commit_to_shards(self, iteration: int, accepted: dict[int, int]) -> None:
         workers = sorted(accepted)

@@ -52,6 +52,27 @@ class ShardState:
             while len(self.snapshots) > self.max_snapshots:
                 del self.snapshots[next(iter(self.snapshots))]
 
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        return {"params": self.params, **self.optimizer.state_arrays()}
+
+    def state_meta(self) -> dict[str, float | int]:
+        return {"version": self.version, "samples_applied": self.samples_applied,
+                "version_time": self.version_time}
+
+    def restore(self, arrays: dict[str, np.ndarray], meta: dict) -> None:
+        """Back to a checkpoint: parameters, optimizer state, version; pending work is dropped."""
+        params = arrays["params"]
+        if params.dtype != np.float32 or params.shape != (self.size,):
+            raise ValueError(f"checkpoint holds {params.dtype}{list(params.shape)}, shard has float32[{self.size}]")
+        self.params = params.copy()
+        self.optimizer.load_state_arrays(arrays)
+        self.version = int(meta["version"])
+        self.samples_applied = int(meta["samples_applied"])
+        self.version_time = self.clock()
+        self.sync.reset()
+        self.snapshots = {}
+        self._snapshot()
+
     def push(self, worker_id: int, iteration: int, batch_size: int, expected_workers: int,
              global_batch: int, grad: np.ndarray) -> list[Apply]:
         """Record a gradient; return the updates it completed (already applied)."""

@@ -90,6 +90,10 @@ class SyncPolicy(ABC):
     def set_live(self, workers: Iterable[int]) -> None:
         """Membership changed (coordinator only)."""
 
+    def reset(self) -> None:
+        """Forget everything in flight (after a rollback to a checkpoint)."""
+        self.__init__(**getattr(self, "_init_args", {}))
+
     def stats(self) -> dict[str, Any]:
         return {}
 
@@ -209,6 +213,7 @@ class Backup(_Round):
 
     def __init__(self, required: int, leader: bool = True) -> None:
         super().__init__()
+        self._init_args = {"required": required, "leader": leader}
         if required < 1:
             raise ValueError("backup: required workers must be >= 1")
         self.required = required
@@ -260,6 +265,7 @@ class SSP(ASP):
 
     def __init__(self, staleness: int = 5) -> None:
         super().__init__()
+        self._init_args = {"staleness": staleness}
         if staleness < 0:
             raise ValueError("ssp: staleness must be >= 0")
         self.staleness = staleness

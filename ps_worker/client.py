@@ -137,7 +137,7 @@ class ShardClients:
                 a, b = self.ranges[k]
                 params[a:b] = reply.arrays[0]
                 waiting.discard(k)
-            if error is not None or not consistent:
+            if error is not None or not consistent or not replies:
                 continue
             target = max(r.version for r in replies.values())
             for k, r in list(replies.items()):

@@ -1,0 +1,606 @@
+"""LB-BSP for PyTorch DistributedDataParallel (gloo or NCCL).
+
+DDP averages gradients over ranks, which is the global-batch gradient only when every rank has
+the same batch. LB-BSP gives rank ``i`` its own batch size ``x_i`` (with ``sum x_i = X`` fixed)
+so fast ranks do more work and nobody waits; then the mean over ranks is wrong and the update
+must weight each rank's gradient by its share: ``g = sum_i x_i g_i / X``, where ``g_i`` is the
+gradient of rank ``i``'s *mean* loss over its ``x_i`` samples. Three pieces make DDP do that:
+
+* :func:`weighted_allreduce_hook` with a :class:`WeightedHookState`: a DDP communication hook
+  that all-reduces ``(x_i / X) g_i`` instead of ``g_i / world_size``.
+* :class:`LBBSPSampler`: one global sample order (the same stream as
+  ``ps_common.reference.global_batch_indices``), iteration ``t`` takes the next ``X`` samples
+  and rank ``r`` the contiguous slice ``[sum_{j<r} x_j, sum_{j<=r} x_j)``, so every sample is
+  used exactly once per epoch whatever the sizes, and the run equals single-process SGD.
+* :class:`DDPBatchBalancer` (alias ``LBBSPHelper``): per iteration it gathers every rank's
+  compute time to rank 0, lets a :class:`~batchsize_manager.policies.BatchPolicy` decide the
+  next sizes there, broadcasts them and updates the hook state.
+
+Usage::
+
+    bal = DDPBatchBalancer(global_batch=512, policy="lbbsp-cpu")  # after init_process_group
+    ddp = DistributedDataParallel(model)
+    bal.register_hook(ddp)
+    sampler = LBBSPSampler(len(dataset), 512, seed=0)
+    for _ in range(iterations):
+        x, y = load(sampler.rank_indices(bal.iteration, bal.sizes, bal.rank))
+        with bal.timed_compute():
+            loss = F.cross_entropy(ddp(x), y)  # mean over this rank's x_i samples
+            opt.zero_grad(); loss.backward()
+        opt.step()
+        bal.step()  # all ranks: timings -> rank 0's policy -> next sizes
+
+Notes: each rank's loss must be the mean over its own ``x_i`` samples (with ``no_sync``
+gradient accumulation, weight each micro-batch's mean loss by ``micro_size / x_i``). Data
+loading is by index (``rank_indices``) because the batch size changes between iterations; a
+``DataLoader`` works with ``batch_sampler`` yielding those lists and ``num_workers=0`` (worker
+processes would prefetch batches before the next sizes are known).
+
+Nothing here initialises ``torch.distributed`` or needs ZeroMQ; importing it is side-effect free.
+"""
+
+# No `from __future__ import annotations`: DDP inspects the hook's annotations at runtime and
+# rejects string annotations ("bucket annotation should be dist.GradBucket").
+
+import math
+import time
+from collections import OrderedDict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from batchsize_manager.policies import BatchPolicy, WorkerReport, get_policy
+
+__all__ = [
+    "DDPBatchBalancer",
+    "LBBSPHelper",
+    "LBBSPSampler",
+    "WeightedHookState",
+    "weighted_allreduce_hook",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Communication hook
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class WeightedHookState:
+    """State of :func:`weighted_allreduce_hook` for one rank; mutate ``batch_size`` freely.
+
+    ``batch_size`` is this rank's ``x_i`` for the iteration whose backward runs next (the
+    balancer updates it in :meth:`DDPBatchBalancer.step`). ``global_batch`` is ``X = sum x_i``,
+    known from the assignment, so the hook needs one all-reduce per bucket, like DDP's own.
+    With ``global_batch=None`` the sum is all-reduced alongside every bucket instead (an extra
+    one-element collective); with ``verify=True`` it is all-reduced too and checked against
+    ``global_batch`` (a debug aid that catches ranks disagreeing on the sizes).
+
+    The hook also records when it last saw a bucket (``last_ready_s``, ``perf_counter``; on
+    CUDA a ``last_ready_event``): the moment this rank's local backward had produced its last
+    gradient bucket, i.e. the end of its own compute before any waiting for other ranks.
+    """
+
+    batch_size: int
+    global_batch: int | None = None
+    process_group: dist.ProcessGroup | None = None
+    verify: bool = False
+    hook_calls: int = 0
+    last_ready_s: float = math.nan
+    last_ready_event: Any = field(default=None, repr=False)
+
+    def _mark_ready(self, tensor: torch.Tensor) -> None:
+        self.hook_calls += 1
+        self.last_ready_s = time.perf_counter()
+        if tensor.is_cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.last_ready_event = event
+
+
+def weighted_allreduce_hook(
+    state: WeightedHookState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: the bucket becomes ``sum_i x_i g_i / sum_i x_i`` (not ``mean_i g_i``).
+
+    Register with ``ddp_model.register_comm_hook(state, weighted_allreduce_hook)``. Each rank's
+    loss must be the mean over its own ``x_i`` samples. With a registered hook DDP does not
+    divide by the world size itself, so the weighting here is the only scaling. A rank with
+    ``x_i = 0`` contributes zeros (its mean loss over no samples would be NaN).
+    """
+    tensor = bucket.buffer()
+    state._mark_ready(tensor)
+    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    x = int(state.batch_size)
+    if x < 0:
+        raise ValueError(f"batch_size must be >= 0, got {x}")
+    known = state.global_batch
+    if known is not None and known <= 0:
+        raise ValueError(f"global_batch must be > 0, got {known}")
+
+    if known is not None and not state.verify:
+        # Scale before the sum (like DDP's pre-division) so fp16 buckets do not overflow.
+        if x == 0:
+            tensor.zero_()
+        else:
+            tensor.mul_(x / known)
+        return (
+            dist.all_reduce(tensor, group=group, async_op=True)
+            .get_future()
+            .then(lambda fut: fut.value()[0])
+        )
+
+    # The sum of the sizes travels alongside: both collectives are issued in the same order on
+    # every rank, and the result is read only when both are done.
+    total = torch.tensor([float(x)], dtype=torch.float64, device=tensor.device)
+    size_fut = dist.all_reduce(total, group=group, async_op=True).get_future()
+    if x == 0:
+        tensor.zero_()
+    else:
+        tensor.mul_(x / known if known is not None else float(x))
+    grad_fut = dist.all_reduce(tensor, group=group, async_op=True).get_future()
+
+    def finish(fut: torch.futures.Future[list[torch.futures.Future[Any]]]) -> torch.Tensor:
+        size_done, grad_done = fut.value()
+        summed = float(size_done.value()[0].item())
+        grad = grad_done.value()[0]
+        if known is not None:
+            if summed != known:
+                raise RuntimeError(
+                    f"ranks' batch sizes sum to {summed:g}, but global_batch is {known}: "
+                    f"the ranks disagree on the assignment")
+            return grad
+        if summed <= 0:
+            raise RuntimeError("all ranks have batch size 0")
+        return grad.div_(summed)
+
+    return torch.futures.collect_all([size_fut, grad_fut]).then(finish)
+
+
+# --------------------------------------------------------------------------------------------
+# Sampler
+# --------------------------------------------------------------------------------------------
+
+
+def _default_order(seed: int, epoch: int, n: int) -> np.ndarray:
+    """The epoch's shuffled order; identical to ``ps_common.datasets.sample_order``.
+
+    Mirrored rather than imported so this package does not depend on ``ps_common``; the
+    tests check that both streams agree.
+    """
+    return np.random.default_rng([seed, epoch]).permutation(n).astype(np.int64, copy=False)
+
+
+def _size_list(sizes: Mapping[int, int] | Sequence[int]) -> list[int]:
+    """Sizes as a list indexed by rank 0..N-1 (a mapping must have exactly those keys)."""
+    if isinstance(sizes, Mapping):
+        if set(sizes) != set(range(len(sizes))):
+            raise ValueError(f"sizes must be keyed by ranks 0..{len(sizes) - 1}, got {sorted(sizes)}")
+        out = [int(sizes[r]) for r in range(len(sizes))]
+    else:
+        out = [int(s) for s in sizes]
+    if not out or any(s < 0 for s in out):
+        raise ValueError(f"sizes must be a non-empty list of non-negative ints, got {out}")
+    return out
+
+
+class LBBSPSampler:
+    """Per-rank sample indices cut from one global, epoch-shuffled sample stream.
+
+    The stream is ``order(0), order(1), ...`` (each a permutation of ``range(num_samples)``);
+    iteration ``t`` takes stream positions ``[t X, (t+1) X)`` (a chunk may straddle two epochs)
+    and rank ``r`` the contiguous slice starting at ``sum_{j<r} x_j``. The split depends only
+    on ``(iteration, sizes)``: nothing is consumed, so sizes may change every iteration, any
+    rank can be asked about any iteration (resume is free), and the concatenation over ranks
+    is exactly the single-process global batch of ``ps_common.reference.global_batch_indices``.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        global_batch: int,
+        seed: int = 0,
+        order: Callable[[int], np.ndarray] | None = None,
+        cache_epochs: int = 2,
+    ) -> None:
+        """``order(epoch)`` overrides the default shuffle (it must be a permutation)."""
+        if num_samples <= 0 or global_batch <= 0 or seed < 0:
+            raise ValueError(f"need num_samples > 0, global_batch > 0, seed >= 0; "
+                             f"got {num_samples}, {global_batch}, {seed}")
+        self.num_samples = int(num_samples)
+        self.global_batch = int(global_batch)
+        self.seed = int(seed)
+        self._order = order
+        self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._cache_epochs = max(1, int(cache_epochs))
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """The sample order of ``epoch`` (cached: consecutive iterations reuse it)."""
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        hit = self._cache.get(epoch)
+        if hit is not None:
+            self._cache.move_to_end(epoch)
+            return hit
+        perm = (self._order(epoch) if self._order is not None
+                else _default_order(self.seed, epoch, self.num_samples))
+        perm = np.asarray(perm, dtype=np.int64)
+        if perm.shape != (self.num_samples,):
+            raise ValueError(f"order({epoch}) must have {self.num_samples} entries, got {perm.shape}")
+        perm.setflags(write=False)
+        self._cache[epoch] = perm
+        while len(self._cache) > self._cache_epochs:
+            self._cache.popitem(last=False)
+        return perm
+
+    def stream(self, start: int, stop: int) -> np.ndarray:
+        """Sample indices at global stream positions ``[start, stop)`` (a fresh array)."""
+        if start < 0 or stop < start:
+            raise ValueError(f"need 0 <= start <= stop, got {start}, {stop}")
+        n = self.num_samples
+        if stop == start:
+            return np.empty(0, dtype=np.int64)
+        pieces = []
+        for epoch in range(start // n, (stop - 1) // n + 1):
+            base = epoch * n
+            lo, hi = max(start, base) - base, min(stop, base + n) - base
+            pieces.append(self.epoch_order(epoch)[lo:hi])
+        return np.concatenate(pieces)
+
+    def global_indices(self, iteration: int) -> np.ndarray:
+        """All ``X`` sample indices of ``iteration``, in rank order."""
+        if iteration < 0:
+            raise ValueError(f"iteration must be >= 0, got {iteration}")
+        start = iteration * self.global_batch
+        return self.stream(start, start + self.global_batch)
+
+    def rank_indices(
+        self, iteration: int, sizes: Mapping[int, int] | Sequence[int], rank: int
+    ) -> np.ndarray:
+        """Rank ``rank``'s ``sizes[rank]`` sample indices of ``iteration``."""
+        xs = _size_list(sizes)
+        if sum(xs) != self.global_batch:
+            raise ValueError(f"sizes {xs} sum to {sum(xs)}, not the global batch {self.global_batch}")
+        if not 0 <= rank < len(xs):
+            raise ValueError(f"rank {rank} out of range for {len(xs)} sizes")
+        if iteration < 0:
+            raise ValueError(f"iteration must be >= 0, got {iteration}")
+        start = iteration * self.global_batch + sum(xs[:rank])
+        return self.stream(start, start + xs[rank])
+
+    def epoch(self, iteration: int) -> float:
+        """Epochs completed before ``iteration`` starts (fractional)."""
+        return iteration * self.global_batch / self.num_samples
+
+
+# --------------------------------------------------------------------------------------------
+# Loop helper
+# --------------------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class _PolicyLike(Protocol):
+    """What the balancer needs from a decision maker (a BatchPolicy or an adapted manager)."""
+
+    def observe(self, report: WorkerReport) -> None: ...
+
+    def assign(self, workers: Sequence[int], global_batch: int, min_batch: int = 1) -> dict[int, int]: ...
+
+
+def _is_manager(obj: Any) -> bool:
+    """A ``BatchSizeManager`` (or look-alike): it owns membership and X, ``assign()`` takes none."""
+    try:
+        from batchsize_manager.manager import BatchSizeManager
+    except ImportError:  # pragma: no cover - older checkouts without the facade
+        BatchSizeManager = None  # type: ignore[assignment,misc]
+    if BatchSizeManager is not None and isinstance(obj, BatchSizeManager):
+        return True
+    return hasattr(obj, "live_workers") and hasattr(obj, "assign") and hasattr(obj, "join")
+
+
+class _ManagerDecider:
+    """Adapts a ``BatchSizeManager`` (X, bounds and membership inside) to the policy calls."""
+
+    def __init__(self, manager: Any, world_size: int, global_batch: int) -> None:
+        gb = getattr(manager, "global_batch", global_batch)
+        if gb != global_batch:
+            raise ValueError(f"the manager splits X={gb}, the balancer was given {global_batch}")
+        self.manager = manager
+        self.min_batch = int(getattr(manager, "min_batch", 1))
+        for r in range(world_size):
+            manager.join(r)
+
+    def observe(self, report: WorkerReport) -> None:
+        self.manager.observe(report)
+
+    def assign(self, workers: Sequence[int], global_batch: int, min_batch: int = 1) -> dict[int, int]:
+        return self.manager.assign()
+
+
+_FAILED = -1  # broadcast in place of sizes when rank 0's decision raised
+
+
+class DDPBatchBalancer:
+    """Per-iteration LB-BSP coordination for a DDP job: timings in, next batch sizes out.
+
+    Construct on every rank after ``init_process_group`` (all ranks, same arguments). The
+    decision runs on rank 0 only (the policy object exists only there, so stateful or
+    randomised policies cannot diverge across ranks); each :meth:`step` costs one small
+    ``all_gather`` (3 floats per rank, plus one per ``telemetry_keys`` entry) and one
+    ``broadcast`` (one int per rank) on the gradients' process group: two tiny collectives
+    per iteration, plus the policy's own decision time on rank 0 while the others wait.
+
+    ``policy`` is a registered policy name (built with ``get_policy(policy, **policy_args)``)
+    or a ready ``BatchPolicy``; ``manager`` is a configured
+    :class:`~batchsize_manager.manager.BatchSizeManager` (its X must equal ``global_batch``; its
+    bounds, memory caps and validation then apply) and wins over ``policy``. Only rank 0's
+    argument is used, so other ranks may pass ``None``. Worker ids are the ranks of
+    ``process_group``. If the decision raises on rank 0, every rank raises. ``device`` holds
+    the small collectives' tensors (default: the current CUDA device under NCCL, else CPU).
+
+    Compute time (what LB-BSP's policies need: how long this rank takes for its own batch) is
+    measured by :meth:`timed_compute`, which stops the clock when the registered hook saw this
+    rank's last gradient bucket. That matters: in DDP the end of ``backward()`` waits for the
+    all-reduce, so a fast rank's raw forward+backward time would include waiting for the
+    straggler and every rank would look equally slow. Alternatively :meth:`report` the
+    numbers yourself.
+    """
+
+    def __init__(
+        self,
+        global_batch: int,
+        policy: str | BatchPolicy | _PolicyLike = "uniform",
+        policy_args: Mapping[str, Any] | None = None,
+        *,
+        manager: Any | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        min_batch: int = 1,
+        device: torch.device | str | None = None,
+        verify: bool = False,
+        telemetry_keys: Sequence[str] = (),
+    ) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("DDPBatchBalancer needs torch.distributed to be initialised first")
+        self.group = process_group
+        self.rank: int = dist.get_rank(process_group)
+        self.world_size: int = dist.get_world_size(process_group)
+        self.global_batch = int(global_batch)
+        self.min_batch = int(min_batch)
+        if self.min_batch < 0 or self.global_batch < max(1, self.min_batch * self.world_size):
+            raise ValueError(f"global batch {global_batch} cannot give {self.world_size} ranks "
+                             f"at least {min_batch} samples each")
+        self._src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
+        if device is None:
+            device = (torch.device("cuda", torch.cuda.current_device())
+                      if dist.get_backend(process_group) == "nccl" else torch.device("cpu"))
+        self.device = torch.device(device)
+        self.telemetry_keys = tuple(str(k) for k in telemetry_keys)
+        reserved = {"data_s", "samples_per_s"} & set(self.telemetry_keys)
+        if reserved or len(set(self.telemetry_keys)) != len(self.telemetry_keys):
+            raise ValueError(f"telemetry_keys must be unique and not {sorted(reserved)}")
+        self.iteration = 0
+        self.hook_state = WeightedHookState(batch_size=0, global_batch=self.global_batch,
+                                            process_group=process_group, verify=verify)
+        #: Every rank's reports of the last finished iteration (the same on all ranks).
+        self.last_reports: list[WorkerReport] = []
+
+        self._floor = self.min_batch  # the smallest size rank 0 accepts from the decider
+        self._decider: _PolicyLike | None = None
+        self._setup_error: BaseException | None = None
+        if self.rank == 0:
+            try:
+                self._decider = self._make_decider(policy, policy_args, manager)
+            except Exception as exc:  # re-raised after telling the other ranks
+                self._setup_error = exc
+        self._sizes: list[int] = self._decide([])
+        self.hook_state.batch_size = self._sizes[self.rank]
+        self._reset_timers()
+
+    # ---- construction ----------------------------------------------------------------------
+
+    def _make_decider(self, policy: Any, policy_args: Mapping[str, Any] | None,
+                      manager: Any) -> _PolicyLike:
+        """The rank-0 decision maker, with every rank joined as a worker."""
+        chosen = manager if manager is not None else policy
+        if policy_args and not isinstance(chosen, str):
+            raise ValueError("policy_args only apply to a policy given by name")
+        if _is_manager(chosen):
+            decider: Any = _ManagerDecider(chosen, self.world_size, self.global_batch)
+            self._floor = decider.min_batch
+            return decider
+        if isinstance(chosen, str):
+            decider = get_policy(chosen, **dict(policy_args or {}))
+        elif isinstance(chosen, _PolicyLike):
+            decider = chosen
+        else:
+            raise TypeError(f"{type(chosen).__name__} has no observe()/assign(); "
+                            f"pass a policy name, a BatchPolicy or a BatchSizeManager")
+        join = getattr(decider, "join", None)
+        if callable(join):
+            for r in range(self.world_size):
+                join(r)
+        return decider
+
+    # ---- what the loop reads ---------------------------------------------------------------
+
+    @property
+    def sizes(self) -> dict[int, int]:
+        """``{rank: x_rank}`` for the current iteration (a copy); sums to ``global_batch``."""
+        return dict(enumerate(self._sizes))
+
+    @property
+    def my_batch_size(self) -> int:
+        """This rank's ``x_i`` for the current iteration."""
+        return self._sizes[self.rank]
+
+    @property
+    def my_offset(self) -> int:
+        """Where this rank's slice starts inside the iteration's global batch."""
+        return sum(self._sizes[: self.rank])
+
+    def batch_indices(self, sampler: LBBSPSampler) -> np.ndarray:
+        """This rank's sample indices for the current iteration."""
+        return sampler.rank_indices(self.iteration, self._sizes, self.rank)
+
+    def register_hook(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> None:
+        """Install :func:`weighted_allreduce_hook` with this balancer's state on ``ddp_model``."""
+        ddp_model.register_comm_hook(self.hook_state, weighted_allreduce_hook)
+
+    # ---- timing ----------------------------------------------------------------------------
+
+    def _reset_timers(self) -> None:
+        self._iter_start = time.perf_counter()
+        self._compute_s = 0.0
+        self._data_s = 0.0
+        self._cuda_spans: list[tuple[Any, Any]] = []
+        self._reported_compute: float | None = None
+        self._reported_data: float | None = None
+        self._telemetry: dict[str, float] = {}
+
+    @contextmanager
+    def timed_compute(self) -> Iterator[None]:
+        """Time this rank's forward+backward (may be used several times per iteration).
+
+        The span ends when the hook saw the last gradient bucket inside the block (the end of
+        local compute), or at the block's end if no bucket was reduced in it. On CUDA the span
+        is measured with events, so asynchronous kernels are counted.
+        """
+        calls = self.hook_state.hook_calls
+        start_event = None
+        if self.device.type == "cuda":
+            start_event = torch.cuda.Event(enable_timing=True)
+            start_event.record()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            t1 = time.perf_counter()
+            fired = self.hook_state.hook_calls != calls
+            if start_event is not None:
+                end_event = self.hook_state.last_ready_event if fired else None
+                if end_event is None:
+                    end_event = torch.cuda.Event(enable_timing=True)
+                    end_event.record()
+                self._cuda_spans.append((start_event, end_event))
+            else:
+                end = self.hook_state.last_ready_s if fired else t1
+                self._compute_s += max(0.0, min(end, t1) - t0)
+
+    @contextmanager
+    def timed_data(self) -> Iterator[None]:
+        """Time this rank's data loading (reported as telemetry ``data_s``)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._data_s += time.perf_counter() - t0
+
+    def report(self, compute_s: float | None = None, data_s: float | None = None,
+               telemetry: Mapping[str, float] | None = None) -> None:
+        """Override this iteration's measured compute and/or data time (seconds).
+
+        ``telemetry`` values (for the keys declared as ``telemetry_keys``, e.g. host CPU use for
+        the NARX predictor, or ``oom=1`` after an out-of-memory) reach the policy's reports.
+        """
+        for key, value in (telemetry or {}).items():
+            if key not in self.telemetry_keys:
+                raise ValueError(f"telemetry key {key!r} was not declared in telemetry_keys "
+                                 f"{list(self.telemetry_keys)}")
+            self._telemetry[key] = float(value)
+        if compute_s is not None:
+            if not math.isfinite(compute_s) or compute_s < 0:
+                raise ValueError(f"compute_s must be finite and >= 0, got {compute_s}")
+            self._reported_compute = float(compute_s)
+        if data_s is not None:
+            if not math.isfinite(data_s) or data_s < 0:
+                raise ValueError(f"data_s must be finite and >= 0, got {data_s}")
+            self._reported_data = float(data_s)
+
+    def _measured_compute(self) -> float:
+        if self._reported_compute is not None:
+            return self._reported_compute
+        total = self._compute_s
+        for start, end in self._cuda_spans:
+            end.synchronize()
+            total += max(0.0, start.elapsed_time(end) / 1e3)
+        return total
+
+    # ---- the per-iteration exchange --------------------------------------------------------
+
+    def step(self) -> dict[int, int]:
+        """Finish the iteration on every rank: gather timings, decide on rank 0, broadcast.
+
+        Call once per iteration on all ranks, after the backward (usually after
+        ``optimizer.step()``). Returns the sizes of the next iteration, which also become
+        :attr:`sizes` and the hook's ``batch_size``.
+        """
+        iteration_s = time.perf_counter() - self._iter_start
+        compute_s = self._measured_compute()
+        data_s = self._reported_data if self._reported_data is not None else self._data_s
+        extra = [self._telemetry.get(k, math.nan) for k in self.telemetry_keys]
+        local = torch.tensor([compute_s, iteration_s, data_s, *extra], dtype=torch.float64,
+                             device=self.device)
+        gathered = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(gathered, local, group=self.group)
+        rows = torch.stack(gathered).cpu().tolist()
+        self.last_reports = [
+            WorkerReport(
+                worker_id=r, iteration=self.iteration, batch_size=self._sizes[r],
+                compute_s=row[0], iteration_s=row[1],
+                telemetry={
+                    "data_s": row[2],
+                    "samples_per_s": self._sizes[r] / row[0] if row[0] > 0 else 0.0,
+                    **{k: v for k, v in zip(self.telemetry_keys, row[3:]) if math.isfinite(v)},
+                },
+            )
+            for r, row in enumerate(rows)
+        ]
+        self._sizes = self._decide(self.last_reports)
+        self.hook_state.batch_size = self._sizes[self.rank]
+        self.iteration += 1
+        self._reset_timers()
+        return self.sizes
+
+    def _decide(self, reports: list[WorkerReport]) -> list[int]:
+        """Rank 0 asks the policy; the result (or a failure marker) is broadcast to all."""
+        buf = torch.full((self.world_size,), _FAILED, dtype=torch.int64, device=self.device)
+        error: BaseException | None = None
+        if self.rank == 0:
+            try:
+                if self._setup_error is not None:
+                    raise self._setup_error
+                assert self._decider is not None
+                for rep in reports:
+                    self._decider.observe(rep)
+                buf.copy_(torch.tensor(self._check(self._decider.assign(
+                    list(range(self.world_size)), self.global_batch, self.min_batch)),
+                    dtype=torch.int64))
+            except Exception as exc:
+                error = exc
+                buf.fill_(_FAILED)
+        dist.broadcast(buf, src=self._src, group=self.group)
+        if error is not None:
+            raise error
+        sizes = [int(v) for v in buf.cpu().tolist()]
+        if any(v == _FAILED for v in sizes):
+            raise RuntimeError("the batch policy failed on rank 0 (see rank 0's error)")
+        return sizes
+
+    def _check(self, assignment: Mapping[int, int]) -> list[int]:
+        """The policy's answer as a rank-indexed list, refusing anything but an exact split."""
+        if set(assignment) != set(range(self.world_size)):
+            raise RuntimeError(f"policy assigned workers {sorted(assignment)}, "
+                               f"expected ranks 0..{self.world_size - 1}")
+        sizes = [int(assignment[r]) for r in range(self.world_size)]
+        if sum(sizes) != self.global_batch or any(s < self._floor for s in sizes):
+            raise RuntimeError(f"policy assigned {sizes}: must sum to {self.global_batch} "
+                               f"with every size >= {self._floor}")
+        return sizes
+
+
+#: The name used in the design notes for the loop helper.
+LBBSPHelper = DDPBatchBalancer

@@ -1,0 +1,83 @@
+"""Atomic shard checkpoints: parameters, optimizer state, version and (shard 0) the coordinator.
+
+One ``.npz`` file per shard and version, written to a temporary file in the same directory,
+fsynced, then renamed over the final name (and the directory fsynced), so a crash leaves
+either the old or the new checkpoint, never a torn one. Metadata travels as JSON bytes inside
+the archive; loading never unpickles anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+_NAME = re.compile(r"^shard-(\d+)-v(\d+)\.npz$")
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def checkpoint_path(directory: Path, shard: int, version: int) -> Path:
+    return Path(directory) / f"shard-{shard}-v{version:09d}.npz"
+
+
+def save_checkpoint(directory: str | Path, shard: int, version: int, arrays: dict[str, np.ndarray],
+                    meta: dict[str, Any], keep: int = 3) -> Path:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    final = checkpoint_path(directory, shard, version)
+    tmp = final.with_name(final.name + ".tmp")
+    payload = {**arrays, "__meta__": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)}
+    with open(tmp, "wb") as fh:
+        np.savez(fh, **payload)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, final)
+    dfd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    for _, old in list_checkpoints(directory, shard)[:-keep] if keep > 0 else []:
+        old.unlink(missing_ok=True)
+    return final
+
+
+def list_checkpoints(directory: str | Path, shard: int) -> list[tuple[int, Path]]:
+    """(version, path) of this shard's checkpoints, oldest first."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    out = []
+    for p in directory.iterdir():
+        m = _NAME.match(p.name)
+        if m and int(m.group(1)) == shard:
+            out.append((int(m.group(2)), p))
+    return sorted(out)
+
+
+def load_checkpoint(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files if k != "__meta__"}
+            meta = json.loads(bytes(z["__meta__"]).decode())
+    except (OSError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from None
+    return arrays, meta
+
+
+def find_checkpoint(directory: str | Path, shard: int, version: int | None = None) -> Path:
+    """The newest checkpoint of ``shard`` (or the one at ``version``)."""
+    found = list_checkpoints(directory, shard)
+    if version is not None:
+        found = [(v, p) for v, p in found if v == version]
+    if not found:
+        what = "any version" if version is None else f"version {version}"
+        raise CheckpointError(f"no checkpoint of shard {shard} at {what} in {directory}")
+    return found[-1][1]

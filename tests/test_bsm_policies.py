@@ -1,0 +1,378 @@
+"""LB-BSP batch policies (static, lbbsp-cpu, lbbsp-gpu) on hand-made reports and on the simulation."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from batchsize_manager import BatchSizeManager, WorkerReport, get_policy, policy_names
+from batchsize_manager.simulation import Simulation, SimulatedWorker, ideal_iteration_time, simulate
+
+
+def report(w: int, it: int, x: int, speed: float, overhead: float = 0.0, **extra: float) -> WorkerReport:
+    """A report as ps_worker sends it; the whole fixed overhead is put in data_s."""
+    compute = x / speed
+    tel = {"data_s": overhead, "compute_s": compute, "samples_per_s": speed, "prev_push_s": 0.0,
+           "prev_wait_s": 0.0, "prev_pull_s": 0.0, "iteration_s": 0.0, **extra}
+    return WorkerReport(worker_id=w, iteration=it, batch_size=x, compute_s=compute, iteration_s=0.0,
+                        telemetry=tel)
+
+
+def feed(policy, sizes: dict[int, int], speeds: dict[int, float], it: int = 0,
+         overheads: dict[int, float] | None = None) -> None:
+    for w, x in sizes.items():
+        policy.observe(report(w, it, x, speeds[w], (overheads or {}).get(w, 0.0)))
+
+
+CPU4 = [1.0, 1.0, 0.5, 0.25]          # the benchmark's slowdowns 1, 1, 2, 4
+
+
+def cpu_workers(noise: float = 0.0, base: float = 2000.0, step: tuple[int, int, float] | None = None,
+                seed: int = 0) -> list[SimulatedWorker]:
+    """4 CPU-like workers; ``step=(worker, iteration, factor)`` changes one worker's speed."""
+    out = []
+    for i, f in enumerate(CPU4):
+        sched = [(step[1], base * f * step[2])] if step and step[0] == i else []
+        out.append(SimulatedWorker(base * f, overhead=0.005, noise=noise, seed=seed * 100 + i,
+                                   schedule=sched))
+    return out
+
+
+# ------------------------------------------------------------------------------------ lbbsp-cpu
+def test_cpu_cold_start_is_uniform_then_proportional_to_speed():
+    p = get_policy("lbbsp-cpu")
+    ws = [0, 1, 2, 3]
+    first = p.assign(ws, 400)
+    assert first == {0: 100, 1: 100, 2: 100, 3: 100}
+    # First reports (warm-up; worker 0's initial pull waited 2 s for the job to start): ignored.
+    feed(p, first, {0: 40.0, 1: 200.0, 2: 100.0, 3: 100.0}, overheads={0: 2.0, 1: 0.01, 2: 0.01, 3: 0.01})
+    assert p.assign(ws, 400) == first
+    speeds = {0: 400.0, 1: 200.0, 2: 100.0, 3: 100.0}
+    feed(p, first, speeds, it=1, overheads={w: 0.01 for w in ws})   # equal overheads
+    assert p.assign(ws, 400) == {0: 200, 1: 100, 2: 50, 3: 50}
+
+
+def test_cpu_unequal_overheads_equalise_predicted_finish_times():
+    p = get_policy("lbbsp-cpu", warmup=0)
+    ws = [0, 1, 2]
+    speeds = {0: 1000.0, 1: 600.0, 2: 300.0}
+    overheads = {0: 0.20, 1: 0.05, 2: 0.10}
+    feed(p, p.assign(ws, 900), speeds, overheads=overheads)
+    out = p.assign(ws, 900)
+    assert sum(out.values()) == 900
+    fin = {w: overheads[w] + out[w] / speeds[w] for w in ws}
+    one_sample = max(1 / v for v in speeds.values())
+    assert max(fin.values()) - min(fin.values()) <= one_sample
+    # ... and they are not simply proportional to speed (the overheads matter).
+    assert out[0] < 900 * 1000 / 1900 - 20                 # not simply ∝ speed: overheads matter
+
+
+def test_cpu_floor_and_caps_are_honoured():
+    p = get_policy("lbbsp-cpu", memory_caps={0: 120}, warmup=0, max_factor=None)
+    ws = [0, 1, 2]
+    feed(p, p.assign(ws, 300, min_batch=20), {0: 10000.0, 1: 100.0, 2: 1.0})
+    out = p.assign(ws, 300, min_batch=20, max_batch={1: 150})
+    assert out == {0: 120, 1: 150, 2: 30}     # 0 and 1 capped; the slow one takes what is left
+    out = p.assign(ws, 300, min_batch=20)
+    assert out[0] == 120 and out[2] == 20 and out[1] == 160
+
+
+def test_cpu_stable_under_noise_yet_tracks_a_step_change():
+    X = 256
+    # 5% multiplicative noise on every worker's compute time for 200 iterations: few re-splits.
+    m = BatchSizeManager("lbbsp-cpu", X)
+    simulate(m, cpu_workers(noise=0.05, seed=1), 200)
+    assert m.policy.changes <= 10
+    # A real 2x slowdown of worker 0 at iteration 100, with the same noise: followed within a few.
+    m = BatchSizeManager("lbbsp-cpu", X)
+    recs = simulate(m, cpu_workers(noise=0.05, seed=2, step=(0, 100, 0.5)), 130)
+    speeds_after = [2000 * f for f in CPU4]
+    speeds_after[0] /= 2
+    target = X * speeds_after[0] / sum(speeds_after)
+    before = recs[99].sizes[0]
+    assert abs(before - target) / target > 0.3               # the step really matters
+    assert all(abs(r.sizes[0] - target) / target < 0.15 for r in recs[110:])
+    ideal = ideal_iteration_time(cpu_workers(step=(0, 100, 0.5)), X, iteration=120)
+    mean_after = sum(r.iteration_s for r in recs[110:]) / 20
+    assert mean_after < 1.15 * ideal
+
+
+def test_cpu_threshold_keeps_the_split_for_small_gains():
+    p = get_policy("lbbsp-cpu", predictor="last", threshold=0.05)
+    ws = [0, 1]
+    feed(p, p.assign(ws, 200), {0: 100.0, 1: 100.0})
+    assert p.assign(ws, 200) == {0: 100, 1: 100}
+    feed(p, {0: 100, 1: 100}, {0: 103.0, 1: 100.0})         # 3% faster: < 5% gain, keep
+    assert p.assign(ws, 200) == {0: 100, 1: 100}
+    feed(p, {0: 100, 1: 100}, {0: 150.0, 1: 100.0})         # 50% faster: re-split
+    assert p.assign(ws, 200) == {0: 120, 1: 80}
+
+
+def test_cpu_trust_region_limits_one_decision():
+    """A 10x speed gap measured once moves each batch by at most max_factor per decision."""
+    p = get_policy("lbbsp-cpu", predictor="last", warmup=0, max_factor=2.0)
+    ws = [0, 1]
+    feed(p, p.assign(ws, 200), {0: 1000.0, 1: 100.0})
+    assert p.assign(ws, 200) == {0: 150, 1: 50}           # 1 could only halve (from 100)
+    feed(p, {0: 150, 1: 50}, {0: 1000.0, 1: 100.0}, it=1)
+    assert p.assign(ws, 200) == {0: 175, 1: 25}
+    feed(p, {0: 175, 1: 25}, {0: 1000.0, 1: 100.0}, it=2)
+    assert p.assign(ws, 200) == {0: 182, 1: 18}           # reached the unconstrained optimum
+
+
+def test_cpu_joiner_gets_provisional_mean_share():
+    p = get_policy("lbbsp-cpu", predictor="last", warmup=0)
+    feed(p, p.assign([0, 1], 300), {0: 300.0, 1: 100.0})
+    assert p.assign([0, 1], 300) == {0: 225, 1: 75}
+    p.join(2)                                                # unmeasured: mean speed 200
+    assert p.assign([0, 1, 2], 600) == {0: 300, 1: 100, 2: 200}
+    p.observe(report(2, 1, 200, 100.0))
+    assert p.assign([0, 1, 2], 600) == {0: 360, 1: 120, 2: 120}
+
+
+def test_cpu_uses_narx_with_exogenous_inputs_when_asked():
+    pytest.importorskip("predictors")
+    from predictors import predictor_names
+    if "narx" not in predictor_names():
+        pytest.skip("predictors has no narx yet")
+    small = {"epochs": 3, "min_train": 4, "refit_every": 8, "hidden": 4}     # keep the test short
+    m = BatchSizeManager("lbbsp-cpu", 256, policy_args={"predictor": "narx", "predictor_args": small})
+    assert m.policy.use_exog
+    recs = simulate(m, cpu_workers(noise=0.02), 12)
+    assert recs[-1].sizes[0] > recs[-1].sizes[3] * 3
+
+
+def test_cpu_bad_predictor_name_fails_at_start():
+    with pytest.raises(ValueError, match="unknown predictor"):
+        get_policy("lbbsp-cpu", predictor="nope")
+
+
+# ------------------------------------------------------------------------------------ static
+def test_static_profiles_then_freezes():
+    X, K = 280, 5
+    m = BatchSizeManager("static", X, policy_args={"profile_iterations": K})
+    ws = cpu_workers(noise=0.02, step=(0, 30, 0.25))
+    recs = simulate(m, ws, 60)
+    assert all(r.sizes == {0: 70, 1: 70, 2: 70, 3: 70} for r in recs[:K])   # uniform while profiling
+    frozen = recs[K].sizes
+    assert frozen[0] == pytest.approx(X / 2.75, abs=4) and frozen[3] == pytest.approx(X / 11, abs=3)
+    assert all(r.sizes == frozen for r in recs[K:])          # ... even after worker 0 slows 4x
+
+
+def test_static_reprofiles_joiner_and_resplits_on_leave():
+    X = 300
+    m = BatchSizeManager("static", X, policy_args={"profile_iterations": 3})
+    sim = Simulation(m, [SimulatedWorker(2000, 0.0), SimulatedWorker(1000, 0.0)])
+    sim.run(4)
+    assert m.assign() == {0: 200, 1: 100}
+    sim.add_worker(2, SimulatedWorker(3000, 0.0))
+    during = sim.run(3)
+    assert during[0].sizes == {0: 133, 1: 67, 2: 100}        # joiner: the mean speed until profiled
+    assert m.assign() == {0: 100, 1: 50, 2: 150}
+    sim.remove_worker(0)
+    assert m.assign() == {1: 75, 2: 225}
+
+
+# ------------------------------------------------------------------------------------ lbbsp-gpu
+GPU_SPEEDS = [4000.0, 3000.0, 2000.0, 1000.0]
+
+
+def gpu_workers(step: tuple[int, int, float] | None = None, noise: float = 0.01,
+                caps: tuple[int | None, ...] = (160, None, None, None)) -> dict[int, SimulatedWorker]:
+    out = {}
+    for i, v in enumerate(GPU_SPEEDS):
+        sched = [(step[1], v * step[2])] if step and step[0] == i else []
+        out[i] = SimulatedWorker(v, overhead=0.01, saturation_batch=48, memory_cap=caps[i],
+                                 noise=noise, seed=i, schedule=sched)
+    return out
+
+
+def uncapped_spread(sizes: dict[int, int], workers: dict[int, SimulatedWorker], it: int) -> float:
+    """Noise-free finish-time spread between the slowest worker and the fastest one below its cap."""
+    fin = {w: workers[w].time(x, it) for w, x in sizes.items()}
+    room = [w for w in fin if workers[w].memory_cap is None or sizes[w] < workers[w].memory_cap]
+    return (max(fin.values()) - min(fin[w] for w in room)) / max(fin.values())
+
+
+def test_gpu_search_converges_within_caps_and_retriggers_after_a_step():
+    X, tol = 512, 0.05
+    ws = gpu_workers(step=(1, 150, 1 / 3))
+    m = BatchSizeManager("lbbsp-gpu", X, policy_args={"memory_caps": {0: 160}, "tolerance": tol})
+    p = m.policy
+    sim = Simulation(m, ws)
+    recs, phases = [], []
+    for _ in range(300):
+        recs.append(sim.step())
+        phases.append(p.phase)
+    assert all(r.sizes[0] <= 160 and not r.oom for r in recs)     # the cap is never exceeded
+    assert recs[0].sizes == {w: 128 for w in range(4)}
+    assert p.moves > 5 and p.oscillations >= 1                    # fast approach, then fine tune
+    # Converged before the step, with balanced finish times near the ideal bound.
+    first = phases.index("converged")
+    assert first < 100
+    assert uncapped_spread(recs[149].sizes, ws, 149) <= tol
+    assert recs[140].iteration_s < 1.08 * ideal_iteration_time(ws, X, 140)
+    assert all(r.sizes == recs[first + 1].sizes for r in recs[first + 1:150])   # frozen: no thrash
+    # Worker 1 becomes 3x slower at 150: the search restarts and converges again.
+    assert p.retriggers == 1
+    assert "approach" in phases[150:160] and phases[-1] == "converged"
+    assert recs[-1].sizes[1] <= recs[149].sizes[1] / 2
+    assert uncapped_spread(recs[-1].sizes, ws, 299) <= tol
+    assert recs[-1].iteration_s < 1.08 * ideal_iteration_time(ws, X, 299)
+
+
+def test_gpu_fine_tune_halves_step_and_doubles_window():
+    p = get_policy("lbbsp-gpu", window=2, step=16, max_window=8)
+    ws = [0, 1]
+    speeds = {0: 300.0, 1: 100.0}                          # balance at 150/50 of 200
+    seen = set()
+    for it in range(80):
+        sizes = p.assign(ws, 200)
+        seen.add((p.step, p.window))
+        feed(p, sizes, speeds, it)
+    assert (16, 2) in seen and (8, 4) in seen and (4, 8) in seen
+    assert p.phase == "converged"
+    assert abs(p.assign(ws, 200)[0] - 150) <= 4
+
+
+def test_gpu_oom_probing_records_a_cap_and_moves_the_excess():
+    X = 512
+    ws = gpu_workers(noise=0.0, caps=(100, None, None, None))      # unknown to the policy
+    m = BatchSizeManager("lbbsp-gpu", X)
+    sim = Simulation(m, ws)
+    first = sim.step()
+    assert first.oom == [0] and first.sizes[0] == 128
+    cap = m.policy.memory_caps()[0]
+    assert 100 <= cap < 128
+    nxt = m.assign()
+    assert nxt[0] <= cap and sum(nxt.values()) == X
+    recs = sim.run(150)
+    assert m.policy.memory_caps()[0] <= 100                        # probed down to the real limit
+    assert sum(1 for r in recs if r.oom) <= 6
+    assert not any(r.oom for r in recs[-50:])
+    assert all(sum(r.sizes.values()) == X for r in recs)
+
+
+def test_gpu_converged_split_holds_under_noise():
+    """5% noise per iteration must not re-trigger the search once it has converged."""
+    m = BatchSizeManager("lbbsp-gpu", 512, policy_args={"memory_caps": {0: 160}})
+    recs = simulate(m, gpu_workers(noise=0.05), 300)
+    assert m.policy.phase == "converged" and m.policy.retriggers == 0
+    assert sum(1 for a, b in zip(recs[100:], recs[101:]) if a.sizes != b.sizes) <= 2
+
+
+def test_gpu_restarts_a_crawling_fine_tune_when_a_worker_changes():
+    """A step during fine tune (1-sample steps, 12-iteration windows) restarts the fast approach
+    at once instead of crawling one sample per window towards the new balance."""
+    p = get_policy("lbbsp-gpu", window=3, step=16, max_window=12)
+    ws = [0, 1]
+    speeds = {0: 300.0, 1: 100.0}
+    for it in range(60):
+        feed(p, p.assign(ws, 200), speeds, it)
+    assert p.phase == "converged" and p.window == 12
+    speeds = {0: 100.0, 1: 100.0}                          # worker 0 slows down 3x
+    for it in range(60, 80):
+        feed(p, p.assign(ws, 200), speeds, it)
+    assert p.retriggers == 1
+    assert abs(p.assign(ws, 200)[0] - 100) <= 8            # 1-sample steps would still be near 150
+
+
+@pytest.mark.parametrize("name", ["uniform", "fixed", "static", "lbbsp-cpu", "lbbsp-gpu"])
+def test_policies_accept_caps_as_an_int_or_a_mapping(name):
+    p = get_policy(name)
+    assert p.assign([0, 1, 2], 100, 1, max_batch=34) == {0: 34, 1: 33, 2: 33}
+    with pytest.raises(ValueError, match="exceeds the sum of the workers' batch caps"):
+        p.assign([0, 1, 2], 100, 1, max_batch=33)
+    p = get_policy(name)                                   # lbbsp-gpu would keep 34:33 proportions
+    assert p.assign([0, 1, 2], 100, 5, max_batch={1: 10}) == {0: 45, 1: 10, 2: 45}
+
+
+def test_gpu_is_deterministic():
+    runs = []
+    for _ in range(2):
+        m = BatchSizeManager("lbbsp-gpu", 512, policy_args={"memory_caps": {0: 160}})
+        runs.append([r.sizes for r in simulate(m, gpu_workers(), 80)])
+    assert runs[0] == runs[1]
+
+
+# ------------------------------------------------------------------------------------ all policies
+@pytest.mark.parametrize("name", ["uniform", "fixed", "static", "lbbsp-cpu", "lbbsp-gpu"])
+def test_join_and_leave_mid_run_keep_the_sum(name):
+    X = 300
+    m = BatchSizeManager(name, X, min_batch=2)
+    sim = Simulation(m, cpu_workers(noise=0.03))
+    recs = sim.run(15)
+    sim.add_worker(7, SimulatedWorker(1500.0, 0.005, noise=0.03, seed=7))
+    recs += sim.run(15)
+    sim.remove_worker(1)
+    recs += sim.run(15)
+    sim.remove_worker(7)
+    recs += sim.run(5)
+    assert [sorted(r.sizes) for r in (recs[0], recs[15], recs[30], recs[45])] == [
+        [0, 1, 2, 3], [0, 1, 2, 3, 7], [0, 2, 3, 7], [0, 2, 3]]
+    assert all(sum(r.sizes.values()) == X and min(r.sizes.values()) >= 2 for r in recs)
+
+
+def test_every_policy_is_registered():
+    assert {"uniform", "fixed", "static", "lbbsp-cpu", "lbbsp-gpu"} <= set(policy_names())
+
+
+_finite = st.floats(0.0, 10.0)
+_any_float = st.one_of(_finite, st.just(float("nan")), st.just(float("inf")), st.floats(-1.0, 0.0))
+
+
+@st.composite
+def scenarios(draw):
+    """Random membership changes and random (even garbage) reports."""
+    min_batch = draw(st.integers(1, 4))
+    n0 = draw(st.integers(1, 8))
+    X = draw(st.integers(min_batch * 12, min_batch * 12 + 600))
+    steps = draw(st.lists(st.tuples(
+        st.sampled_from(["iterate", "iterate", "iterate", "join", "leave"]),
+        st.lists(st.tuples(st.integers(0, 2 * X), _any_float, _any_float, st.booleans(),
+                           st.integers(0, 3)), min_size=12, max_size=12)),
+        min_size=3, max_size=12))
+    return min_batch, n0, X, steps
+
+
+CONTRACT = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.mark.parametrize("name", ["uniform", "fixed", "static", "lbbsp-cpu", "lbbsp-gpu"])
+@CONTRACT
+@given(scenario=scenarios())
+def test_contract_every_policy_always_returns_a_valid_split(name, scenario):
+    min_batch, n0, X, steps = scenario
+    args = {"weights": [1, 2, 3]} if name == "fixed" else {}
+    m = BatchSizeManager(name, X, min_batch=min_batch, max_batch=X, policy_args=args)
+    next_id = 0
+    for _ in range(n0):
+        m.join(next_id)
+        next_id += 1
+    for it, (event, raw) in enumerate(steps):
+        live = m.live_workers
+        if event == "join" or not live:
+            m.join(next_id)
+            next_id += 1
+        elif event == "leave" and len(live) > 1:
+            m.leave(live[it % len(live)])
+        live = m.live_workers
+        caps = m.caps()
+        try:
+            sizes = m.assign()
+        except ValueError:
+            # Only allowed when the bounds really cannot hold X (OOM reports shrank the caps).
+            assert (any(c < min_batch for c in caps.values())
+                    or (len(caps) == len(live) and sum(caps.values()) < X))
+            return
+        assert sorted(sizes) == live and sum(sizes.values()) == X
+        assert all(min_batch <= x <= caps.get(w, X) for w, x in sizes.items())
+        for (w, x), (bs, compute, data, oom, jitter) in zip(sizes.items(), raw):
+            tel = {"data_s": data, "compute_s": compute, "prev_push_s": jitter * 0.001,
+                   "prev_pull_s": data, "prev_wait_s": compute, "host_cpu": 50.0 + jitter}
+            if oom and jitter == 0:
+                tel["oom"] = 1.0
+            use = x if jitter else bs                     # sometimes a report of another size
+            m.observe(WorkerReport(worker_id=w, iteration=it, batch_size=use, compute_s=compute,
+                                   iteration_s=data, telemetry=tel))

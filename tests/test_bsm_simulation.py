@@ -1,0 +1,91 @@
+"""The simulated timing model and the reports it builds (the same fields ps_worker sends)."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchsize_manager import BatchSizeManager
+from batchsize_manager.simulation import Simulation, SimulatedWorker, ideal_iteration_time, simulate
+
+
+def test_cpu_and_gpu_like_timing():
+    cpu = SimulatedWorker(speed=100.0, overhead=0.5)
+    assert cpu.time(50) == pytest.approx(1.0)
+    assert cpu.time(10) == pytest.approx(0.6)                 # linear all the way down
+    gpu = SimulatedWorker(speed=100.0, overhead=0.5, saturation_batch=40, memory_cap=80)
+    assert gpu.time(10) == gpu.time(40) == pytest.approx(0.9)  # flat below saturation
+    assert gpu.time(80) == pytest.approx(1.3)
+    with pytest.raises(MemoryError, match="batch 81 > cap 80"):
+        gpu.time(81)
+
+
+def test_speed_schedule_steps():
+    w = SimulatedWorker(100.0, schedule=[(20, 25.0), (10, 50.0)])
+    assert [w.speed_at(i) for i in (0, 9, 10, 19, 20, 99)] == [100, 100, 50, 50, 25, 25]
+    assert w.time(100, iteration=15) == pytest.approx(2.0)
+
+
+def test_noise_is_seeded_and_bounded():
+    a = [SimulatedWorker(1.0, noise=0.05, seed=3).draw_noise() for _ in range(2)]
+    assert a[0] == a[1] != 0.0
+    w = SimulatedWorker(1.0, noise=0.05, seed=4)
+    draws = [w.draw_noise() for _ in range(2000)]
+    assert max(abs(d) for d in draws) <= 0.15 + 1e-12
+    assert 0.04 < (sum(d * d for d in draws) / len(draws)) ** 0.5 < 0.06
+
+
+def test_reports_look_like_the_real_workers():
+    seen = []
+
+    class Spy(BatchSizeManager):
+        def observe(self, report):
+            seen.append(report)
+            super().observe(report)
+
+    m = Spy("uniform", 100)
+    workers = {0: SimulatedWorker(100.0, overhead=0.1), 1: SimulatedWorker(50.0, overhead=0.1)}
+    recs = simulate(m, workers, 2)
+    assert recs[0].sizes == {0: 50, 1: 50}
+    assert recs[0].times == {0: pytest.approx(0.6), 1: pytest.approx(1.1)}
+    assert recs[0].iteration_s == pytest.approx(1.1)
+    r0, r1 = seen[0], seen[2]                                  # worker 0, iterations 0 and 1
+    keys = {"data_s", "compute_s", "samples_per_s", "prev_push_s", "prev_wait_s", "prev_pull_s",
+            "iteration_s", "proc_cpu", "host_cpu", "cotenant_cpu", "rss_mb", "host_mem_pct"}
+    assert keys <= set(r0.telemetry)
+    assert r0.compute_s == r0.telemetry["compute_s"] == pytest.approx(0.5)
+    assert r0.telemetry["samples_per_s"] == pytest.approx(100.0)
+    assert r0.telemetry["data_s"] == pytest.approx(0.02)
+    # First report: previous comm is the initial pull; then the previous iteration's push/wait/pull.
+    assert (r0.telemetry["prev_push_s"], r0.telemetry["prev_wait_s"]) == (0.0, 0.0)
+    assert r0.telemetry["prev_pull_s"] == pytest.approx(0.04)
+    assert r1.telemetry["prev_push_s"] == pytest.approx(0.04)
+    assert r1.telemetry["prev_wait_s"] == pytest.approx(0.5)   # waited for worker 1 at the barrier
+    assert r1.iteration_s == r1.telemetry["iteration_s"] == pytest.approx(1.1)
+    assert "oom" not in r0.telemetry
+
+
+def test_oom_is_reported_with_the_failed_size():
+    seen = []
+
+    class Spy(BatchSizeManager):
+        def observe(self, report):
+            seen.append(report)
+            super().observe(report)
+
+    m = Spy("uniform", 100)
+    rec = Simulation(m, [SimulatedWorker(10.0, memory_cap=40), SimulatedWorker(10.0)]).step()
+    assert rec.oom == [0]
+    bad = next(r for r in seen if r.worker_id == 0)
+    assert bad.telemetry["oom"] == 1.0 and bad.batch_size == 50
+    assert m.memory_caps == {0: 47}
+
+
+def test_ideal_time_is_the_balanced_bound():
+    ws = [SimulatedWorker(v, overhead=0.01) for v in (4.0, 4.0, 2.0, 1.0)]
+    assert ideal_iteration_time(ws, 110) == pytest.approx(0.01 + 110 / 11, rel=1e-9)
+    capped = [SimulatedWorker(10.0, memory_cap=20), SimulatedWorker(10.0)]
+    assert ideal_iteration_time(capped, 100) == pytest.approx(8.0, rel=1e-9)   # 20 + 80 at 10/s
+    flat = [SimulatedWorker(10.0, saturation_batch=50), SimulatedWorker(100.0)]
+    assert ideal_iteration_time(flat, 100) == pytest.approx(5.0, rel=1e-9)     # slow one is flat
+    with pytest.raises(ValueError, match="memory caps"):
+        ideal_iteration_time([SimulatedWorker(1.0, memory_cap=5)], 10)

@@ -1,0 +1,385 @@
+"""The PyTorch DDP plug-in: weighted hook, one-global-order sampler, balancer, example script.
+
+The core claim: DDP + ``weighted_allreduce_hook`` + ``LBBSPSampler`` with uneven, changing
+per-rank batch sizes gives exactly the updates of single-process SGD with the global batch,
+while DDP's default hook (mean over ranks) does not. Checked with 2 and 3 gloo ranks on CPU,
+spawned once per world size (the rank bodies do all checks and save what they saw).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from batchsize_manager.allocation import proportional_split
+from batchsize_manager.manager import BatchSizeManager
+from batchsize_manager.integrations.torch_ddp import (
+    DDPBatchBalancer,
+    LBBSPSampler,
+    WeightedHookState,
+    weighted_allreduce_hook,
+)
+from batchsize_manager.policies import BatchPolicy
+from ps_common.datasets import load_dataset, sample_order
+from ps_common.models import build_model
+from ps_common.reference import flat_parameters, global_batch_indices, train_reference
+
+ROOT = Path(__file__).resolve().parents[1]
+X = 64
+N_TRAIN = 200  # X does not divide it: global batches straddle epochs
+DATA_SEED = 5
+MODEL_SEED = 1
+LR, MOMENTUM = 0.1, 0.9
+SGD_STEPS = 6
+UNEVEN = {2: [13, 51], 3: [5, 17, 42]}
+# Sizes change every iteration (incl. one rank getting a single sample).
+SCHEDULE = {
+    2: [[13, 51], [40, 24], [1, 63], [32, 32], [50, 14], [7, 57], [30, 34]],
+    3: [[5, 17, 42], [30, 4, 30], [1, 1, 62], [21, 22, 21], [40, 20, 4], [9, 50, 5], [2, 60, 2]],
+}
+SPAWN_TIMEOUT_S = 45.0
+
+
+# --------------------------------------------------------------------------------------------
+# Process plumbing
+# --------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _spawn(fn: Any, world: int, args: tuple, timeout_s: float = SPAWN_TIMEOUT_S) -> None:
+    """Run ``fn(rank, *args)`` in ``world`` forked processes; kill them all on timeout.
+
+    Forked, not spawned: re-importing torch in every child costs seconds on a loaded machine.
+    The parent has not initialised torch.distributed, and each child uses one torch thread.
+    """
+    ctx = mp.start_processes(fn, args=args, nprocs=world, join=False, start_method="fork")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not ctx.join(timeout=0.2):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{world} ranks did not finish within {timeout_s:.0f} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=5)
+
+
+def _init(rank: int, world: int, port: int) -> None:
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
+
+
+class _Scripted(BatchPolicy):
+    """Returns the next size list of a fixed schedule on every ``assign``."""
+
+    def __init__(self, schedule: Sequence[Sequence[int]]) -> None:
+        self.schedule = [list(s) for s in schedule]
+        self.calls = 0
+        self.observed: list[tuple[int, int, int]] = []
+
+    def observe(self, report: Any) -> None:
+        self.observed.append((report.iteration, report.worker_id, report.batch_size))
+
+    def assign(self, workers: Sequence[int], global_batch: int, min_batch: int = 1) -> dict[int, int]:
+        sizes = self.schedule[self.calls % len(self.schedule)]
+        self.calls += 1
+        return dict(zip(sorted(workers), sizes))
+
+
+class _FailsSecondTime(BatchPolicy):
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def assign(self, workers: Sequence[int], global_batch: int, min_batch: int = 1) -> dict[int, int]:
+        self.calls += 1
+        if self.calls > 1:
+            raise ZeroDivisionError("policy exploded")
+        return proportional_split({w: 1.0 for w in workers}, global_batch, min_batch)
+
+
+def _flat_grad(model: torch.nn.Module) -> np.ndarray:
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()]).numpy().copy()
+
+
+def _model() -> torch.nn.Module:
+    return build_model("mlp", seed=MODEL_SEED, num_classes=10)
+
+
+def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
+    """Everything the multi-rank tests check, in one process-group lifetime."""
+    _init(rank, world, port)
+    out: dict[str, Any] = {}
+    try:
+        data = load_dataset("synthetic", seed=DATA_SEED, synthetic_train=N_TRAIN, synthetic_test=8)
+        sampler = LBBSPSampler(data.num_train, X, seed=DATA_SEED)
+
+        # (a) one gradient with uneven sizes: weighted hook (three modes) vs DDP's default.
+        sizes = UNEVEN[world]
+        x, y = data.train_batch(sampler.rank_indices(0, sizes, rank))
+        for name, state in [
+            ("known", WeightedHookState(sizes[rank], global_batch=X)),
+            ("summed", WeightedHookState(sizes[rank], global_batch=None)),
+            ("verified", WeightedHookState(sizes[rank], global_batch=X, verify=True)),
+            ("default", None),
+        ]:
+            ddp = DistributedDataParallel(_model())
+            if state is not None:
+                ddp.register_comm_hook(state, weighted_allreduce_hook)
+            F.cross_entropy(ddp(x), y).backward()
+            out[f"grad_{name}"] = _flat_grad(ddp.module)
+        if rank == 0:
+            ref = _model()
+            gx, gy = data.train_batch(global_batch_indices(DATA_SEED, N_TRAIN, X, 0))
+            F.cross_entropy(ref(gx), gy).backward()
+            out["grad_reference"] = _flat_grad(ref)
+
+        # The verify mode catches ranks that disagree on the sizes.
+        bad = WeightedHookState(sizes[rank] + (1 if rank == 0 else 0), global_batch=X, verify=True)
+        ddp = DistributedDataParallel(_model())
+        ddp.register_comm_hook(bad, weighted_allreduce_hook)
+        try:
+            F.cross_entropy(ddp(x), y).backward()
+            out["verify_error"] = None
+        except RuntimeError as exc:
+            out["verify_error"] = str(exc)
+
+        # (b) SGD with sizes changing every iteration, through the balancer, small buckets.
+        policy = _Scripted(SCHEDULE[world])
+        bal = DDPBatchBalancer(X, policy)
+        # find_unused_parameters keeps the small buckets every iteration (several hook calls).
+        ddp = DistributedDataParallel(_model(), bucket_cap_mb=0.05, find_unused_parameters=True)
+        bal.register_hook(ddp)
+        opt = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=MOMENTUM)
+        used, history, hooks = [], [], []
+        for _ in range(SGD_STEPS):
+            history.append(bal.sizes)
+            idx = bal.batch_indices(sampler)
+            used.append(idx)
+            assert len(idx) == bal.my_batch_size == bal.hook_state.batch_size
+            xb, yb = data.train_batch(idx)
+            calls = bal.hook_state.hook_calls
+            with bal.timed_compute():
+                opt.zero_grad(set_to_none=True)
+                F.cross_entropy(ddp(xb), yb).backward()
+            hooks.append(bal.hook_state.hook_calls - calls)
+            opt.step()
+            bal.step()
+        out.update(sgd_params=flat_parameters(ddp.module), sgd_sizes=history, sgd_indices=used,
+                   sgd_buckets=hooks, sgd_reports=[(r.worker_id, r.iteration, r.batch_size, r.compute_s)
+                                                   for r in bal.last_reports])
+        if rank == 0:
+            out["sgd_observed"] = policy.observed
+            out["sgd_reference"] = train_reference("mlp", MODEL_SEED, data, DATA_SEED, X, SGD_STEPS,
+                                                   lr=LR, momentum=MOMENTUM)
+
+        # (d) the "fixed" policy by name; reported timings reach every rank; sums stay X.
+        bal = DDPBatchBalancer(X, "fixed", {"weights": [1, 3]})
+        fixed = [bal.sizes]
+        for _ in range(3):
+            bal.report(compute_s=0.01 * (rank + 1), data_s=0.001)
+            fixed.append(bal.step())
+        out["fixed_sizes"] = fixed
+        out["fixed_reports"] = [(r.worker_id, r.iteration, r.compute_s, r.telemetry["data_s"])
+                                for r in bal.last_reports]
+
+        # A BatchSizeManager instead of a policy (only rank 0's is used).
+        manager = BatchSizeManager("fixed", X, policy_args={"weights": [1, 3]}) if rank == 0 else None
+        bal = DDPBatchBalancer(X, manager=manager)
+        out["manager_sizes"] = [bal.sizes, bal.step()]
+        if rank == 0:
+            out["manager_decisions"] = manager.decisions
+
+        # lbbsp-cpu reacts to reported timings (rank 1 is 3x slower per sample); extra
+        # telemetry keys travel to the reports.
+        per_sample = [3e-3 if r == 1 else 1e-3 for r in range(world)]
+        bal = DDPBatchBalancer(X, "lbbsp-cpu", telemetry_keys=("host_cpu",))
+        lb = [bal.sizes]
+        for _ in range(3):
+            bal.report(compute_s=bal.my_batch_size * per_sample[rank], telemetry={"host_cpu": rank})
+            lb.append(bal.step())
+        out["lbbsp_sizes"] = lb
+        out["lbbsp_telemetry"] = [r.telemetry["host_cpu"] for r in bal.last_reports]
+
+        # A policy failure on rank 0 surfaces on every rank instead of hanging the others.
+        bal = DDPBatchBalancer(X, _FailsSecondTime())
+        try:
+            bal.step()
+            out["policy_error"] = None
+        except (RuntimeError, ZeroDivisionError) as exc:
+            out["policy_error"] = f"{type(exc).__name__}: {exc}"
+        dist.barrier()
+    finally:
+        torch.save(out, Path(out_dir) / f"rank{rank}.pt")
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
+def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, list[dict]]:
+    world = request.param
+    out_dir = tmp_path_factory.mktemp(f"ddp{world}")
+    for attempt in range(3):  # the "free" port may be taken by another process meanwhile
+        try:
+            _spawn(_rank_main, world, (world, _free_port(), str(out_dir)))
+            break
+        except mp.ProcessRaisedException as exc:
+            if attempt == 2 or "EADDRINUSE" not in str(exc):
+                raise
+    return world, [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+# --------------------------------------------------------------------------------------------
+# Multi-rank tests
+# --------------------------------------------------------------------------------------------
+
+
+def test_weighted_gradient_equals_global_batch_gradient(ranks):
+    world, res = ranks
+    ref = res[0]["grad_reference"]
+    for r in range(world):
+        for mode in ("known", "summed", "verified"):
+            assert _rel(res[r][f"grad_{mode}"], ref) < 1e-5, (r, mode)
+    # DDP's own averaging (by world size) is wrong for uneven batches: the hook matters.
+    assert _rel(res[0]["grad_default"], ref) > 1e-2
+
+
+def test_verify_mode_detects_disagreeing_sizes(ranks):
+    world, res = ranks
+    for r in range(world):
+        assert res[r]["verify_error"] is not None and "disagree" in res[r]["verify_error"]
+
+
+def test_sgd_with_changing_sizes_matches_single_process(ranks):
+    world, res = ranks
+    sched = SCHEDULE[world]
+    for r in range(world):
+        assert [[h[k] for k in range(world)] for h in res[r]["sgd_sizes"]] == sched[:SGD_STEPS]
+        np.testing.assert_allclose(res[r]["sgd_params"], res[0]["sgd_reference"], rtol=1e-4, atol=2e-6)
+        np.testing.assert_array_equal(res[r]["sgd_params"], res[0]["sgd_params"])
+        assert min(res[r]["sgd_buckets"]) > 1  # several buckets per backward
+    for t in range(SGD_STEPS):  # the ranks' slices, in rank order, are the global batch
+        got = np.concatenate([res[r]["sgd_indices"][t] for r in range(world)])
+        np.testing.assert_array_equal(got, global_batch_indices(DATA_SEED, N_TRAIN, X, t))
+    observed = res[0]["sgd_observed"]
+    assert len(observed) == SGD_STEPS * world
+    assert observed[:world] == [(0, r, sched[0][r]) for r in range(world)]
+    for r in range(world):
+        wid, it, size, compute_s = res[r]["sgd_reports"][r]
+        assert (wid, it, size) == (r, SGD_STEPS - 1, sched[SGD_STEPS - 1][r]) and compute_s > 0
+
+
+def test_balancer_fixed_policy_sizes(ranks):
+    world, res = ranks
+    weights = {0: 1.0, 1: 3.0, **{r: 1.0 for r in range(2, world)}}
+    expected = proportional_split(weights, X, 1)
+    if world == 2:
+        assert expected == {0: 16, 1: 48}
+    for r in range(world):
+        assert res[r]["fixed_sizes"] == [expected] * 4
+        assert all(sum(s.values()) == X for s in res[r]["fixed_sizes"])
+        assert res[r]["fixed_reports"] == [(k, 2, pytest.approx(0.01 * (k + 1)), pytest.approx(0.001))
+                                           for k in range(world)]
+        assert "ZeroDivisionError" in res[r]["policy_error"] or "failed on rank 0" in res[r]["policy_error"]
+    assert res[0]["policy_error"].startswith("ZeroDivisionError")
+
+
+def test_balancer_with_manager_and_lbbsp_cpu(ranks):
+    world, res = ranks
+    fixed = proportional_split({0: 1.0, 1: 3.0, **{r: 1.0 for r in range(2, world)}}, X, 1)
+    balanced = proportional_split({r: 1 / 3 if r == 1 else 1.0 for r in range(world)}, X, 1)
+    for r in range(world):
+        assert res[r]["manager_sizes"] == [fixed, fixed]
+        lb = res[r]["lbbsp_sizes"]
+        assert lb[0] == proportional_split({k: 1.0 for k in range(world)}, X, 1)  # cold start
+        assert lb[-1] == balanced and all(sum(s.values()) == X for s in lb)
+        assert res[r]["lbbsp_telemetry"] == list(range(world))
+    assert res[0]["manager_decisions"] == 2
+
+
+# --------------------------------------------------------------------------------------------
+# Single-process tests
+# --------------------------------------------------------------------------------------------
+
+
+def test_sampler_every_sample_once_per_epoch_under_changing_sizes():
+    n, gb, world = 50, 16, 3
+    sampler = LBBSPSampler(n, gb, seed=7)
+    rng = np.random.default_rng(0)
+    iterations = 4 * n // gb + 1  # >4 epochs, chunks straddle epoch boundaries
+    stream = []
+    for t in range(iterations):
+        cuts = np.sort(rng.integers(0, gb + 1, size=world - 1))
+        sizes = np.diff([0, *cuts, gb]).tolist()  # may contain zeros
+        parts = [sampler.rank_indices(t, dict(enumerate(sizes)), r) for r in range(world)]
+        assert [len(p) for p in parts] == sizes
+        batch = np.concatenate(parts)
+        np.testing.assert_array_equal(batch, global_batch_indices(7, n, gb, t))
+        np.testing.assert_array_equal(batch, sampler.global_indices(t))
+        stream.append(batch)
+    stream = np.concatenate(stream)
+    for e in range(len(stream) // n):
+        epoch = stream[e * n:(e + 1) * n]
+        np.testing.assert_array_equal(np.sort(epoch), np.arange(n))
+        np.testing.assert_array_equal(epoch, sample_order(7, e, n))
+    # Stateless: an old iteration after the cache moved on gives the same answer.
+    np.testing.assert_array_equal(sampler.global_indices(0), global_batch_indices(7, n, gb, 0))
+    with pytest.raises(ValueError, match="sum"):
+        sampler.rank_indices(0, [1, 2], 0)
+    with pytest.raises(ValueError, match="ranks"):
+        sampler.rank_indices(0, {0: 8, 2: 8}, 0)
+
+
+def test_balancer_needs_initialised_process_group():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="initialised"):
+        DDPBatchBalancer(64)
+
+
+def test_integrations_package_does_not_import_torch():
+    code = ("import sys, batchsize_manager, batchsize_manager.integrations as i; "
+            "assert 'torch' not in sys.modules; assert 'zmq' not in sys.modules; "
+            "assert 'LBBSPSampler' in i.__all__")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=30)
+
+
+def test_example_script_runs_with_nproc():
+    cmd = [sys.executable, str(ROOT / "examples" / "ddp_lbbsp.py"), "--nproc", "2",
+           "--policy", "fixed", "--weights", "1,3", "--iterations", "4", "--print-every", "2",
+           "--global-batch", "32", "--model", "mlp", "--slowdown", "1,2", "--verify"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the ranks it spawned
+        output, _ = proc.communicate()
+        pytest.fail(f"example timed out:\n{output}")
+    assert proc.returncode == 0, output
+    assert "sizes [8, 24]" in output, output
+    assert "mean iteration" in output and "final sizes [8, 24]" in output, output

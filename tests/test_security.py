@@ -1,0 +1,238 @@
+"""CURVE security: key files, the allow-list, and real ROUTER/DEALER pairs on loopback."""
+
+from __future__ import annotations
+
+import shutil
+import stat
+
+import pytest
+import zmq
+from pydantic import ValidationError
+
+from ps_common import security as S
+from ps_common.security import SecurityConfig, SecurityError
+
+pytestmark = [
+    pytest.mark.timeout(20),
+    pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE"),
+]
+
+REFUSED_WAIT_MS = 1000  # how long a refused client gets to sneak a message through
+OK_WAIT_MS = 5000
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    """Server pair, an allowed client, a stranger; allowed/ holds only the allowed client."""
+    d = tmp_path_factory.mktemp("keys")
+    cfg = S.init_local_keys(d)
+    _, stranger = S.generate_keypair(d, "stranger")
+    _, impostor = S.generate_keypair(d, "impostor-server")
+    return {"dir": d, "cfg": cfg, "stranger": str(stranger), "impostor": str(impostor)}
+
+
+_OPEN: dict[int, list[zmq.Socket]] = {}  # id(context) -> sockets the test made
+
+
+@pytest.fixture
+def ctx():
+    c = zmq.Context()
+    _OPEN[id(c)] = []
+    yield c
+    for s in _OPEN.pop(id(c)):
+        S.close_socket(s)
+    S.stop_authenticators(c)
+    c.term()
+
+
+def _router(ctx, cfg: SecurityConfig) -> tuple[zmq.Socket, str]:
+    sock = ctx.socket(zmq.ROUTER)
+    _OPEN[id(ctx)].append(sock)
+    sock.setsockopt(zmq.LINGER, 0)
+    S.secure_server_socket(sock, cfg, ctx)
+    sock.bind("tcp://127.0.0.1:*")
+    return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def _dealer(ctx, endpoint: str, cfg: SecurityConfig | None) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    _OPEN[id(ctx)].append(sock)
+    sock.setsockopt(zmq.LINGER, 0)
+    S.secure_client_socket(sock, cfg)
+    sock.connect(endpoint)
+    return sock
+
+
+def _client_cfg(keys, **changes) -> SecurityConfig:
+    c = keys["cfg"]
+    base = dict(curve=True, server_public_key=c.server_public_key, client_secret_key=c.client_secret_key)
+    base.update(changes)
+    return SecurityConfig(**base)
+
+
+def _server_cfg(keys) -> SecurityConfig:
+    c = keys["cfg"]
+    return SecurityConfig(curve=True, server_secret_key=c.server_secret_key,
+                          allowed_clients_dir=c.allowed_clients_dir)
+
+
+def _round_trip(router: zmq.Socket, dealer: zmq.Socket) -> zmq.Frame:
+    dealer.send(b"ping")
+    assert router.poll(OK_WAIT_MS), "the allowed client's message never arrived"
+    ident, body = router.recv_multipart(copy=False)
+    assert body.bytes == b"ping"
+    router.send_multipart([ident, b"pong"])
+    assert dealer.poll(OK_WAIT_MS), "the reply never arrived"
+    assert dealer.recv() == b"pong"
+    return body
+
+
+def _refused(router: zmq.Socket, dealer: zmq.Socket) -> None:
+    dealer.send(b"let me in")
+    assert router.poll(REFUSED_WAIT_MS) == 0, "a refused client got a message through"
+
+
+# ----- keys and CLI ---------------------------------------------------------------------------
+def test_generate_load_round_trip_and_cli(tmp_path, capsys):
+    public, secret = S.generate_keypair(tmp_path, "w1")
+    assert (public.name, secret.name) == ("w1.key", "w1.key_secret")
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    pub, sec = S.load_keypair(secret)
+    assert len(pub) == len(sec) == 40
+    assert S.load_public_key(public) == pub == S.load_public_key(secret)
+    assert zmq.curve_public(sec) == pub
+    assert not list(tmp_path.glob(".ps-keys-*")), "temporary directory left behind"
+    with pytest.raises(SecurityError, match="refusing to overwrite"):
+        S.generate_keypair(tmp_path, "w1")
+    with pytest.raises(SecurityError, match="no secret key"):
+        S.load_keypair(public)
+
+    assert S.main(["generate", str(tmp_path / "cli"), "w2"]) == 0
+    out = capsys.readouterr().out.split()
+    assert out == [str(tmp_path / "cli" / "w2.key"), str(tmp_path / "cli" / "w2.key_secret")]
+    assert stat.S_IMODE((tmp_path / "cli" / "w2.key_secret").stat().st_mode) == 0o600
+    assert S.main(["show", out[0]]) == 0
+    assert capsys.readouterr().out.strip() == S.load_public_key(out[1]).decode()
+    assert S.main(["show", str(tmp_path / "missing.key")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert S.main(["init", str(tmp_path / "local")]) == 0
+    assert "curve: true" in capsys.readouterr().out
+
+
+# ----- curve on -------------------------------------------------------------------------------
+def test_allowed_client_round_trip(ctx, keys):
+    router, ep = _router(ctx, _server_cfg(keys))
+    assert router.getsockopt(zmq.CURVE_SERVER) == 1
+    assert router.getsockopt_string(zmq.ZAP_DOMAIN) == S.ZAP_DOMAIN
+    assert S.authenticator_running(ctx)
+    dealer = _dealer(ctx, ep, _client_cfg(keys))
+    body = _round_trip(router, dealer)
+    # ZAP tells the server who the client is: its public key
+    assert body.get("User-Id") == S.load_public_key(keys["cfg"].client_secret_key).decode()
+
+
+def test_client_not_in_allowed_dir_is_refused_until_its_key_is_added(ctx, keys, tmp_path):
+    allowed = tmp_path / "allowed"
+    shutil.copytree(keys["cfg"].allowed_clients_dir, allowed)
+    server = _server_cfg(keys).model_copy(update={"allowed_clients_dir": str(allowed)})
+    router, ep = _router(ctx, server)
+    dealer = _dealer(ctx, ep, _client_cfg(keys, client_secret_key=keys["stranger"]))
+    _refused(router, dealer)
+    # the allow-list is re-read when the directory changes: no server restart needed. (libzmq
+    # does not retry a handshake the authenticator refused, so the client dials again.)
+    shutil.copyfile(keys["dir"] / "stranger.key", allowed / "stranger.key")
+    _round_trip(router, _dealer(ctx, ep, _client_cfg(keys, client_secret_key=keys["stranger"])))
+
+
+def test_plain_client_is_refused(ctx, keys):
+    router, ep = _router(ctx, _server_cfg(keys))
+    _refused(router, _dealer(ctx, ep, None))
+
+
+def test_client_with_wrong_server_key_is_refused(ctx, keys):
+    router, ep = _router(ctx, _server_cfg(keys))
+    _refused(router, _dealer(ctx, ep, _client_cfg(keys, server_public_key=keys["impostor"])))
+
+
+def test_shard_dials_with_the_server_pair(ctx, keys):
+    """A shard config (server keys only) works as a client of another shard."""
+    shard_cfg = _server_cfg(keys)
+    shard_cfg.require_client()
+    router, ep = _router(ctx, shard_cfg)
+    _round_trip(router, _dealer(ctx, ep, shard_cfg))
+
+
+def test_one_authenticator_per_context_refcounted_and_fail_closed(ctx, keys, tmp_path):
+    server = _server_cfg(keys)
+    r1, ep1 = _router(ctx, server)
+    r2, ep2 = _router(ctx, server)  # same context: the authenticator is shared
+    _round_trip(r2, _dealer(ctx, ep2, _client_cfg(keys)))
+    other = server.model_copy(update={"allowed_clients_dir": str(tmp_path)})
+    with pytest.raises(SecurityError, match="one allow-list"):
+        S.secure_server_socket(ctx.socket(zmq.ROUTER), other, ctx)
+    S.close_socket(r2)
+    assert S.authenticator_running(ctx), "released while r1 still uses it"
+    # stopped with a CURVE socket still open: that socket refuses everyone (ZAP_ENFORCE_DOMAIN)
+    S.stop_authenticators(ctx)
+    assert not S.authenticator_running(ctx)
+    _refused(r1, _dealer(ctx, ep1, _client_cfg(keys)))
+    S.close_socket(r1)  # releasing after a forced stop is harmless
+
+
+def test_last_release_stops_the_authenticator(keys):
+    c = zmq.Context()
+    sock = c.socket(zmq.ROUTER)
+    handle = S.secure_server_socket(sock, _server_cfg(keys), c)
+    assert handle is not None and S.authenticator_running(c)
+    S.close_socket(sock)
+    assert not S.authenticator_running(c)
+    handle.close()  # idempotent
+    c.term()  # would hang if the authenticator's sockets were still open
+
+
+# ----- curve off ------------------------------------------------------------------------------
+def test_curve_off_helpers_are_noops(ctx):
+    off = SecurityConfig()
+    off.require_server()
+    off.require_client()
+    router, ep = _router(ctx, off)
+    assert router.getsockopt(zmq.CURVE_SERVER) == 0
+    assert not S.authenticator_running(ctx)
+    assert S.secure_server_socket(router, None, ctx) is None
+    _round_trip(router, _dealer(ctx, ep, off))
+    assert S.timeout_hint(off) == ""
+
+
+# ----- validation -----------------------------------------------------------------------------
+def test_validation_errors_name_the_key(keys, tmp_path):
+    c = keys["cfg"]
+    with pytest.raises(SecurityError, match=r"^security\.server_secret_key is required when security\.curve is true"):
+        SecurityConfig(curve=True, allowed_clients_dir=c.allowed_clients_dir).require_server()
+    with pytest.raises(SecurityError, match=r"security\.allowed_clients_dir is required"):
+        SecurityConfig(curve=True, server_secret_key=c.server_secret_key).require_server()
+    with pytest.raises(SecurityError, match=r"security\.allowed_clients_dir: .* is not a directory"):
+        SecurityConfig(curve=True, server_secret_key=c.server_secret_key,
+                       allowed_clients_dir=str(tmp_path / "nope")).require_server()
+    with pytest.raises(SecurityError, match=r"security\.server_public_key is required"):
+        SecurityConfig(curve=True, client_secret_key=c.client_secret_key).require_client()
+    with pytest.raises(SecurityError, match=r"security\.client_secret_key is required"):
+        SecurityConfig(curve=True, server_public_key=c.server_public_key).require_client()
+    with pytest.raises(SecurityError, match=r"security\.client_secret_key: .* holds no secret key"):
+        _client_cfg(keys, client_secret_key=c.server_public_key).require_client()
+    with pytest.raises(SecurityError, match=r"security\.server_public_key: .*: no such file"):
+        _client_cfg(keys, server_public_key=str(tmp_path / "missing.key")).require_client()
+    bad = tmp_path / "bad.key"
+    bad.write_text('curve\n    public-key = "tooshort"\n')
+    with pytest.raises(SecurityError, match=r"security\.server_public_key: .* malformed key"):
+        _client_cfg(keys, server_public_key=str(bad)).require_client()
+    # the helpers validate too, before touching the socket
+    with zmq.Context() as c2:
+        s = c2.socket(zmq.DEALER)
+        with pytest.raises(SecurityError, match="client_secret_key is required"):
+            S.secure_client_socket(s, SecurityConfig(curve=True, server_public_key=c.server_public_key))
+        s.close(linger=0)
+    with pytest.raises(ValidationError):
+        SecurityConfig(curve=True, sever_secret_key="typo")  # extra keys are errors
+    with pytest.raises(ValidationError):
+        c.curve = False  # frozen
+    assert "allowed_clients_dir" in S.timeout_hint(c)

@@ -1,0 +1,148 @@
+"""Failures with real processes: a worker SIGKILLed mid-run, a worker joining mid-run, a shard
+killed and restarted from its checkpoint."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from ps_common.datasets import load_dataset, sample_order
+from ps_common.metrics import read_jsonl
+from ps_common.reference import train_reference
+from tests.cluster_util import pull_params, start_servers, start_workers, status, wait_exit, write_config
+
+pytestmark = pytest.mark.system
+
+
+def job(**over):
+    base = {
+        "run": {"name": "failures", "seed": 2},
+        "model": {"name": "mlp"},
+        "data": {"dataset": "synthetic", "synthetic_train": 600, "synthetic_test": 300},
+        "training": {"global_batch": 60, "max_iterations": 80},
+        "optimizer": {"lr": 0.05, "momentum": 0.9},
+        "cluster": {"num_shards": 2, "num_workers": 3},
+        "evaluator": {"enabled": False},
+        "heartbeat": {"interval_s": 0.2, "timeout_s": 2.0},
+    }
+    for k, v in over.items():
+        base[k] = {**base.get(k, {}), **v}
+    return base
+
+
+def wait_version(ep, version, timeout_s=120):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if status(ep).version >= version:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"version {version} not reached")
+
+
+def coordinator_records(run_dir):
+    recs = list(read_jsonl(run_dir / "metrics" / "coordinator.jsonl"))
+    return [r for r in recs if "event" not in r], [r for r in recs if "event" in r]
+
+
+def assert_exactly_once_per_epoch(updates, seed, n):
+    seen: dict[int, list[int]] = {}
+    for r in updates:
+        for w in r["accepted"]:
+            for e, a, b in r["ranges"][str(w)]:
+                seen.setdefault(e, []).extend(sample_order(seed, e, n)[a:b].tolist())
+    for e, ids in seen.items():
+        assert len(ids) == len(set(ids)), f"epoch {e}: a sample was applied twice"
+    last_full = max(seen) - 1
+    for e in range(last_full + 1):
+        assert sorted(seen[e]) == list(range(n)), f"epoch {e}: samples missing"
+
+
+@pytest.mark.parametrize("sync", ["bsp", "ssp"])
+def test_worker_sigkill_is_detected_and_training_continues(procs, tmp_path, sync):
+    cfg_path, cfg = write_config(tmp_path, job(mode={"sync": sync}))
+    run = tmp_path / "run"
+    eps = start_servers(procs, cfg_path, 2, run)
+    workers = start_workers(procs, cfg_path, eps[0], 3, run)
+    wait_version(eps[0], 15)
+    victim = workers[1]
+    killed_at = time.time()
+    os.kill(victim.proc.pid, signal.SIGKILL)
+    wait_exit([workers[0], workers[2]], timeout_s=180)
+    st = status(eps[0])
+    assert st.stop and st.workers == 2
+    updates, events = coordinator_records(run)
+    lost = [e for e in events if e["event"] == "worker_removed" and e["reason"].startswith("lost")]
+    assert len(lost) == 1
+    detect_s = lost[0]["wall_time"] - killed_at
+    assert detect_s < cfg.heartbeat.timeout_s + 1.5, f"loss detected after {detect_s:.2f}s"
+    if sync == "bsp":
+        after = [r for r in updates if r["wall_time"] > lost[0]["wall_time"] + 0.5]
+        assert after and all(len(r["batch_sizes"]) == 2 and sum(r["batch_sizes"].values()) == 60 for r in after)
+        assert_exactly_once_per_epoch(updates, 2, 600)
+    params, _ = pull_params(cfg, eps[0])
+    from ps_common.models import FlatParameters, build_model
+    from ps_worker.evaluator import evaluate
+
+    model = build_model("mlp", seed=2)
+    FlatParameters(model).load_(params)
+    acc, _ = evaluate(model, load_dataset("synthetic", seed=2, synthetic_train=600, synthetic_test=300))
+    assert acc >= 0.9, acc
+
+
+def test_worker_joins_mid_run_and_gets_a_share(procs, tmp_path):
+    # Stop by time: a new worker process needs a few seconds to start (torch import).
+    j = job(cluster={"num_workers": 2})
+    j["training"] = {"global_batch": 60, "max_seconds": 12}
+    cfg_path, cfg = write_config(tmp_path, j)
+    run = tmp_path / "run"
+    eps = start_servers(procs, cfg_path, 2, run)
+    first = start_workers(procs, cfg_path, eps[0], 2, run)
+    wait_version(eps[0], 10)
+    late = procs.start("worker-late", "ps_worker.cli", ["--config", str(cfg_path), "--server", eps[0],
+                                                         "--run-dir", str(run), "--name", "late"])
+    wait_exit(first + [late], timeout_s=180)
+    updates, _ = coordinator_records(run)
+    assert len(updates[0]["batch_sizes"]) == 2
+    three = [r for r in updates if len(r["batch_sizes"]) == 3]
+    assert three, "the joiner never got a share of the global batch"
+    assert all(sum(r["batch_sizes"].values()) == 60 for r in updates)
+    assert_exactly_once_per_epoch(updates, 2, 600)
+
+
+def test_shard_killed_and_resumed_from_checkpoint(procs, tmp_path):
+    cfg_path, cfg = write_config(tmp_path, job(cluster={"num_workers": 2}, checkpoint={"every_iterations": 10},
+                                               training={"max_iterations": 60}))
+    run = tmp_path / "run"
+    eps = start_servers(procs, cfg_path, 2, run)
+    workers = start_workers(procs, cfg_path, eps[0], 2, run)
+    wait_version(eps[0], 25)
+    shard1 = next(c for c in procs.children if c.role == "shard-1")
+    os.kill(shard1.proc.pid, signal.SIGKILL)
+    shard1.proc.wait()
+    ckpts = sorted((run / "checkpoints").glob("shard-1-v*.npz"))
+    assert ckpts, "shard 1 wrote no checkpoint"
+    resumed_version = int(ckpts[-1].stem.split("-v")[1])
+    t0 = time.monotonic()
+    again = procs.start("shard-1b", "ps_server.cli", ["--config", str(cfg_path), "--run-dir", str(run),
+                                                       "--shard", "1", "--port", "0", "--coordinator", eps[0],
+                                                       "--resume"])
+    procs.wait_endpoint(again, 60)
+    wait_exit(workers, timeout_s=180)
+    resume_s = time.monotonic() - t0
+    _, events = coordinator_records(run)
+    rollbacks = [e for e in events if e["event"] == "rollback"]
+    assert [e["version"] for e in rollbacks] == [resumed_version]
+    restored = [r for r in read_jsonl(run / "metrics" / "shard-0.jsonl") if r.get("event") == "restored"]
+    assert restored and restored[-1]["version"] == resumed_version
+    assert status(eps[0]).version == 60
+    # Deterministic BSP: rolled back to the checkpoint, replaying the same samples in the same
+    # order, the run ends exactly where an uninterrupted single process ends.
+    params, _ = pull_params(cfg, eps[0])
+    data = load_dataset("synthetic", seed=2, synthetic_train=600, synthetic_test=300)
+    ref = train_reference("mlp", 2, data, 2, 60, 60, lr=0.05, momentum=0.9)
+    assert np.linalg.norm(params - ref) / np.linalg.norm(ref) < 1e-5
+    print(f"resume took {resume_s:.2f}s after restart")
