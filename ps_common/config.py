@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ps_common.scenario import ScenarioConfig
+from ps_common.security import SecurityConfig
 
 ENV_PREFIX = "LBBSP__"
 
@@ -67,6 +68,7 @@ class OptimizerConfig(StrictModel):
 class TrainingConfig(StrictModel):
     global_batch: int = Field(128, gt=0)
     min_batch: int = Field(1, gt=0, description="x_min: floor of any worker's batch size")
+    max_batch: Optional[int] = Field(None, gt=0, description="x_max: cap of any worker's batch size")
     max_iterations: Optional[int] = Field(None, gt=0)
     epochs: Optional[float] = Field(None, gt=0)
     max_seconds: Optional[float] = Field(None, gt=0)
@@ -149,6 +151,7 @@ class JobConfig(StrictModel):
     heartbeat: HeartbeatConfig = HeartbeatConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     scenario: ScenarioConfig = ScenarioConfig()
+    security: SecurityConfig = SecurityConfig()  # per host: not part of the job digest
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "JobConfig":

@@ -16,6 +16,8 @@ import zmq
 
 from ps_common import protocol
 from ps_common.protocol import Message
+from ps_common.security import (SecurityConfig, close_socket, secure_client_socket,
+                                secure_server_socket, timeout_hint)
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +31,9 @@ def bind_address(host: str, port: int) -> str:
     return f"tcp://{host}:{'*' if port == 0 else port}"
 
 
-def make_router(ctx: zmq.Context, address: str, *, max_msg_bytes: int = -1) -> tuple[zmq.Socket, str]:
-    """A bound ROUTER and the endpoint it actually got (port 0 resolved)."""
+def make_router(ctx: zmq.Context, address: str, *, max_msg_bytes: int = -1,
+                security: SecurityConfig | None = None) -> tuple[zmq.Socket, str]:
+    """A bound ROUTER and the endpoint it actually got (port 0 resolved); CURVE if configured."""
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished peer raises, not drops
@@ -38,7 +41,12 @@ def make_router(ctx: zmq.Context, address: str, *, max_msg_bytes: int = -1) -> t
         sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
-    sock.bind(address)
+    try:
+        secure_server_socket(sock, security, ctx)  # before bind
+        sock.bind(address)
+    except BaseException:
+        close_socket(sock)
+        raise
     endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
     return sock, endpoint
 
@@ -69,7 +77,7 @@ class Connection:
     """A DEALER to one server with request/reply helpers and hard timeouts."""
 
     def __init__(self, ctx: zmq.Context, endpoint: str, *, timeout_s: float = 30.0,
-                 max_array_bytes: int = 1 << 32) -> None:
+                 max_array_bytes: int = 1 << 32, security: SecurityConfig | None = None) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.max_array_bytes = max_array_bytes
@@ -77,17 +85,29 @@ class Connection:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
+        # A DEALER with no live pipe (peer gone, handshake refused) blocks on send: bound it.
+        self.sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+        self.security = security
+        try:
+            secure_client_socket(self.sock, security)  # before connect
+        except BaseException:
+            self.sock.close(linger=0)
+            raise
         self.sock.connect(endpoint)
 
     def send(self, msg: Message) -> None:
-        send(self.sock, msg)
+        try:
+            send(self.sock, msg)
+        except zmq.Again:
+            raise TransportTimeout(
+                f"cannot send to {self.endpoint}: no connection{timeout_hint(self.security)}") from None
 
     def recv(self, timeout_s: float | None = None) -> Message:
         """The next message; a server Error is raised as :class:`RemoteError`."""
         t = self.timeout_s if timeout_s is None else timeout_s
         frames = recv_frames(self.sock, t)
         if frames is None:
-            raise TransportTimeout(f"no reply from {self.endpoint} within {t:.1f}s")
+            raise TransportTimeout(f"no reply from {self.endpoint} within {t:.1f}s{timeout_hint(self.security)}")
         msg = protocol.decode(frames, max_array_bytes=self.max_array_bytes)
         if isinstance(msg, protocol.Error):
             raise RemoteError(msg.code, msg.message, self.endpoint)

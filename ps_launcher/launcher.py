@@ -92,7 +92,7 @@ class LocalCluster:
 
     def _monitor(self) -> str:
         ctx = zmq.Context.instance()
-        conn = Connection(ctx, self.shard_endpoints[0], timeout_s=10.0)
+        conn = Connection(ctx, self.shard_endpoints[0], timeout_s=10.0, security=self.cfg.security)
         t = self.cfg.training
         total = t.max_iterations
         bar = tqdm(total=total, unit="it", desc=self.cfg.run.name, disable=not self.progress,
@@ -136,7 +136,7 @@ class LocalCluster:
     def _shutdown(self) -> None:
         ctx = zmq.Context.instance()
         for ep in self.shard_endpoints:
-            conn = Connection(ctx, ep, timeout_s=2.0)
+            conn = Connection(ctx, ep, timeout_s=2.0, security=self.cfg.security)
             try:
                 conn.request(P.Shutdown(reason="launcher finished"), P.Ack)
             except Exception:

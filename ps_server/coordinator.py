@@ -18,7 +18,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from batchsize_manager import BatchPolicy, WorkerReport
+from batchsize_manager import WorkerReport
+from batchsize_manager.manager import BatchSizeManager
 from ps_common.config import JobConfig
 from ps_common.protocol import Assignment
 from ps_server.data_cursor import DataCursor
@@ -54,14 +55,14 @@ class UpdateRecord:
 
 
 class Coordinator:
-    def __init__(self, cfg: JobConfig, num_samples: int, policy: BatchPolicy, *, kind: str = "round",
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, cfg: JobConfig, num_samples: int, manager: BatchSizeManager, *,
+                 kind: str = "round", clock: Callable[[], float] = time.monotonic) -> None:
         if kind not in ("round", "async"):
             raise ValueError(f"unknown coordination kind {kind!r}")
         self.cfg = cfg
         self.kind = kind
         self.num_samples = num_samples
-        self.policy = policy
+        self.manager = manager
         self.clock = clock
         self.cursor = DataCursor(num_samples)
         self.workers: dict[int, WorkerInfo] = {}
@@ -95,7 +96,7 @@ class Coordinator:
         now = self.clock()
         clock = min((w.clock for w in self.workers.values()), default=0)
         self.workers[wid] = WorkerInfo(wid, name, now, device, now, clock)
-        self.policy.join(wid)
+        self.manager.join(wid)
         log.info("worker %d (%s) joined; %d live", wid, name, len(self.workers))
         return wid
 
@@ -109,7 +110,7 @@ class Coordinator:
         """
         if self.workers.pop(worker_id, None) is None:
             return None
-        self.policy.leave(worker_id)
+        self.manager.leave(worker_id)
         self.lost.append((worker_id, reason, self.clock()))
         log.info("worker %d %s; %d live", worker_id, reason, len(self.workers))
         pending = self.async_plan.pop(worker_id, None)
@@ -172,10 +173,10 @@ class Coordinator:
         b = self.cfg.mode.backup_workers if self.cfg.mode.sync == "backup" else 0
         required = max(1, self.cfg.cluster.num_workers - b)
         total = X if b == 0 else max(len(live), round(X * len(live) / required))
-        sizes = self.policy.assign(live, total, self.cfg.training.min_batch)
-        if sorted(sizes) != live or sum(sizes.values()) != total or min(sizes.values()) <= 0:
-            raise RuntimeError(f"batch policy {self.policy.name} returned an invalid split {sizes}")
-        return sizes, total
+        if sorted(self.manager.live_workers) != live:
+            raise RuntimeError(f"manager members {self.manager.live_workers} differ from {live}")
+        self.manager.global_batch = total
+        return self.manager.assign(), total
 
     def _plan(self, iteration: int) -> None:
         self.iteration = iteration
@@ -214,7 +215,7 @@ class Coordinator:
     def record_push(self, report: WorkerReport, loss: float) -> None:
         self.reports[report.worker_id] = report
         self.losses[report.worker_id] = loss
-        self.policy.observe(report)
+        self.manager.observe(report)
         info = self.workers.get(report.worker_id)
         if info is not None:
             info.last_seen = self.clock()
@@ -264,7 +265,7 @@ class Coordinator:
         cursor.load_state_dict(self.cursor.state_dict())
         for a in list(self.plan.values()) + list(self.async_plan.values()):
             cursor.give_back(a.ranges)
-        policy_state = self.policy.state_dict() if hasattr(self.policy, "state_dict") else None
+        policy_state = self.manager.state_dict()
         return {"cursor": cursor.state_dict(), "iteration": self.updates if self.kind == "round" else 0,
                 "elapsed": self.elapsed(), "updates": self.updates,
                 "applied_samples": self.applied_samples, "last_accuracy": self.last_accuracy,
@@ -273,7 +274,7 @@ class Coordinator:
     def load_state_dict(self, d: dict) -> None:
         """Resume: progress and cursor from the checkpoint; wait for the workers to join again."""
         for w in list(self.workers):
-            self.policy.leave(w)
+            self.manager.leave(w)
         self.workers.clear()
         self.plan, self.async_plan = {}, {}
         self.cursor.load_state_dict(d["cursor"])
@@ -283,8 +284,11 @@ class Coordinator:
         self.last_accuracy = float(d["last_accuracy"])
         self.elapsed_at_resume = float(d.get("elapsed", 0.0))
         self._next_id = max(self._next_id, int(d["next_id"]))
-        if d.get("policy") is not None and hasattr(self.policy, "load_state_dict"):
-            self.policy.load_state_dict(d["policy"])
+        if d.get("policy") is not None:
+            try:
+                self.manager.load_state_dict(d["policy"])
+            except (ValueError, KeyError) as exc:  # a policy change between runs: start afresh
+                log.warning("batch policy state not restored: %s", exc)
         self.started, self.stop, self.stop_reason = False, False, ""
         self.resumed = True
 

@@ -17,16 +17,19 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+import torch
 import zmq
 
-from batchsize_manager import WorkerReport, get_policy
+from batchsize_manager import WorkerReport
+from batchsize_manager.manager import BatchSizeManager
 from ps_common import protocol as P
 from ps_common.config import JobConfig
 from ps_common.datasets import load_dataset
 from ps_common.layout import partition
 from ps_common.metrics import MetricsWriter
 from ps_common.models import FlatParameters, build_model
-from ps_common.transport import Connection, advertised, bind_address, make_router, send
+from ps_common.security import close_socket
+from ps_common.transport import Connection, TransportTimeout, advertised, bind_address, make_router, send
 from ps_server.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, save_checkpoint
 from ps_server.coordinator import Coordinator
 from ps_server.shard import ShardState
@@ -63,6 +66,7 @@ class ShardServer:
             raise ValueError("shards other than 0 need --coordinator ENDPOINT (shard 0's address)")
         self.cfg = cfg
         self.shard_id = shard
+        torch.set_num_threads(1)  # the coordinator's predictors (NARX, ARIMA) are tiny
         self.ctx = ctx or zmq.Context.instance()
         full = initial_parameters(cfg)
         self.ranges = partition(full.size, S)
@@ -79,7 +83,7 @@ class ShardServer:
         self.max_array_bytes = (hi - lo) * 4
         self.sock, bound = make_router(
             self.ctx, bind_address(host or cfg.cluster.host, port),
-            max_msg_bytes=self.max_array_bytes + HEADER_MARGIN)
+            max_msg_bytes=self.max_array_bytes + HEADER_MARGIN, security=cfg.security)
         self.endpoint = advertised(bound, advertise_host)
         self.job_digest = cfg.job_digest()
         self.coordinator_endpoint = coordinator
@@ -108,8 +112,10 @@ class ShardServer:
             data = load_dataset(cfg.data.dataset, cache_dir=cfg.data.cache_dir, seed=cfg.run.seed,
                                 synthetic_train=cfg.data.synthetic_train,
                                 synthetic_test=cfg.data.synthetic_test)
-            policy = get_policy(cfg.mode.batch_policy, **cfg.mode.batch_policy_args)
-            self.coord = Coordinator(cfg, data.num_train, policy, kind=self.sync.kind)
+            manager = BatchSizeManager(cfg.mode.batch_policy, cfg.training.global_batch,
+                                       min_batch=cfg.training.min_batch, max_batch=cfg.training.max_batch,
+                                       policy_args=cfg.mode.batch_policy_args)
+            self.coord = Coordinator(cfg, data.num_train, manager, kind=self.sync.kind)
         self.shard_links: dict[int, Connection] = {}
         self.handlers: dict[type[P.Message], Callable[[bytes, Any], None]] = {
             P.Hello: self._on_hello,
@@ -156,7 +162,7 @@ class ShardServer:
         self.coord_metrics.close()
         for link in getattr(self, "shard_links", {}).values():
             link.close()
-        self.sock.close(linger=0)
+        close_socket(self.sock)
 
     def install_signal_handlers(self) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -164,7 +170,8 @@ class ShardServer:
 
     def _register_with_coordinator(self) -> None:
         assert self.coordinator_endpoint
-        conn = Connection(self.ctx, self.coordinator_endpoint, timeout_s=2.0)
+        conn = Connection(self.ctx, self.coordinator_endpoint, timeout_s=2.0,
+                              security=self.cfg.security)
         deadline = time.monotonic() + self.cfg.transport.connect_timeout_s
         try:
             while True:
@@ -179,7 +186,8 @@ class ShardServer:
                             f"coordinator {self.coordinator_endpoint} did not answer within "
                             f"{self.cfg.transport.connect_timeout_s}s") from None
                     conn.close()
-                    conn = Connection(self.ctx, self.coordinator_endpoint, timeout_s=2.0)
+                    conn = Connection(self.ctx, self.coordinator_endpoint, timeout_s=2.0,
+                              security=self.cfg.security)
         finally:
             conn.close()
 
@@ -251,9 +259,10 @@ class ShardServer:
         old = self.shard_links.pop(msg.shard, None)
         if old is not None:
             old.close()
-        self.shard_links[msg.shard] = Connection(self.ctx, msg.endpoint)
+        self.shard_links[msg.shard] = Connection(self.ctx, msg.endpoint, timeout_s=1.0,
+                                                  security=self.cfg.security)
         if msg.version > own:
-            self.shard_links[msg.shard].send(P.Rollback(version=own))
+            self._send_link(self.shard_links[msg.shard], P.Rollback(version=own))
         log.info("shard %d registered at %s (version %d)", msg.shard, msg.endpoint, msg.version)
         self._reply(ident, P.Ack(what="register_shard"))
 
@@ -342,7 +351,8 @@ class ShardServer:
                 batch_sizes={str(k): v for k, v in rec.batch_sizes.items()},
                 ranges={str(k): v for k, v in rec.ranges.items()},
                 workers={str(r.worker_id): dict(r.telemetry) for r in rec.reports},
-                dropped=self.state.dropped, stop=coord.stop, stop_reason=coord.stop_reason)
+                dropped=self.state.dropped, stop=coord.stop, stop_reason=coord.stop_reason,
+                decision_s=coord.manager.last_decision_s)
             self._maybe_checkpoint()  # after the coordinator planned onwards: its state matches
 
     # ----- checkpoints ----------------------------------------------------------------------
@@ -359,7 +369,7 @@ class ShardServer:
                 and time.monotonic() - self.last_checkpoint_time >= ck.every_seconds):
             self.checkpoint_due = v + 2
             for link in self.shard_links.values():
-                link.send(P.CheckpointAt(version=v + 2))
+                self._send_link(link, P.CheckpointAt(version=v + 2))
 
     def write_checkpoint(self) -> Path:
         assert self.checkpoint_dir is not None
@@ -398,8 +408,8 @@ class ShardServer:
         if self.coord is not None:
             for k, ep in meta.get("shard_endpoints", {}).items():
                 if int(k) != 0:
-                    link = Connection(self.ctx, ep)
-                    link.send(P.Rollback(version=self.state.version))
+                    link = Connection(self.ctx, ep, timeout_s=1.0, security=self.cfg.security)
+                    self._send_link(link, P.Rollback(version=self.state.version))
                     link.close(linger_ms=2000)
 
     def _rollback_all(self, version: int, reason: str) -> None:
@@ -407,7 +417,7 @@ class ShardServer:
         self._restore(version)
         self.coord_metrics.write(event="rollback", version=version, reason=reason)
         for link in self.shard_links.values():
-            link.send(P.Rollback(version=version))
+            self._send_link(link, P.Rollback(version=version))
 
     def _on_checkpoint_at(self, ident: bytes, msg: P.CheckpointAt) -> None:
         if msg.version == self.state.version:
@@ -427,10 +437,17 @@ class ShardServer:
             log.error("cannot roll back: %s; stopping this shard to avoid inconsistent parameters", exc)
             self.stop_event.set()
 
+    def _send_link(self, link: Connection, msg: P.Message) -> None:
+        """Coordinator -> shard control message; a dead shard must not stall the coordinator."""
+        try:
+            link.send(msg)
+        except TransportTimeout as exc:
+            log.warning("control message %s not sent: %s", msg.TYPE, exc)
+
     def _commit_to_shards(self, iteration: int, accepted: dict[int, int]) -> None:
         workers = sorted(accepted)
         for link in self.shard_links.values():
-            link.send(P.Commit(iteration=iteration, workers=workers,
+            self._send_link(link, P.Commit(iteration=iteration, workers=workers,
                                batch_sizes=[accepted[w] for w in workers]))
 
     def _on_pull(self, ident: bytes, msg: P.Pull) -> None:

@@ -11,6 +11,7 @@ import numpy as np
 import zmq
 
 from ps_common import protocol as P
+from ps_common.security import SecurityConfig
 from ps_common.transport import Connection, RemoteError, TransportTimeout
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,9 @@ class PullResult:
 class ShardClients:
     """One DEALER per shard; shard 0 (the coordinator) is reached at the address given."""
 
-    def __init__(self, ctx: zmq.Context, server: str, *, timeout_s: float, connect_timeout_s: float) -> None:
+    def __init__(self, ctx: zmq.Context, server: str, *, timeout_s: float, connect_timeout_s: float,
+                 security: SecurityConfig | None = None) -> None:
+        self.security = security
         self.ctx = ctx
         self.server = server
         self.timeout_s = timeout_s
@@ -47,7 +50,7 @@ class ShardClients:
 
     def join(self, name: str, job_digest: str, device: str, role: str = "worker") -> P.Welcome:
         """Join the job; waits (up to connect_timeout_s) for the coordinator and all shards."""
-        c0 = Connection(self.ctx, self.server, timeout_s=self.timeout_s)
+        c0 = Connection(self.ctx, self.server, timeout_s=self.timeout_s, security=self.security)
         try:
             welcome = c0.request(P.Join(name=name, job_digest=job_digest, device=device, role=role),
                                  P.Welcome, timeout_s=self.connect_timeout_s)
@@ -65,7 +68,7 @@ class ShardClients:
         self.ranges = [(int(a), int(b)) for a, b in welcome.shard_ranges]
         self.conns = [c0] + [
             Connection(self.ctx, ep, timeout_s=self.timeout_s,
-                       max_array_bytes=(b - a) * 4)
+                       max_array_bytes=(b - a) * 4, security=self.security)
             for ep, (a, b) in zip(welcome.shard_endpoints[1:], self.ranges[1:])
         ]
         c0.max_array_bytes = (self.ranges[0][1] - self.ranges[0][0]) * 4

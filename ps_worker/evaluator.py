@@ -52,7 +52,8 @@ class Evaluator:
         torch.set_num_threads(1)
         self.ctx = ctx or zmq.Context.instance()
         self.client = ShardClients(self.ctx, server, timeout_s=cfg.transport.timeout_s,
-                                   connect_timeout_s=cfg.transport.connect_timeout_s)
+                                   connect_timeout_s=cfg.transport.connect_timeout_s,
+                                   security=cfg.security)
         self.data = dataset or load_dataset(
             cfg.data.dataset, cache_dir=cfg.data.cache_dir, seed=cfg.run.seed,
             synthetic_train=cfg.data.synthetic_train, synthetic_test=cfg.data.synthetic_test)

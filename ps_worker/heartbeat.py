@@ -15,13 +15,16 @@ import time
 import zmq
 
 from ps_common import protocol as P
+from ps_common.security import SecurityConfig, secure_client_socket
 from ps_common.transport import send
 
 log = logging.getLogger(__name__)
 
 
 class Heartbeat:
-    def __init__(self, ctx: zmq.Context, endpoint: str, worker_id: int, interval_s: float) -> None:
+    def __init__(self, ctx: zmq.Context, endpoint: str, worker_id: int, interval_s: float,
+                 security: SecurityConfig | None = None) -> None:
+        self.security = security
         self.ctx = ctx
         self.endpoint = endpoint
         self.worker_id = worker_id
@@ -47,10 +50,15 @@ class Heartbeat:
     def _run(self) -> None:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDTIMEO, int(self.interval_s * 1000))
+        secure_client_socket(sock, self.security)
         sock.connect(self.endpoint)
         try:
             while not self._stop.is_set():
-                send(sock, P.Heartbeat(worker_id=self.worker_id))
+                try:
+                    send(sock, P.Heartbeat(worker_id=self.worker_id))
+                except zmq.Again:  # coordinator unreachable: coordinator_silent_s() grows
+                    pass
                 deadline = time.monotonic() + self.interval_s
                 while (left := deadline - time.monotonic()) > 0 and not self._stop.is_set():
                     if sock.poll(int(left * 1000) + 1, zmq.POLLIN):

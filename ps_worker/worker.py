@@ -67,7 +67,8 @@ class Worker:
             torch.set_num_threads(cfg.worker.torch_threads)
         self.ctx = ctx or zmq.Context.instance()
         self.client = ShardClients(self.ctx, server, timeout_s=cfg.transport.timeout_s,
-                                   connect_timeout_s=cfg.transport.connect_timeout_s)
+                                   connect_timeout_s=cfg.transport.connect_timeout_s,
+                                   security=cfg.security)
         self.data = dataset or load_dataset(
             cfg.data.dataset, cache_dir=cfg.data.cache_dir, seed=cfg.run.seed,
             synthetic_train=cfg.data.synthetic_train, synthetic_test=cfg.data.synthetic_test)
@@ -105,7 +106,7 @@ class Worker:
             while True:
                 welcome = self._join()
                 hb = Heartbeat(self.ctx, self.client.server, self.worker_id,
-                               self.cfg.heartbeat.interval_s).start()
+                               self.cfg.heartbeat.interval_s, security=self.cfg.security).start()
                 try:
                     outcome = self._loop(welcome.version, max_iterations, hb)
                 except KeyboardInterrupt:
