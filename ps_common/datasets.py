@@ -414,6 +414,12 @@ def load_dataset(
     raise ValueError(f"unknown dataset {name!r}; known datasets: {', '.join(DATASET_NAMES)}")
 
 
+def dataset_from_config(data: Any, seed: int) -> ArrayDataset:
+    """The dataset a job's ``data`` config section names (one call for every role)."""
+    return load_dataset(data.dataset, cache_dir=data.cache_dir, seed=seed,
+                        synthetic_train=data.synthetic_train, synthetic_test=data.synthetic_test)
+
+
 def sample_order(seed: int, epoch: int, n: int) -> np.ndarray:
     """The epoch's global shuffled sample order (int64), identical in every process."""
     if seed < 0 or epoch < 0 or n < 0:

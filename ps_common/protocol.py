@@ -93,6 +93,7 @@ class RegisterShard(Message):
     job_digest: str = ""
     version: int = 0
     resumed: bool = False
+    token: str = ""  # control messages to this shard must carry it
 
 
 @dataclass
@@ -121,6 +122,7 @@ class Welcome(Message):
     num_params: int = 0
     version: int = 0
     job: dict[str, Any] = field(default_factory=dict)
+    token: str = ""  # the worker's membership secret: heartbeats, leaves and pushes to shard 0 carry it
 
 
 @dataclass
@@ -129,6 +131,7 @@ class Heartbeat(Message):
 
     TYPE: ClassVar[str] = "heartbeat"
     worker_id: int = 0
+    token: str = ""
 
 
 @dataclass
@@ -143,6 +146,7 @@ class HeartbeatReply(Message):
 class Leave(Message):
     TYPE: ClassVar[str] = "leave"
     worker_id: int = 0
+    token: str = ""
     reason: str = ""
 
 
@@ -159,6 +163,7 @@ class Push(Message):
     global_batch: int = 0
     loss: float = 0.0
     telemetry: dict[str, float] = field(default_factory=dict)
+    token: str = ""  # checked by the coordinator's shard
 
 
 @dataclass
@@ -192,6 +197,7 @@ class Commit(Message):
     """
 
     TYPE: ClassVar[str] = "commit"
+    token: str = ""  # the receiving shard's control token (from its RegisterShard)
     iteration: int = 0
     workers: list[int] = field(default_factory=list)
     batch_sizes: list[int] = field(default_factory=list)
@@ -202,6 +208,7 @@ class CheckpointAt(Message):
     """Coordinator -> shard: write a checkpoint when your version reaches ``version``."""
 
     TYPE: ClassVar[str] = "checkpoint_at"
+    token: str = ""  # the receiving shard's control token (from its RegisterShard)
     version: int = 0
 
 
@@ -210,6 +217,7 @@ class Rollback(Message):
     """Coordinator -> shard: go back to your checkpoint at ``version`` (a shard restarted)."""
 
     TYPE: ClassVar[str] = "rollback"
+    token: str = ""  # the receiving shard's control token (from its RegisterShard)
     version: int = 0
 
 
@@ -240,6 +248,7 @@ class EvalReport(Message):
     """The evaluator's measurement, so the coordinator can stop at a target accuracy."""
 
     TYPE: ClassVar[str] = "eval_report"
+    job_digest: str = ""
     version: int = 0
     samples: int = 0
     accuracy: float = 0.0
@@ -249,6 +258,7 @@ class EvalReport(Message):
 @dataclass
 class Shutdown(Message):
     TYPE: ClassVar[str] = "shutdown"
+    job_digest: str = ""
     reason: str = ""
 
 

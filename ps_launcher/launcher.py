@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from ps_common import protocol as P
 from ps_common.config import JobConfig, dump_yaml
-from ps_common.datasets import load_dataset
+from ps_common.datasets import dataset_from_config
 from ps_common.transport import Connection, TransportTimeout
 from ps_launcher.processes import ProcessGroup
 from ps_launcher.plots import plot_run
@@ -49,9 +49,7 @@ class LocalCluster:
         cfg_path = self.run_dir / "config.yaml"
         cfg_path.write_text(dump_yaml(self.cfg))
         # Fetch/convert the dataset once here, so children do not race to do it.
-        load_dataset(self.cfg.data.dataset, cache_dir=self.cfg.data.cache_dir, seed=self.cfg.run.seed,
-                     synthetic_train=self.cfg.data.synthetic_train,
-                     synthetic_test=self.cfg.data.synthetic_test)
+        dataset_from_config(self.cfg.data, self.cfg.run.seed)
         t0 = time.monotonic()
         stop_reason = ""
         try:
@@ -138,7 +136,7 @@ class LocalCluster:
         for ep in self.shard_endpoints:
             conn = Connection(ctx, ep, timeout_s=2.0, security=self.cfg.security)
             try:
-                conn.request(P.Shutdown(reason="launcher finished"), P.Ack)
+                conn.request(P.Shutdown(reason="launcher finished", job_digest=self.cfg.job_digest()), P.Ack)
             except Exception:
                 pass
             finally:

@@ -13,7 +13,9 @@ Pure bookkeeping with an injected clock; the server loop calls it and does the I
 
 from __future__ import annotations
 
+import hmac
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
@@ -35,6 +37,7 @@ class WorkerInfo:
     device: str = "cpu"
     last_seen: float = 0.0
     clock: int = 0  # iterations pushed
+    token: str = ""  # membership secret handed out in Welcome
 
 
 @dataclass
@@ -95,7 +98,7 @@ class Coordinator:
         self._next_id += 1
         now = self.clock()
         clock = min((w.clock for w in self.workers.values()), default=0)
-        self.workers[wid] = WorkerInfo(wid, name, now, device, now, clock)
+        self.workers[wid] = WorkerInfo(wid, name, now, device, now, clock, os.urandom(8).hex())
         self.manager.join(wid)
         log.info("worker %d (%s) joined; %d live", wid, name, len(self.workers))
         return wid
@@ -123,6 +126,10 @@ class Coordinator:
             self.replan_pending = True
             return None
         return {w: a.batch_size for w, a in self.plan.items()}
+
+    def token_ok(self, worker_id: int, token: str) -> bool:
+        info = self.workers.get(worker_id)
+        return info is not None and hmac.compare_digest(info.token, token)
 
     def silent_workers(self, timeout_s: float) -> list[int]:
         """Workers not heard from (push or heartbeat) for longer than ``timeout_s``."""

@@ -7,6 +7,7 @@ touches state; a bad message is answered with an Error and counted, never a cras
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 import signal
@@ -24,7 +25,7 @@ from batchsize_manager import WorkerReport
 from batchsize_manager.manager import BatchSizeManager
 from ps_common import protocol as P
 from ps_common.config import JobConfig
-from ps_common.datasets import load_dataset
+from ps_common.datasets import dataset_from_config
 from ps_common.layout import partition
 from ps_common.metrics import MetricsWriter
 from ps_common.models import FlatParameters, build_model
@@ -92,6 +93,8 @@ class ShardServer:
         self.pending_joins: list[tuple[bytes, P.Join]] = []
         self.errors_sent = 0
         self.incarnation = os.urandom(6).hex()
+        self.control_token = os.urandom(8).hex()  # coordinator->shard messages must carry it
+        self.shard_tokens: dict[int, str] = {}
         ck = cfg.checkpoint
         self.checkpoint_dir: Path | None = (
             Path(ck.dir) if ck.dir else (Path(run_dir) / "checkpoints" if run_dir else None))
@@ -109,9 +112,7 @@ class ShardServer:
         self.coord: Coordinator | None = None
         self.coord_metrics = MetricsWriter(run_dir / "metrics" / "coordinator.jsonl" if run_dir else None)
         if shard == 0:
-            data = load_dataset(cfg.data.dataset, cache_dir=cfg.data.cache_dir, seed=cfg.run.seed,
-                                synthetic_train=cfg.data.synthetic_train,
-                                synthetic_test=cfg.data.synthetic_test)
+            data = dataset_from_config(cfg.data, cfg.run.seed)
             manager = BatchSizeManager(cfg.mode.batch_policy, cfg.training.global_batch,
                                        min_batch=cfg.training.min_batch, max_batch=cfg.training.max_batch,
                                        policy_args=cfg.mode.batch_policy_args)
@@ -178,7 +179,7 @@ class ShardServer:
                 try:
                     conn.request(P.RegisterShard(shard=self.shard_id, endpoint=self.endpoint,
                                                  job_digest=self.job_digest, version=self.state.version,
-                                                 resumed=self.resumed), P.Ack)
+                                                 resumed=self.resumed, token=self.control_token), P.Ack)
                     return
                 except TimeoutError:
                     if time.monotonic() > deadline:
@@ -256,13 +257,14 @@ class ShardServer:
             if target < own:
                 self._rollback_all(target, f"shard {msg.shard} resumed from version {msg.version}")
         self.shard_endpoints[msg.shard] = msg.endpoint
+        self.shard_tokens[msg.shard] = msg.token
         old = self.shard_links.pop(msg.shard, None)
         if old is not None:
             old.close()
         self.shard_links[msg.shard] = Connection(self.ctx, msg.endpoint, timeout_s=1.0,
                                                   security=self.cfg.security)
         if msg.version > own:
-            self._send_link(self.shard_links[msg.shard], P.Rollback(version=own))
+            self._send_link(self.shard_links[msg.shard], P.Rollback(version=own, token=msg.token))
         log.info("shard %d registered at %s (version %d)", msg.shard, msg.endpoint, msg.version)
         self._reply(ident, P.Ack(what="register_shard"))
 
@@ -277,14 +279,19 @@ class ShardServer:
         self.pending_joins.append((ident, msg))
 
     def _on_leave(self, ident: bytes, msg: P.Leave) -> None:
-        self._require_coordinator()
+        coord = self._require_coordinator()
+        if msg.worker_id in coord.workers and not coord.token_ok(msg.worker_id, msg.token):
+            raise _Refused("bad_token", f"leave for worker {msg.worker_id} with a wrong token")
         self._remove_worker(msg.worker_id, f"left ({msg.reason or 'no reason given'})")
         self._reply(ident, P.Ack(what="leave"))
 
     def _on_heartbeat(self, ident: bytes, msg: P.Heartbeat) -> None:
         coord = self._require_coordinator()
-        if not coord.heard_from(msg.worker_id):
+        if msg.worker_id not in coord.workers:
             raise _Refused("unknown_worker", f"worker {msg.worker_id} is not a member (declared lost?)")
+        if not coord.token_ok(msg.worker_id, msg.token):
+            raise _Refused("bad_token", f"heartbeat for worker {msg.worker_id} with a wrong token")
+        coord.heard_from(msg.worker_id)
         self._reply(ident, P.HeartbeatReply(incarnation=self.incarnation, version=self.state.version,
                                             stop=coord.stop))
 
@@ -314,6 +321,8 @@ class ShardServer:
         coord = self.coord
         if coord is not None and msg.worker_id not in coord.workers:
             raise _Refused("unknown_worker", f"worker {msg.worker_id} has not joined")
+        if coord is not None and not coord.token_ok(msg.worker_id, msg.token):
+            raise _Refused("bad_token", f"push for worker {msg.worker_id} with a wrong token")
         (grad,) = msg.arrays
         applied = self.state.push(msg.worker_id, msg.iteration, msg.batch_size, msg.expected_workers,
                                   msg.global_batch, grad)
@@ -325,9 +334,14 @@ class ShardServer:
                 iteration_s=float(tel.get("iteration_s", 0.0)), telemetry=tel), msg.loss)
         self._after_applies(applied)
 
-    def _on_commit(self, ident: bytes, msg: P.Commit) -> None:
+    def _check_control(self, msg: P.Message) -> None:
         if self.coord is not None:
-            raise _Refused("not_follower", "the coordinator's shard makes commits, it does not take them")
+            raise _Refused("not_follower", f"the coordinator's shard does not take {msg.TYPE} messages")
+        if not hmac.compare_digest(getattr(msg, "token", ""), self.control_token):
+            raise _Refused("unauthorized", f"{msg.TYPE} without this shard's control token")
+
+    def _on_commit(self, ident: bytes, msg: P.Commit) -> None:
+        self._check_control(msg)
         if len(msg.workers) != len(msg.batch_sizes) or not msg.workers:
             raise _Refused("bad_commit", "commit needs one batch size per worker")
         accepted = dict(zip(msg.workers, msg.batch_sizes))
@@ -368,8 +382,8 @@ class ShardServer:
         if (self.coord is not None and ck.every_seconds and self.checkpoint_due is None
                 and time.monotonic() - self.last_checkpoint_time >= ck.every_seconds):
             self.checkpoint_due = v + 2
-            for link in self.shard_links.values():
-                self._send_link(link, P.CheckpointAt(version=v + 2))
+            for k, link in self.shard_links.items():
+                self._send_link(link, P.CheckpointAt(version=v + 2, token=self.shard_tokens.get(k, "")))
 
     def write_checkpoint(self) -> Path:
         assert self.checkpoint_dir is not None
@@ -378,6 +392,7 @@ class ShardServer:
         if self.coord is not None:
             meta["coordinator"] = self.coord.state_dict()
             meta["shard_endpoints"] = {str(k): ep for k, ep in self.shard_endpoints.items()}
+            meta["shard_tokens"] = {str(k): t for k, t in self.shard_tokens.items()}
         path = save_checkpoint(self.checkpoint_dir, self.shard_id, self.state.version,
                                self.state.state_arrays(), meta, keep=self.cfg.checkpoint.keep)
         self.last_checkpoint_time = time.monotonic()
@@ -409,17 +424,19 @@ class ShardServer:
             for k, ep in meta.get("shard_endpoints", {}).items():
                 if int(k) != 0:
                     link = Connection(self.ctx, ep, timeout_s=1.0, security=self.cfg.security)
-                    self._send_link(link, P.Rollback(version=self.state.version))
+                    token = meta.get("shard_tokens", {}).get(k, "")
+                    self._send_link(link, P.Rollback(version=self.state.version, token=token))
                     link.close(linger_ms=2000)
 
     def _rollback_all(self, version: int, reason: str) -> None:
         log.warning("rolling the job back to version %d: %s", version, reason)
         self._restore(version)
         self.coord_metrics.write(event="rollback", version=version, reason=reason)
-        for link in self.shard_links.values():
-            self._send_link(link, P.Rollback(version=version))
+        for k, link in self.shard_links.items():
+            self._send_link(link, P.Rollback(version=version, token=self.shard_tokens.get(k, "")))
 
     def _on_checkpoint_at(self, ident: bytes, msg: P.CheckpointAt) -> None:
+        self._check_control(msg)
         if msg.version == self.state.version:
             self.write_checkpoint()
         elif msg.version > self.state.version:
@@ -429,8 +446,7 @@ class ShardServer:
                         self.state.version)
 
     def _on_rollback(self, ident: bytes, msg: P.Rollback) -> None:
-        if self.coord is not None:
-            raise _Refused("not_follower", "the coordinator decides rollbacks")
+        self._check_control(msg)
         try:
             self._restore(msg.version)
         except CheckpointError as exc:
@@ -446,9 +462,9 @@ class ShardServer:
 
     def _commit_to_shards(self, iteration: int, accepted: dict[int, int]) -> None:
         workers = sorted(accepted)
-        for link in self.shard_links.values():
-            self._send_link(link, P.Commit(iteration=iteration, workers=workers,
-                               batch_sizes=[accepted[w] for w in workers]))
+        for k, link in self.shard_links.items():
+            self._send_link(link, P.Commit(iteration=iteration, workers=workers, token=self.shard_tokens.get(k, ""),
+                                           batch_sizes=[accepted[w] for w in workers]))
 
     def _on_pull(self, ident: bytes, msg: P.Pull) -> None:
         self.pending_pulls.append(_PendingPull(ident, msg.worker_id, msg.min_version, msg.exact))
@@ -463,13 +479,19 @@ class ShardServer:
 
     def _on_eval(self, ident: bytes, msg: P.EvalReport) -> None:
         coord = self._require_coordinator()
+        self._check_job(msg.job_digest)
         coord.on_eval(msg.accuracy)
         t = self.cfg.training.target_accuracy
         if t is not None and msg.accuracy >= t:
             coord.request_stop(f"reached target_accuracy={t} (version {msg.version})")
         self._reply(ident, P.Ack(what="eval_report"))
 
+    def _check_job(self, digest: str) -> None:
+        if not hmac.compare_digest(digest, self.job_digest):
+            raise _Refused("unauthorized", "this request must carry the job's config digest")
+
     def _on_shutdown(self, ident: bytes, msg: P.Shutdown) -> None:
+        self._check_job(msg.job_digest)
         log.info("shutdown requested: %s", msg.reason)
         self._reply(ident, P.Ack(what="shutdown"))
         self.stop_event.set()
@@ -487,7 +509,8 @@ class ShardServer:
                     worker_id=wid,
                     shard_endpoints=[self.shard_endpoints[k] for k in range(self.cfg.cluster.num_shards)],
                     shard_ranges=[list(r) for r in self.ranges], num_params=self.num_params,
-                    version=start, job=self.cfg.job_spec()))
+                    version=start, job=self.cfg.job_spec(),
+                    token=coord.workers[wid].token if wid >= 0 else ""))
             self.pending_joins = []
             self.sync.set_live(coord.live())
             coord.try_start()

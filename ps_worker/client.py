@@ -45,6 +45,7 @@ class ShardClients:
         self.conns: list[Connection] = []
         self.ranges: list[tuple[int, int]] = []
         self.welcome: P.Welcome | None = None
+        self.token = ""
         # Heterogeneity lab: an added delay per push and per pull (a slower link); no-op by default.
         self.comm_delay: Callable[[int], float] = lambda nbytes: 0.0
 
@@ -65,6 +66,7 @@ class ShardClients:
             raise
         assert isinstance(welcome, P.Welcome)
         self.welcome = welcome
+        self.token = welcome.token
         self.ranges = [(int(a), int(b)) for a, b in welcome.shard_ranges]
         self.conns = [c0] + [
             Connection(self.ctx, ep, timeout_s=self.timeout_s,
@@ -86,7 +88,7 @@ class ShardClients:
             conn.send(P.Push(worker_id=worker_id, iteration=assignment.iteration,
                              batch_size=assignment.batch_size,
                              expected_workers=assignment.expected_workers,
-                             global_batch=assignment.global_batch, loss=loss,
+                             global_batch=assignment.global_batch, loss=loss, token=self.token,
                              telemetry=telemetry if k == 0 else {}, arrays=[grads[a:b]]))
 
     def pull(self, params: np.ndarray, *, worker_id: int, min_version: int,

@@ -19,7 +19,7 @@ import zmq
 
 from ps_common import protocol as P
 from ps_common.config import JobConfig
-from ps_common.datasets import ArrayDataset, load_dataset
+from ps_common.datasets import ArrayDataset, dataset_from_config
 from ps_common.metrics import MetricsWriter
 from ps_common.models import FlatParameters, build_model
 from ps_common.transport import RemoteError
@@ -54,9 +54,7 @@ class Evaluator:
         self.client = ShardClients(self.ctx, server, timeout_s=cfg.transport.timeout_s,
                                    connect_timeout_s=cfg.transport.connect_timeout_s,
                                    security=cfg.security)
-        self.data = dataset or load_dataset(
-            cfg.data.dataset, cache_dir=cfg.data.cache_dir, seed=cfg.run.seed,
-            synthetic_train=cfg.data.synthetic_train, synthetic_test=cfg.data.synthetic_test)
+        self.data = dataset or dataset_from_config(cfg.data, cfg.run.seed)
         self.model = build_model(cfg.model.name, seed=cfg.run.seed)
         self.flat = FlatParameters(self.model)
         self.params = np.empty(self.flat.numel, dtype=np.float32)
@@ -116,5 +114,5 @@ class Evaluator:
         log.info("version %d: test accuracy %.4f loss %.4f", res.version, acc, loss)
         if report:
             self.client.send_to_coordinator(
-                P.EvalReport(version=res.version, samples=rec["samples"], accuracy=acc, loss=loss), P.Ack)
+                P.EvalReport(job_digest=self.cfg.job_digest(), version=res.version, samples=rec["samples"], accuracy=acc, loss=loss), P.Ack)
         return res.version

@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 
 class Heartbeat:
     def __init__(self, ctx: zmq.Context, endpoint: str, worker_id: int, interval_s: float,
-                 security: SecurityConfig | None = None) -> None:
+                 security: SecurityConfig | None = None, token: str = "") -> None:
+        self.token = token
         self.security = security
         self.ctx = ctx
         self.endpoint = endpoint
@@ -56,7 +57,7 @@ class Heartbeat:
         try:
             while not self._stop.is_set():
                 try:
-                    send(sock, P.Heartbeat(worker_id=self.worker_id))
+                    send(sock, P.Heartbeat(worker_id=self.worker_id, token=self.token))
                 except zmq.Again:  # coordinator unreachable: coordinator_silent_s() grows
                     pass
                 deadline = time.monotonic() + self.interval_s

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import zmq
 
 from ps_common.config import JobConfig
-from ps_common.datasets import ArrayDataset, load_dataset, sample_order
+from ps_common.datasets import ArrayDataset, dataset_from_config, sample_order
 from ps_common.metrics import MetricsWriter
 from ps_common.models import FlatParameters, build_model
 from ps_common.protocol import Assignment
@@ -69,9 +69,7 @@ class Worker:
         self.client = ShardClients(self.ctx, server, timeout_s=cfg.transport.timeout_s,
                                    connect_timeout_s=cfg.transport.connect_timeout_s,
                                    security=cfg.security)
-        self.data = dataset or load_dataset(
-            cfg.data.dataset, cache_dir=cfg.data.cache_dir, seed=cfg.run.seed,
-            synthetic_train=cfg.data.synthetic_train, synthetic_test=cfg.data.synthetic_test)
+        self.data = dataset or dataset_from_config(cfg.data, cfg.run.seed)
         self.model = build_model(cfg.model.name, seed=cfg.run.seed).to(self.device)
         self.flat = FlatParameters(self.model)
         self.host_params = np.empty(self.flat.numel, dtype=np.float32)
@@ -106,7 +104,8 @@ class Worker:
             while True:
                 welcome = self._join()
                 hb = Heartbeat(self.ctx, self.client.server, self.worker_id,
-                               self.cfg.heartbeat.interval_s, security=self.cfg.security).start()
+                               self.cfg.heartbeat.interval_s, security=self.cfg.security,
+                               token=self.client.token).start()
                 try:
                     outcome = self._loop(welcome.version, max_iterations, hb)
                 except KeyboardInterrupt:
@@ -158,7 +157,7 @@ class Worker:
 
     def _leave(self, reason: str) -> None:
         try:
-            self.client.send_to_coordinator(P.Leave(worker_id=self.worker_id, reason=reason), P.Ack)
+            self.client.send_to_coordinator(P.Leave(worker_id=self.worker_id, reason=reason, token=self.client.token), P.Ack)
         except Exception as exc:  # best effort: the heartbeat timeout covers a failed leave
             log.info("leave not acknowledged: %s", exc)
 
