@@ -123,6 +123,23 @@ class HeartbeatConfig(StrictModel):
     timeout_s: float = Field(5.0, gt=0, description="silence after which a worker is declared lost")
 
 
+class ElasticConfig(StrictModel):
+    """What happens to the global batch when workers join or leave (round modes).
+
+    keep=global_batch (default): X stays constant and is re-split; nothing else changes.
+    keep=worker_batch: every worker keeps ``worker_batch`` samples, so X follows the number of
+    live workers, and the learning rate follows X by linear scaling (Goyal et al. 2017), ramped
+    over ``ramp_iterations``. Momentum needs no separate correction here: the optimizer keeps
+    the raw gradient average in its buffer and applies the learning rate outside it, which is
+    what Goyal et al.'s momentum correction restores for the lr-inside formulation.
+    """
+
+    keep: Literal["global_batch", "worker_batch"] = "global_batch"
+    worker_batch: Optional[int] = Field(None, gt=0, description="default: global_batch / num_workers")
+    lr_rule: Literal["linear", "none"] = "linear"
+    ramp_iterations: int = Field(0, ge=0)
+
+
 class CheckpointConfig(StrictModel):
     dir: Optional[str] = Field(None, description="default: RUN_DIR/checkpoints")
     every_iterations: Optional[int] = Field(None, gt=0)
@@ -150,6 +167,7 @@ class JobConfig(StrictModel):
     transport: TransportConfig = TransportConfig()
     heartbeat: HeartbeatConfig = HeartbeatConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    elastic: ElasticConfig = ElasticConfig()
     scenario: ScenarioConfig = ScenarioConfig()
     security: SecurityConfig = SecurityConfig()  # per host: not part of the job digest
 
@@ -177,7 +195,8 @@ class JobConfig(StrictModel):
         """The part every process of one job must agree on (checked by digest at join)."""
         d = self.model_dump(mode="json")
         return {"seed": d["run"]["seed"], **{k: d[k] for k in ("model", "data", "optimizer",
-                                                               "training", "mode", "scenario")},
+                                                               "training", "mode", "scenario",
+                                                               "elastic")},
                 "num_shards": d["cluster"]["num_shards"]}
 
     def job_digest(self) -> str:

@@ -64,6 +64,7 @@ class Assignment:
     ranges: list[list[int]]
     expected_workers: int
     global_batch: int
+    lr_scale: float = 1.0  # elastic global batch: the logged learning-rate rule's factor
 
 
 @dataclass
@@ -164,6 +165,7 @@ class Push(Message):
     loss: float = 0.0
     telemetry: dict[str, float] = field(default_factory=dict)
     token: str = ""  # checked by the coordinator's shard
+    lr_scale: float = 1.0  # from the assignment; every push of an iteration must agree
 
 
 @dataclass

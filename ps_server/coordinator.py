@@ -87,6 +87,9 @@ class Coordinator:
         self.replan_pending = False
         self.resumed = False
         self.elapsed_at_resume = 0.0
+        self.events: list[dict] = []  # drained and logged by the server
+        self._last_X: int | None = None
+        self._ramp: tuple[int, float, float] | None = None
 
     @property
     def global_batch(self) -> int:
@@ -170,13 +173,53 @@ class Coordinator:
             self._plan(self.iteration)
         return True
 
+    def current_global_batch(self) -> int:
+        """X for the next plan: constant, or worker_batch x live workers (elastic.keep)."""
+        e = self.cfg.elastic
+        if e.keep == "worker_batch" and self.kind == "round":
+            wb = e.worker_batch or max(1, self.global_batch // self.cfg.cluster.num_workers)
+            return wb * max(1, len(self.workers))
+        return self.global_batch
+
+    def drain_events(self) -> list[dict]:
+        out, self.events = self.events, []
+        return out
+
+    def _lr_factor(self, iteration: int, X: int) -> float:
+        """Linear scaling to X / X_configured, ramped from the previous factor; changes logged."""
+        e = self.cfg.elastic
+        if e.lr_rule == "none" or e.keep == "global_batch":
+            return 1.0
+        target = X / self.global_batch
+        if self._last_X is None:
+            self._last_X = self.global_batch if self.updates == 0 else X
+        if X != self._last_X:
+            now = self._lr_at(iteration)
+            self._ramp = (iteration, now, target)
+            self.events.append({"event": "global_batch_changed", "iteration": iteration,
+                                "from": self._last_X, "to": X, "lr_factor_from": now, "lr_factor_to": target,
+                                "ramp_iterations": e.ramp_iterations, "rule": "linear scaling"})
+            log.info("global batch %s -> %d at iteration %d: lr factor %.3f -> %.3f over %d iterations",
+                     self._last_X, X, iteration, now, target, e.ramp_iterations)
+            self._last_X = X
+        return self._lr_at(iteration)
+
+    def _lr_at(self, iteration: int) -> float:
+        if self._ramp is None:
+            return 1.0
+        start, a, b = self._ramp
+        ramp = self.cfg.elastic.ramp_iterations
+        if ramp <= 0:
+            return b
+        return a + (b - a) * min(1.0, (iteration - start + 1) / ramp)
+
     def _split(self, live: list[int]) -> tuple[dict[int, int], int]:
         """Batch sizes for ``live`` and their sum.
 
         With backup workers each of the N + b workers gets a share of X / N, so the first N
         gradients add up to X.
         """
-        X = self.global_batch
+        X = self.current_global_batch()
         b = self.cfg.mode.backup_workers if self.cfg.mode.sync == "backup" else 0
         required = max(1, self.cfg.cluster.num_workers - b)
         total = X if b == 0 else max(len(live), round(X * len(live) / required))
@@ -193,9 +236,10 @@ class Coordinator:
             self.plan = {}
             return
         sizes, total = self._split(live)
+        lr = self._lr_factor(iteration, self.current_global_batch())
         self.plan = {
             w: Assignment(iteration=iteration, batch_size=x, ranges=self.cursor.take(x),
-                          expected_workers=len(live), global_batch=total)
+                          expected_workers=len(live), global_batch=total, lr_scale=lr)
             for w, x in sizes.items()
         }
 
@@ -296,6 +340,8 @@ class Coordinator:
                 self.manager.load_state_dict(d["policy"])
             except (ValueError, KeyError) as exc:  # a policy change between runs: start afresh
                 log.warning("batch policy state not restored: %s", exc)
+        for w in self.manager.live_workers:  # members of the old incarnation join again
+            self.manager.leave(w)
         self.started, self.stop, self.stop_reason = False, False, ""
         self.resumed = True
 

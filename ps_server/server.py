@@ -325,7 +325,7 @@ class ShardServer:
             raise _Refused("bad_token", f"push for worker {msg.worker_id} with a wrong token")
         (grad,) = msg.arrays
         applied = self.state.push(msg.worker_id, msg.iteration, msg.batch_size, msg.expected_workers,
-                                  msg.global_batch, grad)
+                                  msg.global_batch, grad, msg.lr_scale)
         if coord is not None:
             tel = msg.telemetry
             coord.record_push(WorkerReport(
@@ -499,6 +499,9 @@ class ShardServer:
     # ----- deferred replies ----------------------------------------------------------------
     def _serve_pending(self) -> None:
         coord = self.coord
+        if coord is not None:
+            for ev in coord.drain_events():
+                self.coord_metrics.write(**ev)
         if coord is not None and self.pending_joins and self._all_shards_known():
             for ident, join in self.pending_joins:
                 wid = coord.join(join.name, join.device) if join.role == "worker" else -1

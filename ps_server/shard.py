@@ -38,6 +38,7 @@ class ShardState:
         self.rejected: dict[str, int] = {}
         self.dropped = 0
         self.samples_applied = 0
+        self.lr_factors: dict[int, float] = {}  # iteration -> elastic learning-rate factor
         # Parameters at every ``snapshot_every``-th version, so the evaluator measures exactly
         # those versions even when it falls behind. Updates are out of place, so a snapshot is
         # a reference, not a copy; at most ``max_snapshots`` are kept.
@@ -70,13 +71,19 @@ class ShardState:
         self.samples_applied = int(meta["samples_applied"])
         self.version_time = self.clock()
         self.sync.reset()
+        self.lr_factors = {}
         self.snapshots = {}
         self._snapshot()
 
     def push(self, worker_id: int, iteration: int, batch_size: int, expected_workers: int,
-             global_batch: int, grad: np.ndarray) -> list[Apply]:
+             global_batch: int, grad: np.ndarray, lr_scale: float = 1.0) -> list[Apply]:
         """Record a gradient; return the updates it completed (already applied)."""
         try:
+            if not (np.isfinite(lr_scale) and 0 < lr_scale <= 64):
+                raise PushRejected("bad_plan", f"lr_scale {lr_scale} out of (0, 64]")
+            known = self.lr_factors.get(iteration)
+            if self.sync.kind == "round" and known is not None and known != lr_scale:
+                raise PushRejected("bad_plan", f"lr_scale {lr_scale} differs from {known} for iteration {iteration}")
             if grad.dtype != np.float32 or grad.shape != (self.size,):
                 raise PushRejected(
                     "bad_shape", f"shard {self.shard} expects float32[{self.size}], got "
@@ -85,6 +92,8 @@ class ShardState:
                 raise PushRejected("nonfinite", f"gradient from worker {worker_id} has NaN or Inf")
             outcome = self.sync.on_push(self.version, worker_id, iteration, batch_size,
                                         expected_workers, global_batch, grad)
+            if self.sync.kind == "round" and iteration >= self.version:
+                self.lr_factors[iteration] = lr_scale
         except PushRejected as exc:
             self.rejected[exc.code] = self.rejected.get(exc.code, 0) + 1
             raise
@@ -109,7 +118,9 @@ class ShardState:
             acc += scratch
             total += g.batch_size
         acc /= np.float32(total)
-        self.params = self.optimizer.step(self.params, acc, lr_scale=a.lr_scale)
+        factor = self.lr_factors.pop(a.iteration, 1.0) if self.sync.kind == "round" else 1.0
+        self.lr_factors = {t: f for t, f in self.lr_factors.items() if t > a.iteration}
+        self.params = self.optimizer.step(self.params, acc, lr_scale=a.lr_scale * factor)
         self.samples_applied += total
         self.version += 1
         self.version_time = self.clock()

@@ -89,6 +89,7 @@ class ShardClients:
                              batch_size=assignment.batch_size,
                              expected_workers=assignment.expected_workers,
                              global_batch=assignment.global_batch, loss=loss, token=self.token,
+                             lr_scale=assignment.lr_scale,
                              telemetry=telemetry if k == 0 else {}, arrays=[grads[a:b]]))
 
     def pull(self, params: np.ndarray, *, worker_id: int, min_version: int,
