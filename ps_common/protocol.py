@@ -271,12 +271,100 @@ class Error(Message):
     message: str = ""
 
 
+# ----- batch-size manager service (ps-bsm, ps_server/bsm_service.py) ----------------------
+# A BatchSizeManager served over this protocol, for training loops in other processes or
+# frameworks. Join, leave and report are answered with Ack, errors with Error.
+
+
+@dataclass
+class BsmJoin(Message):
+    """A worker became live: it gets a share of the global batch from the next assignment on."""
+
+    TYPE: ClassVar[str] = "bsm_join"
+    worker_id: int = -1
+
+
+@dataclass
+class BsmLeave(Message):
+    """A worker left or was declared lost (unknown ids are acknowledged and ignored)."""
+
+    TYPE: ClassVar[str] = "bsm_leave"
+    worker_id: int = -1
+
+
+@dataclass
+class BsmReport(Message):
+    """One worker's measurements of one finished iteration (a ``WorkerReport`` on the wire)."""
+
+    TYPE: ClassVar[str] = "bsm_report"
+    worker_id: int = -1
+    iteration: int = 0
+    batch_size: int = 0
+    compute_s: float = 0.0
+    iteration_s: float = 0.0
+    telemetry: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class BsmAssign(Message):
+    """Ask for the next split of the global batch over the live workers."""
+
+    TYPE: ClassVar[str] = "bsm_assign"
+
+
+@dataclass
+class BsmAssignment(Message):
+    """``batch_sizes[i]`` is the next batch of ``workers[i]``; they sum to ``global_batch``.
+
+    ``decision_s`` is the manager's own decision time (the reports observed since the previous
+    assignment plus this one), so its overhead can be set against the iteration time.
+    """
+
+    TYPE: ClassVar[str] = "bsm_assignment"
+    workers: list[int] = field(default_factory=list)
+    batch_sizes: list[int] = field(default_factory=list)
+    global_batch: int = 0
+    decision_s: float = 0.0
+
+
+@dataclass
+class BsmStats(Message):
+    """Ask for the service's counters; ``include_state`` adds the manager's ``state_dict()``."""
+
+    TYPE: ClassVar[str] = "bsm_stats"
+    include_state: bool = False
+
+
+@dataclass
+class BsmStatsReply(Message):
+    TYPE: ClassVar[str] = "bsm_stats_reply"
+    policy: str = ""
+    global_batch: int = 0
+    min_batch: int = 1
+    max_batch: Union[int, None] = None
+    live: list[int] = field(default_factory=list)
+    last_workers: list[int] = field(default_factory=list)
+    last_batch_sizes: list[int] = field(default_factory=list)
+    decisions: int = 0
+    last_decision_s: float = 0.0
+    mean_decision_s: float = 0.0  # NaN before the first decision
+    total_decision_s: float = 0.0
+    reports: int = 0          # reports accepted and fed to the manager
+    ignored_reports: int = 0  # reports the manager dropped (counted by the manager)
+    requests: int = 0         # messages received, malformed ones included
+    malformed: int = 0        # messages that did not decode
+    errors_sent: int = 0      # Error replies of any kind
+    uptime_s: float = 0.0
+    state: dict[str, Any] = field(default_factory=dict)  # state_dict() when asked for, else {}
+
+
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (
         Hello, HelloReply, RegisterShard, Ack, Join, Welcome, Heartbeat, HeartbeatReply, Leave, Push, Pull, Params, Commit,
         CheckpointAt, Rollback,
         StatusRequest, Status, EvalReport, Shutdown, Error,
+        BsmJoin, BsmLeave, BsmReport, BsmAssign, BsmAssignment, BsmStats, BsmStatsReply,
     )
 }
 

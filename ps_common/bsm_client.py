@@ -1,0 +1,117 @@
+"""Client of the ``ps-bsm`` batch-size service (:mod:`ps_server.bsm_service`).
+
+For training loops in another process or framework: no torch, only ZeroMQ and the protocol::
+
+    with BatchSizeClient("tcp://127.0.0.1:5555") as bsm:
+        bsm.join(rank)
+        sizes = bsm.assign()                     # {worker: batch size}, sums to X
+        ...train sizes[rank] samples...
+        bsm.report(rank, it, sizes[rank], compute_s=..., iteration_s=...)
+
+A refused request raises :class:`~ps_common.transport.RemoteError` (``.code`` says why, e.g.
+``unknown_worker``, ``no_workers``, ``bad_request``); no reply within ``timeout_s`` raises
+:class:`~ps_common.transport.TransportTimeout`. After a timeout the socket is replaced, so a late
+reply can never be mistaken for the answer to the next request. Nothing is retried: reports are
+not idempotent. One client per thread (ZeroMQ sockets are not thread-safe).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+import zmq
+
+from ps_common import protocol as P
+from ps_common.security import SecurityConfig
+from ps_common.transport import Connection, RemoteError, TransportTimeout
+
+__all__ = ["BatchSizeClient", "RemoteError", "TransportTimeout"]
+
+
+class BatchSizeClient:
+    """Request/reply access to one ``ps-bsm`` service."""
+
+    def __init__(self, endpoint: str, timeout_s: float = 10.0, security: SecurityConfig | None = None,
+                 *, ctx: zmq.Context | None = None) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.endpoint = endpoint
+        self.timeout_s = float(timeout_s)
+        self.security = security
+        self.ctx = ctx or zmq.Context.instance()
+        self.last_decision_s = math.nan  #: the manager's decision time of the last assign()
+        self._conn: Connection | None = self._connect()
+
+    def _connect(self) -> Connection:
+        return Connection(self.ctx, self.endpoint, timeout_s=self.timeout_s, max_array_bytes=0,
+                          security=self.security)
+
+    def _request(self, msg: P.Message, expect: type[P.Message]) -> Any:
+        if self._conn is None:
+            raise RuntimeError("BatchSizeClient is closed")
+        try:
+            return self._conn.request(msg, expect)
+        except RemoteError:
+            raise
+        except (TransportTimeout, P.ProtocolError):
+            # A late or unexpected reply would answer the wrong request: start a fresh socket.
+            self._conn.close()
+            self._conn = self._connect()
+            raise
+
+    # ----- membership --------------------------------------------------------------------
+    def join(self, worker_id: int) -> None:
+        """Make ``worker_id`` live (joining twice is a no-op)."""
+        self._request(P.BsmJoin(worker_id=int(worker_id)), P.Ack)
+
+    def leave(self, worker_id: int) -> None:
+        """``worker_id`` left (unknown ids are ignored by the service)."""
+        self._request(P.BsmLeave(worker_id=int(worker_id)), P.Ack)
+
+    # ----- reports and decisions ---------------------------------------------------------
+    def report(self, worker_id: int, iteration: int, batch_size: int, compute_s: float,
+               iteration_s: float = 0.0, telemetry: Mapping[str, float] | None = None) -> None:
+        """One worker's measurements of a finished iteration (the fields of ``WorkerReport``)."""
+        tel = {str(k): float(v) for k, v in (telemetry or {}).items()}
+        self._request(P.BsmReport(worker_id=int(worker_id), iteration=int(iteration),
+                                  batch_size=int(batch_size), compute_s=float(compute_s),
+                                  iteration_s=float(iteration_s), telemetry=tel), P.Ack)
+
+    def observe(self, report: Any) -> None:
+        """Send a ``WorkerReport`` (or any object with its attributes)."""
+        self.report(report.worker_id, report.iteration, report.batch_size, report.compute_s,
+                    report.iteration_s, getattr(report, "telemetry", None))
+
+    def assign(self) -> dict[int, int]:
+        """The next ``{worker: batch size}`` for the live workers (sums to the global batch)."""
+        a = self._request(P.BsmAssign(), P.BsmAssignment)
+        if len(a.workers) != len(a.batch_sizes):
+            raise P.ProtocolError(f"{self.endpoint}: assignment lists {len(a.workers)} workers "
+                                  f"and {len(a.batch_sizes)} batch sizes")
+        self.last_decision_s = a.decision_s
+        return dict(zip(a.workers, a.batch_sizes))
+
+    def stats(self, include_state: bool = False) -> dict[str, Any]:
+        """The service's counters and decision times (``BsmStatsReply`` fields as a dict),
+        plus ``last_assignment`` as ``{worker: batch}``; ``include_state`` adds ``state``,
+        the manager's ``state_dict()``."""
+        r = self._request(P.BsmStats(include_state=bool(include_state)), P.BsmStatsReply)
+        out = {f.name: getattr(r, f.name) for f in dataclasses.fields(r) if f.name != "arrays"}
+        out["last_assignment"] = dict(zip(r.last_workers, r.last_batch_sizes))
+        if not include_state:
+            out.pop("state")
+        return out
+
+    # ----- lifecycle ---------------------------------------------------------------------
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def __enter__(self) -> "BatchSizeClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,298 @@
+"""``ps-bsm``: one :class:`~batchsize_manager.manager.BatchSizeManager` served over the protocol.
+
+Training loops in other processes or frameworks (a DDP job, a JAX loop, a shell script through
+:class:`ps_common.bsm_client.BatchSizeClient`) ask it for batch sizes: ``BsmJoin``/``BsmLeave``
+change membership, ``BsmReport`` feeds one worker's measurements of a finished iteration,
+``BsmAssign`` returns the next split (``BsmAssignment``) and ``BsmStats`` the counters.
+
+The manager stays free of ZeroMQ; this module is only the I/O loop around it: a ROUTER socket,
+a dispatch table, a receive timeout on every poll so that SIGINT/SIGTERM (or :meth:`stop`) end
+it promptly. Every message is decoded and validated before it touches the manager; bad input
+is answered with :class:`~ps_common.protocol.Error`, counted and logged, never a crash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any, Callable, Mapping
+
+import zmq
+
+from batchsize_manager import BatchSizeManager, WorkerReport
+from ps_common import protocol as P
+from ps_common.security import SecurityConfig, close_socket
+from ps_common.transport import advertised, bind_address, make_router, recv_frames
+
+log = logging.getLogger(__name__)
+
+#: Largest message accepted (ZMQ_MAXMSGSIZE): a header and nothing else; no BSM message has arrays.
+MAX_MSG_BYTES = P.MAX_HEADER_BYTES + 4096
+#: Telemetry entries accepted per report (the worker sends a dozen or so).
+MAX_TELEMETRY_KEYS = 256
+
+
+class Refused(Exception):
+    """A request the service answers with ``Error(code, message)``; state is left unchanged."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _worker_id(w: int) -> int:
+    if w < 0:
+        raise Refused("bad_request", f"worker_id must be a non-negative int, got {w}")
+    return w
+
+
+def _timing(name: str, v: float) -> float:
+    if not (math.isfinite(v) and v >= 0.0):
+        raise Refused("bad_request", f"{name} must be a finite number >= 0, got {v!r}")
+    return v
+
+
+class BatchSizeService:
+    """A ROUTER loop around one manager. Not thread-safe: one thread runs :meth:`run`.
+
+    ``stop()`` may be called from any thread (or a signal handler); ``run()`` returns within one
+    poll interval and closes the socket.
+    """
+
+    def __init__(self, manager: BatchSizeManager, *, host: str = "127.0.0.1", port: int = 0,
+                 advertise_host: str | None = None, ctx: zmq.Context | None = None,
+                 security: SecurityConfig | None = None, poll_s: float = 0.1) -> None:
+        self.manager = manager
+        self.ctx = ctx or zmq.Context.instance()
+        self.poll_s = float(poll_s)
+        self.sock, bound = make_router(self.ctx, bind_address(host, port),
+                                       max_msg_bytes=MAX_MSG_BYTES, security=security)
+        self.endpoint = advertised(bound, advertise_host)
+        self.stop_event = threading.Event()
+        self.started = time.monotonic()
+        self.requests = 0
+        self.reports = 0
+        self.malformed = 0
+        self.errors_sent = 0
+        self._closed = False
+        self.handlers: dict[type[P.Message], Callable[[Any], P.Message]] = {
+            P.BsmJoin: self._on_join,
+            P.BsmLeave: self._on_leave,
+            P.BsmReport: self._on_report,
+            P.BsmAssign: self._on_assign,
+            P.BsmStats: self._on_stats,
+        }
+
+    # ----- lifecycle -----------------------------------------------------------------------
+    def run(self) -> None:
+        """Serve until :meth:`stop` (or SIGINT/SIGTERM once handlers are installed)."""
+        try:
+            while not self.stop_event.is_set():
+                frames = recv_frames(self.sock, self.poll_s)
+                if frames is not None:
+                    self.handle(frames)
+        finally:
+            self.close()
+
+    def start(self, name: str = "ps-bsm") -> threading.Thread:
+        """Run the loop in a daemon thread (tests, embedding); ``stop()`` then ``join()`` it."""
+        t = threading.Thread(target=self.run, name=name, daemon=True)
+        t.start()
+        return t
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        log.info("ps-bsm stopping: %d requests, %d reports, %d decisions, %d malformed, %d errors sent",
+                 self.requests, self.reports, self.manager.decisions, self.malformed, self.errors_sent)
+        close_socket(self.sock)
+
+    def install_signal_handlers(self) -> None:
+        """SIGINT/SIGTERM end :meth:`run` cleanly (main thread only)."""
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: self.stop_event.set())
+
+    # ----- dispatch ------------------------------------------------------------------------
+    def handle(self, frames: list[zmq.Frame]) -> None:
+        """Answer one message; nothing a peer sends raises out of here."""
+        self.requests += 1
+        if len(frames) < 2:  # a ROUTER always prepends the identity; be safe anyway
+            self.malformed += 1
+            return
+        ident, body = frames[0].bytes, frames[1:]
+        try:
+            msg = P.decode(body, max_array_bytes=0)
+        except P.ProtocolError as exc:
+            self.malformed += 1
+            log.warning("malformed message: %s", exc)
+            self._reply(ident, P.error_for(exc, "malformed"))
+            return
+        handler = self.handlers.get(type(msg))
+        if handler is None:
+            self._reply(ident, P.Error(code="unsupported", message=f"ps-bsm does not accept {msg.TYPE}"))
+            return
+        try:
+            reply = handler(msg)
+        except Refused as exc:
+            log.info("%s refused [%s]: %s", msg.TYPE, exc.code, exc)
+            reply = P.Error(code=exc.code, message=str(exc)[:2000])
+        except Exception as exc:  # a policy bug must not take the service down
+            log.exception("%s failed", msg.TYPE)
+            reply = P.error_for(exc, "internal")
+        self._reply(ident, reply)
+
+    def _reply(self, ident: bytes, msg: P.Message) -> None:
+        try:
+            frames = P.encode(msg)
+        except Exception as exc:  # e.g. a policy state that msgpack cannot carry
+            log.exception("cannot encode a %s reply", msg.TYPE)
+            msg = P.error_for(exc, "internal")
+            frames = P.encode(msg)
+        if isinstance(msg, P.Error):
+            self.errors_sent += 1
+        try:
+            self.sock.send_multipart([ident, *frames], copy=False)
+        except zmq.ZMQError as exc:  # peer vanished (ROUTER_MANDATORY): nothing to answer
+            log.info("reply to a vanished peer dropped: %s", exc)
+
+    # ----- handlers: each returns the reply or raises Refused -------------------------------
+    def _on_join(self, msg: P.BsmJoin) -> P.Message:
+        w = _worker_id(msg.worker_id)
+        m = self.manager
+        limit = m.global_batch // m.min_batch  # more workers than this can never be assigned
+        if w not in m.live_workers and len(m.live_workers) >= limit:
+            raise Refused("too_many_workers",
+                          f"{len(m.live_workers)} workers are live; X={m.global_batch} with "
+                          f"min_batch={m.min_batch} cannot be split over more than {limit}")
+        m.join(w)
+        return P.Ack(what="bsm_join")
+
+    def _on_leave(self, msg: P.BsmLeave) -> P.Message:
+        self.manager.leave(_worker_id(msg.worker_id))
+        return P.Ack(what="bsm_leave")
+
+    def _on_report(self, msg: P.BsmReport) -> P.Message:
+        w = _worker_id(msg.worker_id)
+        if msg.iteration < 0:
+            raise Refused("bad_request", f"iteration must be >= 0, got {msg.iteration}")
+        if msg.batch_size < 0:
+            raise Refused("bad_request", f"batch_size must be >= 0, got {msg.batch_size}")
+        _timing("compute_s", msg.compute_s)
+        _timing("iteration_s", msg.iteration_s)
+        if len(msg.telemetry) > MAX_TELEMETRY_KEYS:
+            raise Refused("bad_request", f"telemetry has {len(msg.telemetry)} entries, "
+                                         f"at most {MAX_TELEMETRY_KEYS} are accepted")
+        bad = sorted(k for k, v in msg.telemetry.items() if not math.isfinite(v))
+        if bad:
+            raise Refused("bad_request", f"telemetry values must be finite: {bad[:8]}")
+        if w not in self.manager.live_workers:
+            raise Refused("unknown_worker", f"worker {w} is not live (join it first)")
+        self.manager.observe(WorkerReport(worker_id=w, iteration=msg.iteration,
+                                          batch_size=msg.batch_size, compute_s=msg.compute_s,
+                                          iteration_s=msg.iteration_s, telemetry=dict(msg.telemetry)))
+        self.reports += 1
+        return P.Ack(what="bsm_report")
+
+    def _on_assign(self, msg: P.BsmAssign) -> P.Message:
+        m = self.manager
+        if not m.live_workers:
+            raise Refused("no_workers", "no live workers: join at least one before asking for a split")
+        try:
+            sizes = m.assign()
+        except ValueError as exc:  # the bounds cannot hold X (check_feasible says why)
+            raise Refused("infeasible", str(exc)) from None
+        except RuntimeError as exc:  # the policy broke its contract (validated by the manager)
+            raise Refused("policy_error", str(exc)) from None
+        ws = sorted(sizes)
+        return P.BsmAssignment(workers=ws, batch_sizes=[int(sizes[w]) for w in ws],
+                               global_batch=m.global_batch, decision_s=float(m.last_decision_s))
+
+    def _on_stats(self, msg: P.BsmStats) -> P.Message:
+        m = self.manager
+        last = m.last_assignment
+        return P.BsmStatsReply(
+            policy=m.policy.name or type(m.policy).__name__, global_batch=m.global_batch,
+            min_batch=m.min_batch, max_batch=m.max_batch, live=m.live_workers,
+            last_workers=sorted(last), last_batch_sizes=[int(last[w]) for w in sorted(last)],
+            decisions=m.decisions, last_decision_s=float(m.last_decision_s),
+            mean_decision_s=float(m.mean_decision_s), total_decision_s=float(m.total_decision_s),
+            reports=self.reports, ignored_reports=m.ignored_reports, requests=self.requests,
+            malformed=self.malformed, errors_sent=self.errors_sent,
+            uptime_s=time.monotonic() - self.started,
+            state=_plain_state(m.state_dict()) if msg.include_state else {})
+
+
+def _plain_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state_dict()`` as msgpack-safe plain data (it is JSON-able by contract)."""
+    return json.loads(json.dumps(state, default=str))
+
+
+# ----- CLI ---------------------------------------------------------------------------------
+def _json_object(text: str, flag: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{flag}: not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _security(args: argparse.Namespace) -> SecurityConfig | None:
+    if not args.curve:
+        return None
+    cfg = SecurityConfig(curve=True, server_secret_key=args.server_secret_key,
+                         allowed_clients_dir=args.allowed_clients_dir)
+    cfg.require_server()
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``ps-bsm``: serve a batch-size manager; prints the endpoint it bound, stops on SIGINT/SIGTERM."""
+    from batchsize_manager import policy_names
+
+    ap = argparse.ArgumentParser(prog="ps-bsm", description=main.__doc__)
+    ap.add_argument("--policy", default="lbbsp-cpu", help=f"batch policy: {', '.join(policy_names())}")
+    ap.add_argument("--global-batch", type=int, required=True, help="X, the constant global batch")
+    ap.add_argument("--min-batch", type=int, default=1)
+    ap.add_argument("--max-batch", type=int, default=None, help="cap on every worker's batch")
+    ap.add_argument("--policy-args", default="{}", metavar="JSON",
+                    help='policy keyword arguments, e.g. \'{"predictor": "ema"}\'')
+    ap.add_argument("--host", default="127.0.0.1", help="address to bind")
+    ap.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one")
+    ap.add_argument("--advertise", default=None, help="host name clients use to reach this service")
+    ap.add_argument("--curve", action="store_true", help="CURVE encryption and client allow-list")
+    ap.add_argument("--server-secret-key", default=None, help="with --curve: the server .key_secret file")
+    ap.add_argument("--allowed-clients-dir", default=None, help="with --curve: allowed clients' .key files")
+    ap.add_argument("--log-level", default=os.environ.get("LBBSP_LOG_LEVEL", "INFO"))
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
+    try:
+        manager = BatchSizeManager(args.policy, args.global_batch, min_batch=args.min_batch,
+                                   max_batch=args.max_batch,
+                                   policy_args=_json_object(args.policy_args, "--policy-args"))
+        service = BatchSizeService(manager, host=args.host, port=args.port,
+                                   advertise_host=args.advertise, security=_security(args))
+    except (ValueError, TypeError, zmq.ZMQError) as exc:
+        print(f"ps-bsm: error: {exc}", file=sys.stderr)
+        return 2
+    service.install_signal_handlers()
+    print(f"ps-bsm listening on {service.endpoint}", flush=True)
+    service.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

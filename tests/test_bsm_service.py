@@ -1,0 +1,234 @@
+"""ps-bsm: the batch-size manager served over the protocol (real sockets on loopback)."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+from importlib.metadata import entry_points
+
+import pytest
+import zmq
+
+from batchsize_manager import BatchSizeManager, WorkerReport
+from ps_common import protocol as P
+from ps_common.bsm_client import BatchSizeClient, RemoteError, TransportTimeout
+from ps_common.transport import recv_frames
+from ps_server import bsm_service
+from ps_server.bsm_service import BatchSizeService
+
+X = 512
+SPEED = {0: 1000.0, 1: 1000.0, 2: 1000.0 / 3}   # worker 2 is 3x slower (samples/s)
+
+
+@pytest.fixture
+def service():
+    """Start services in threads with ``service(manager)``; every one is stopped afterwards."""
+    started: list[tuple[BatchSizeService, object]] = []
+
+    def start(manager: BatchSizeManager | None = None, **kw) -> BatchSizeService:
+        m = manager or BatchSizeManager("lbbsp-cpu", X, policy_args={"predictor": "ema"})
+        svc = BatchSizeService(m, poll_s=0.05, **kw)
+        started.append((svc, svc.start()))
+        return svc
+
+    yield start
+    for svc, thread in started:
+        svc.stop()
+        thread.join(timeout=5)
+        assert not thread.is_alive(), "ps-bsm thread did not stop"
+
+
+def run_iterations(c: BatchSizeClient, n: int, first: int = 0) -> dict[int, int]:
+    for it in range(first, first + n):
+        sizes = c.assign()
+        assert sum(sizes.values()) == X
+        for w, x in sizes.items():
+            c.report(w, it, x, compute_s=x / SPEED[w], iteration_s=x / SPEED[w] + 0.002,
+                     telemetry={"data_s": 0.001, "prev_push_s": 0.0005})
+    return c.assign()
+
+
+@pytest.mark.timeout(20)
+def test_join_assign_rebalance_leave(service):
+    svc = service()
+    with BatchSizeClient(svc.endpoint, timeout_s=5) as c:
+        for w in range(3):
+            c.join(w)
+        c.join(1)                                     # joining twice is a no-op
+        first = c.assign()
+        assert sorted(first) == [0, 1, 2] and sum(first.values()) == X
+        assert max(first.values()) - min(first.values()) <= 1   # cold start: uniform
+        assert c.last_decision_s >= 0
+
+        sizes = run_iterations(c, 5, first=1)
+        assert sum(sizes.values()) == X
+        assert sizes[2] < 0.6 * min(sizes[0], sizes[1]), sizes   # ~73 vs ~220
+        assert abs(sizes[0] - sizes[1]) <= 2
+
+        st = c.stats(include_state=True)
+        assert st["policy"] == "lbbsp-cpu" and st["global_batch"] == X and st["live"] == [0, 1, 2]
+        assert st["reports"] == 15 and st["ignored_reports"] == 0
+        assert st["decisions"] == 7 and st["last_assignment"] == sizes
+        assert 0 <= st["last_decision_s"] < 1 and st["mean_decision_s"] > 0
+        assert st["state"]["live"] == [0, 1, 2] and st["state"]["policy"] == "lbbsp-cpu"
+        assert "state" not in c.stats()
+
+        c.leave(2)
+        c.leave(2)                                    # unknown/departed ids are acknowledged
+        after = c.assign()
+        assert sorted(after) == [0, 1] and sum(after.values()) == X
+        assert abs(after[0] - after[1]) <= 2          # equal speeds: an even split again
+
+
+@pytest.mark.timeout(20)
+def test_bad_input_gets_errors_and_the_service_keeps_working(service):
+    svc = service()
+    with BatchSizeClient(svc.endpoint, timeout_s=5) as c:
+        with pytest.raises(RemoteError) as e:
+            c.assign()
+        assert e.value.code == "no_workers"
+        c.join(0)
+        c.join(1)
+        c.assign()
+        before = c.stats(include_state=True)
+
+        bad_reports = [
+            (dict(worker_id=7, iteration=0, batch_size=10, compute_s=0.1), "unknown_worker"),
+            (dict(worker_id=-1, iteration=0, batch_size=10, compute_s=0.1), "bad_request"),
+            (dict(worker_id=0, iteration=-3, batch_size=10, compute_s=0.1), "bad_request"),
+            (dict(worker_id=0, iteration=0, batch_size=-10, compute_s=0.1), "bad_request"),
+            (dict(worker_id=0, iteration=0, batch_size=10, compute_s=-0.1), "bad_request"),
+            (dict(worker_id=0, iteration=0, batch_size=10, compute_s=math.nan), "bad_request"),
+            (dict(worker_id=0, iteration=0, batch_size=10, compute_s=0.1, iteration_s=math.inf),
+             "bad_request"),
+            (dict(worker_id=0, iteration=0, batch_size=10, compute_s=0.1,
+                  telemetry={"data_s": math.nan}), "bad_request"),
+        ]
+        for kwargs, code in bad_reports:
+            with pytest.raises(RemoteError) as e:
+                c.report(**kwargs)
+            assert e.value.code == code, kwargs
+        for call in (c.join, c.leave):
+            with pytest.raises(RemoteError) as e:
+                call(-5)
+            assert e.value.code == "bad_request"
+        after = c.stats(include_state=True)
+        for key in ("live", "reports", "ignored_reports", "decisions", "state", "last_assignment"):
+            assert after[key] == before[key], key       # refused requests changed nothing
+        assert after["errors_sent"] == before["errors_sent"] + len(bad_reports) + 2
+
+    # Raw frames from a plain DEALER: garbage, bad msgpack, wrong types, unknown and foreign kinds.
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(svc.endpoint)
+    try:
+        hostile = [
+            ([b"garbage"], "malformed"),
+            ([b""], "malformed"),
+            ([P.HEADER_PREFIX + b"\xc1\xc1"], "malformed"),             # not msgpack
+            ([b"LBPS\x09" + b"\x80"], "malformed"),                     # wrong version
+            (P.encode(P.BsmJoin(worker_id="x")), "malformed"),          # type from the schema
+            (P.encode(P.BsmReport(worker_id=0, compute_s="fast")), "malformed"),
+            ([*P.encode(P.BsmAssign()), b"extra frame"], "malformed"),  # no arrays allowed
+            (P.encode(P.Hello(role="probe")), "unsupported"),           # valid, not for us
+            (P.encode(P.Error(code="x")), "unsupported"),
+        ]
+        for frames, code in hostile:
+            sock.send_multipart(frames)
+            reply = recv_frames(sock, 5.0)
+            assert reply is not None, f"no reply to {frames!r}"
+            msg = P.decode(reply)
+            assert isinstance(msg, P.Error) and msg.code == code, (frames, msg)
+    finally:
+        sock.close(linger=0)
+
+    with BatchSizeClient(svc.endpoint, timeout_s=5) as c:
+        sizes = c.assign()
+        assert sorted(sizes) == [0, 1] and sum(sizes.values()) == X
+        st = c.stats()
+        assert st["malformed"] == 7
+        assert svc.malformed == 7
+
+
+@pytest.mark.timeout(20)
+def test_join_is_bounded_and_infeasible_splits_are_errors(service):
+    svc = service(BatchSizeManager("uniform", 8, min_batch=4, max_batch=4))
+    with BatchSizeClient(svc.endpoint, timeout_s=5) as c:
+        c.join(0)
+        with pytest.raises(RemoteError) as e:
+            c.assign()                                  # one worker capped at 4 cannot take 8
+        assert e.value.code == "infeasible"
+        c.join(1)
+        assert c.assign() == {0: 4, 1: 4}
+        with pytest.raises(RemoteError) as e:
+            c.join(2)                                   # X // min_batch = 2 workers at most
+        assert e.value.code == "too_many_workers"
+        assert c.stats()["live"] == [0, 1]
+
+
+@pytest.mark.timeout(20)
+def test_client_observe_accepts_worker_reports_and_times_out(service):
+    svc = service()
+    with BatchSizeClient(svc.endpoint, timeout_s=5) as c:
+        c.join(3)
+        c.observe(WorkerReport(worker_id=3, iteration=0, batch_size=X, compute_s=0.5, iteration_s=0.6))
+        assert c.stats()["reports"] == 1
+    with BatchSizeClient("tcp://127.0.0.1:9", timeout_s=0.3) as dead:   # nothing listens there
+        with pytest.raises(TransportTimeout):
+            dead.assign()
+    with pytest.raises(RuntimeError, match="closed"):
+        c.assign()
+
+
+@pytest.mark.timeout(20)
+def test_curve_clients_must_be_allowed(tmp_path):
+    if not zmq.has("curve"):
+        pytest.skip("libzmq without CURVE")
+    from ps_common.security import init_local_keys, stop_authenticators
+
+    sec = init_local_keys(tmp_path / "keys")
+    ctx = zmq.Context()                                # its own authenticator
+    svc = BatchSizeService(BatchSizeManager("uniform", X), ctx=ctx, security=sec, poll_s=0.05)
+    thread = svc.start()
+    try:
+        with BatchSizeClient(svc.endpoint, timeout_s=5, security=sec, ctx=ctx) as c:
+            c.join(0)
+            assert c.assign() == {0: X}
+        with BatchSizeClient(svc.endpoint, timeout_s=0.5, ctx=ctx) as plain:
+            with pytest.raises(TransportTimeout):
+                plain.join(1)
+    finally:
+        svc.stop()
+        thread.join(timeout=5)
+        stop_authenticators(ctx)
+        ctx.term()
+    assert not thread.is_alive()
+
+
+def test_cli_rejects_bad_arguments(capsys):
+    assert bsm_service.main(["--policy", "nope", "--global-batch", "8"]) == 2
+    assert "unknown batch policy" in capsys.readouterr().err
+    assert bsm_service.main(["--global-batch", "8", "--policy-args", "[1]"]) == 2
+    assert "JSON object" in capsys.readouterr().err
+    assert bsm_service.main(["--global-batch", "0"]) == 2
+    scripts = {ep.name: ep.value for ep in entry_points(group="console_scripts")}
+    assert scripts.get("ps-bsm") == "ps_server.bsm_service:main"
+
+
+@pytest.mark.timeout(30)
+def test_cli_serves_and_stops_on_sigterm(procs):
+    child = procs.start("ps-bsm", "ps_server.bsm_service",
+                        ["--policy", "lbbsp-cpu", "--global-batch", str(X),
+                         "--policy-args", '{"predictor": "ema"}', "--port", "0"])
+    endpoint = procs.wait_endpoint(child, 15)
+    assert endpoint.startswith("tcp://127.0.0.1:")
+    with BatchSizeClient(endpoint, timeout_s=5) as c:
+        for w in range(3):
+            c.join(w)
+        sizes = run_iterations(c, 4)
+        assert sorted(sizes) == [0, 1, 2] and sum(sizes.values()) == X
+        assert sizes[2] < sizes[0] and sizes[2] < sizes[1]
+    os.killpg(child.proc.pid, signal.SIGTERM)
+    assert child.proc.wait(timeout=5) == 0, child.tail()
+    assert "ps-bsm stopping" in child.tail(), child.tail()
