@@ -61,9 +61,10 @@ def assert_exactly_once_per_epoch(updates, seed, n):
         assert sorted(seen[e]) == list(range(n)), f"epoch {e}: samples missing"
 
 
-@pytest.mark.parametrize("sync", ["bsp", "ssp"])
-def test_worker_sigkill_is_detected_and_training_continues(procs, tmp_path, sync):
-    cfg_path, cfg = write_config(tmp_path, job(mode={"sync": sync}))
+@pytest.mark.parametrize("sync, policy", [("bsp", "uniform"), ("ssp", "uniform"), ("bsp", "lbbsp-cpu")],
+                         ids=["bsp", "ssp", "lbbsp"])
+def test_worker_sigkill_is_detected_and_training_continues(procs, tmp_path, sync, policy):
+    cfg_path, cfg = write_config(tmp_path, job(mode={"sync": sync, "batch_policy": policy}))
     run = tmp_path / "run"
     eps = start_servers(procs, cfg_path, 2, run)
     workers = start_workers(procs, cfg_path, eps[0], 3, run)
@@ -79,6 +80,7 @@ def test_worker_sigkill_is_detected_and_training_continues(procs, tmp_path, sync
     assert len(lost) == 1
     detect_s = lost[0]["wall_time"] - killed_at
     assert detect_s < cfg.heartbeat.timeout_s + 1.5, f"loss detected after {detect_s:.2f}s"
+    print(f"loss of a worker ({sync}/{policy}) detected after {detect_s:.2f}s")
     if sync == "bsp":
         after = [r for r in updates if r["wall_time"] > lost[0]["wall_time"] + 0.5]
         assert after and all(len(r["batch_sizes"]) == 2 and sum(r["batch_sizes"].values()) == 60 for r in after)

@@ -49,7 +49,7 @@ def hostile_messages(rng: random.Random, sizes: list[int]):
         elif kind == 3:
             t = rng.choice(list(P.MESSAGE_TYPES))
             yield [hdr + msgpack.packb({"t": t, rng.choice(["worker_id", "iteration", "x"]): rng.choice(
-                ["str", -1.5, [1, 2], {"a": 1}, None, True, 2**70])}, use_bin_type=True)]
+                ["str", -1.5, [1, 2], {"a": 1}, None, True, 2**63, -(2**63)])}, use_bin_type=True)]
         elif kind == 4:  # push with a wrong size
             g = np.ones(n + rng.choice([-1, 1, 7]), np.float32)
             yield P.encode(P.Push(worker_id=1000 + rng.randrange(100), batch_size=8, expected_workers=2,

@@ -1,0 +1,84 @@
+"""LB-BSP under static heterogeneity against BSP and the ideal balanced bound, in one run.
+
+Four workers slowed 1, 1, 2, 4 (EMULATED: each sleeps (f - 1) x its measured compute). First
+each worker's speed v_i is measured ALONE (a one-worker job with its slowdown, at batch X/N,
+whole iterations: compute + communication). The ideal balanced bound is X / sum(v_i): the time
+per iteration if X were split so that every worker finishes together, at those speeds. Then
+BSP (uniform split) and LB-BSP (lbbsp-cpu) run the same 4-worker job; their median iteration
+times (LB-BSP after its first 20 iterations) are compared with the bound.
+
+    python benchmarks/bench_lbbsp_static.py [--iterations 150] [--predictor ema] [--model lenet]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from ps_common.config import load_config  # noqa: E402
+from ps_common.metrics import read_jsonl  # noqa: E402
+from ps_launcher.launcher import LocalCluster  # noqa: E402
+
+SLOWDOWNS = [1.0, 1.0, 2.0, 4.0]
+
+
+def run(base: list[str], extra: list[str], out: Path) -> list[dict]:
+    cfg = load_config(ROOT / "configs" / "quick_synthetic.yaml", [*base, *extra], env={})
+    LocalCluster(cfg, out, progress=False).run()
+    return [r for r in read_jsonl(out / "metrics" / "coordinator.jsonl") if "event" not in r]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--iterations", type=int, default=150)
+    ap.add_argument("--global-batch", type=int, default=256)
+    ap.add_argument("--model", default="lenet")
+    ap.add_argument("--predictor", default="ema")
+    args = ap.parse_args(argv)
+    X, N = args.global_batch, len(SLOWDOWNS)
+    base = [f"model.name={args.model}", f"training.global_batch={X}", "evaluator.enabled=false",
+            "cluster.num_shards=1", "data.synthetic_train=8192"]
+    tmp = Path(tempfile.mkdtemp(prefix="bench-lbbsp-"))
+    alone = []
+    for i, f in enumerate(SLOWDOWNS):
+        recs = run(base, ["cluster.num_workers=1", f"training.global_batch={X // N}", "training.max_iterations=60",
+                          f"scenario.slowdowns=[{f}]"], tmp / f"alone-{i}")
+        t = statistics.median(r["duration"] for r in recs[10:])
+        alone.append((X // N) / t)
+    bound = X / sum(alone)
+    scen = [f"cluster.num_workers={N}", f"training.max_iterations={args.iterations}",
+            "scenario.name=static-1-1-2-4", f"scenario.slowdowns={SLOWDOWNS}"]
+    bsp = run(base, [*scen, "mode.batch_policy=uniform"], tmp / "bsp")
+    lb = run(base, [*scen, "mode.batch_policy=lbbsp-cpu",
+                    f"mode.batch_policy_args={{predictor: {args.predictor}}}"], tmp / "lbbsp")
+    t_bsp = statistics.median(r["duration"] for r in bsp[10:])
+    t_lb = statistics.median(r["duration"] for r in lb[20:])
+    decision = statistics.mean(r["decision_s"] for r in lb[20:])
+    final = lb[-1]["batch_sizes"]
+    slow_of = {}
+    for r in lb[-10:]:
+        for w, tel in r["workers"].items():
+            slow_of[w] = tel["slowdown"]
+    split = ", ".join(f"{final[w]} (x{slow_of.get(w, 0):g})" for w in sorted(final, key=lambda w: slow_of.get(w, 0)))
+    print(f"model {args.model}, X = {X}, {N} workers slowed {SLOWDOWNS} (EMULATED), 1 shard, "
+          f"{args.iterations} iterations, lbbsp-cpu with {args.predictor}\n")
+    print("speeds measured alone (samples/s, whole iterations at batch X/N): "
+          + ", ".join(f"{v:.0f}" for v in alone) + "\n")
+    print("| | median iteration (ms) | / ideal bound | / BSP |")
+    print("|---|---|---|---|")
+    print(f"| ideal balanced bound X / sum(v_i) | {bound * 1e3:.1f} | 1.00 | {bound / t_bsp:.2f} |")
+    print(f"| BSP (uniform split) | {t_bsp * 1e3:.1f} | {t_bsp / bound:.2f} | 1.00 |")
+    print(f"| LB-BSP (lbbsp-cpu, {args.predictor}) | {t_lb * 1e3:.1f} | {t_lb / bound:.2f} | {t_lb / t_bsp:.2f} |")
+    print(f"\nLB-BSP final split (slowdown): {split}; decision time {decision * 1e3:.3f} ms per iteration "
+          f"= {decision / t_lb:.2%} of its iteration time")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
