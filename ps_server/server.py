@@ -31,7 +31,8 @@ from ps_common.metrics import MetricsWriter
 from ps_common.models import FlatParameters, build_model
 from ps_common.security import close_socket
 from ps_common.transport import Connection, TransportTimeout, advertised, bind_address, make_router, send
-from ps_server.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, save_checkpoint
+from ps_server.checkpoint import (CheckpointError, find_checkpoint, list_checkpoints, load_checkpoint,
+                                  save_checkpoint)
 from ps_server.coordinator import Coordinator
 from ps_server.shard import ShardState
 from ps_server.sync import PushRejected, get_sync_policy
@@ -248,14 +249,23 @@ class ShardServer:
         if not 0 < msg.shard < self.cfg.cluster.num_shards:
             raise _Refused("bad_shard", f"shard index {msg.shard} out of range")
         own = self.state.version
-        if msg.version != own:
-            if not msg.resumed:
-                raise _Refused("needs_resume",
-                               f"shard {msg.shard} is at version {msg.version} but the job is at {own}: "
-                               "restart a shard of a running job with --resume")
-            target = min(own, msg.version)
-            if target < own:
-                self._rollback_all(target, f"shard {msg.shard} resumed from version {msg.version}")
+        if msg.version != own and not msg.resumed:
+            raise _Refused("needs_resume",
+                           f"shard {msg.shard} is at version {msg.version} but the job is at {own}: "
+                           "restart a shard of a running job with --resume")
+        target = None
+        if msg.resumed:
+            # Even at the same version the restarted shard lost what was in flight (and may have
+            # a new endpoint): everyone goes back to a checkpoint they all have, and the workers
+            # join again.
+            if self.checkpoint_dir is None:
+                raise _Refused("no_checkpoints", "the coordinator keeps no checkpoints to roll back to")
+            mine = [v for v, _ in list_checkpoints(self.checkpoint_dir, 0) if v <= min(own, msg.version)]
+            if not mine:
+                raise _Refused("no_common_checkpoint",
+                               f"shard 0 has no checkpoint at or before version {msg.version}")
+            target = mine[-1]
+            self._rollback_all(target, f"shard {msg.shard} resumed from version {msg.version}")
         self.shard_endpoints[msg.shard] = msg.endpoint
         self.shard_tokens[msg.shard] = msg.token
         old = self.shard_links.pop(msg.shard, None)
@@ -263,8 +273,8 @@ class ShardServer:
             old.close()
         self.shard_links[msg.shard] = Connection(self.ctx, msg.endpoint, timeout_s=1.0,
                                                   security=self.cfg.security)
-        if msg.version > own:
-            self._send_link(self.shard_links[msg.shard], P.Rollback(version=own, token=msg.token))
+        if target is not None and target != msg.version:
+            self._send_link(self.shard_links[msg.shard], P.Rollback(version=target, token=msg.token))
         log.info("shard %d registered at %s (version %d)", msg.shard, msg.endpoint, msg.version)
         self._reply(ident, P.Ack(what="register_shard"))
 

@@ -64,7 +64,8 @@ def assert_exactly_once_per_epoch(updates, seed, n):
 @pytest.mark.parametrize("sync, policy", [("bsp", "uniform"), ("ssp", "uniform"), ("bsp", "lbbsp-cpu")],
                          ids=["bsp", "ssp", "lbbsp"])
 def test_worker_sigkill_is_detected_and_training_continues(procs, tmp_path, sync, policy):
-    cfg_path, cfg = write_config(tmp_path, job(mode={"sync": sync, "batch_policy": policy}))
+    cfg_path, cfg = write_config(tmp_path, job(mode={"sync": sync, "batch_policy": policy},
+                                               training={"max_iterations": 400}))
     run = tmp_path / "run"
     eps = start_servers(procs, cfg_path, 2, run)
     workers = start_workers(procs, cfg_path, eps[0], 3, run)
@@ -82,8 +83,11 @@ def test_worker_sigkill_is_detected_and_training_continues(procs, tmp_path, sync
     assert detect_s < cfg.heartbeat.timeout_s + 1.5, f"loss detected after {detect_s:.2f}s"
     print(f"loss of a worker ({sync}/{policy}) detected after {detect_s:.2f}s")
     if sync == "bsp":
-        after = [r for r in updates if r["wall_time"] > lost[0]["wall_time"] + 0.5]
-        assert after and all(len(r["batch_sizes"]) == 2 and sum(r["batch_sizes"].values()) == 60 for r in after)
+        # The in-flight iteration completes without the lost worker (its share is re-served);
+        # every later one splits the whole global batch over the two survivors.
+        after = [r for r in updates if r["wall_time"] > lost[0]["wall_time"]][1:]
+        assert after, "no iteration after the loss"
+        assert all(len(r["batch_sizes"]) == 2 and sum(r["batch_sizes"].values()) == 60 for r in after)
         assert_exactly_once_per_epoch(updates, 2, 600)
     params, _ = pull_params(cfg, eps[0])
     from ps_common.models import FlatParameters, build_model
