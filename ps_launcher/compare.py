@@ -183,4 +183,5 @@ def write_report(out_dir: Path, base: JobConfig, comp: CompareConfig, rows: list
 
 
 def default_out_dir(base: JobConfig) -> Path:
-    return new_run_dir(base).with_name(new_run_dir(base).name.replace(base.run.name, f"compare-{base.run.name}", 1))
+    run_dir = new_run_dir(base)
+    return run_dir.with_name(f"compare-{run_dir.name}")
