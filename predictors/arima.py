@@ -36,13 +36,14 @@ from typing import Any
 
 import numpy as np
 
-from predictors.base import BaselineGate, Predictor, check_band, clip_to_band, register_predictor
+from predictors.base import (BaselineGate, GatedModelPredictor, check_band, clip_to_band,
+                             register_predictor)
 
 log = logging.getLogger(__name__)
 
 
 @register_predictor("arima")
-class ARIMAPredictor(Predictor):
+class ARIMAPredictor(GatedModelPredictor):
     """Sliding-window ARIMA with periodic refits (see module docstring)."""
 
     def __init__(self, order: Sequence[int] = (2, 0, 0), window: int = 100, refit_every: int = 10,
@@ -223,10 +224,3 @@ class ARIMAPredictor(Predictor):
                                                   for k in range(1, d + 1))
         f = self._inv(y_next)
         return clip_to_band(f, last, self.clip_low, self.clip_high) if math.isfinite(f) else None
-
-    def _predict(self) -> float:
-        last = self._last
-        assert last is not None
-        if self._forecast is None or (self.gate and not self._gate.use_model()):
-            return last
-        return self._forecast

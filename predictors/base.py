@@ -196,6 +196,26 @@ PREDICTOR_REGISTRY: dict[str, type[Predictor]] = {}
 P = TypeVar("P", bound=type[Predictor])
 
 
+class GatedModelPredictor(Predictor):
+    """A model-based predictor whose forecast is used only while the gate trusts it.
+
+    Subclasses keep ``_last`` (newest value), ``_forecast`` (the model's next value or None),
+    ``gate`` (on/off) and ``_gate`` (a :class:`BaselineGate`).
+    """
+
+    _last: float | None
+    _forecast: float | None
+    gate: bool
+    _gate: BaselineGate
+
+    def _predict(self) -> float:
+        last = self._last
+        assert last is not None
+        if self._forecast is None or (self.gate and not self._gate.use_model()):
+            return last
+        return self._forecast
+
+
 def register_predictor(name: str) -> Callable[[P], P]:
     """Class decorator adding a :class:`Predictor` subclass to the registry under ``name``."""
 

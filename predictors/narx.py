@@ -45,7 +45,7 @@ import numpy as np
 from predictors.base import (
     EXOG_KEYS,
     BaselineGate,
-    Predictor,
+    GatedModelPredictor,
     check_band,
     clip_to_band,
     register_predictor,
@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 
 
 @register_predictor("narx")
-class NARXPredictor(Predictor):
+class NARXPredictor(GatedModelPredictor):
     """Sliding-window online NARX network (see module docstring)."""
 
     def __init__(self, speed_lags: int = 2, exog_lags: int = 2, hidden: int = 10,
@@ -213,10 +213,3 @@ class NARXPredictor(Predictor):
         log_next = logv[-1] + out if self.target == "ratio" else out
         f = math.exp(min(log_next, 700.0))
         return clip_to_band(f, last, self.clip_low, self.clip_high) if math.isfinite(f) else None
-
-    def _predict(self) -> float:
-        last = self._last
-        assert last is not None
-        if self._forecast is None or (self.gate and not self._gate.use_model()):
-            return last
-        return self._forecast

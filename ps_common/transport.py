@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, Container, Sequence
 
 import zmq
 
@@ -64,6 +65,34 @@ def send(sock: zmq.Socket, msg: Message, identity: bytes | None = None) -> None:
     if identity is not None:
         frames = [identity, *frames]
     sock.send_multipart(frames, copy=False)
+
+
+@dataclass
+class Request:
+    """One message a ROUTER received: who sent it, and either the message or the answer to send
+    instead of dispatching it (malformed, or a type this server does not take)."""
+
+    ident: bytes
+    msg: Message | None = None
+    refusal: protocol.Error | None = None
+    malformed: bool = False
+
+
+def parse_request(frames: list[zmq.Frame], *, max_array_bytes: int, accepted: Container[type],
+                  server: str) -> Request | None:
+    """Decode a ROUTER message for dispatch; None when not even an identity came with it."""
+    if len(frames) < 2:
+        return None
+    ident, body = frames[0].bytes, frames[1:]
+    try:
+        msg = protocol.decode(body, max_array_bytes=max_array_bytes)
+    except protocol.ProtocolError as exc:
+        log.warning("malformed message: %s", exc)
+        return Request(ident, refusal=protocol.error_for(exc, "malformed"), malformed=True)
+    if type(msg) not in accepted:
+        return Request(ident, refusal=protocol.Error(code="unsupported",
+                                                     message=f"{server} does not accept {msg.TYPE}"))
+    return Request(ident, msg)
 
 
 def recv_frames(sock: zmq.Socket, timeout_s: float) -> list[zmq.Frame] | None:

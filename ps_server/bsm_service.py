@@ -29,7 +29,7 @@ import zmq
 from batchsize_manager import BatchSizeManager, WorkerReport
 from ps_common import protocol as P
 from ps_common.security import SecurityConfig, close_socket
-from ps_common.transport import advertised, bind_address, make_router, recv_frames
+from ps_common.transport import advertised, bind_address, make_router, parse_request, recv_frames
 
 log = logging.getLogger(__name__)
 
@@ -127,23 +127,17 @@ class BatchSizeService:
     def handle(self, frames: list[zmq.Frame]) -> None:
         """Answer one message; nothing a peer sends raises out of here."""
         self.requests += 1
-        if len(frames) < 2:  # a ROUTER always prepends the identity; be safe anyway
+        req = parse_request(frames, max_array_bytes=0, accepted=self.handlers, server="ps-bsm")
+        if req is None or req.malformed:
             self.malformed += 1
+        if req is None:
             return
-        ident, body = frames[0].bytes, frames[1:]
-        try:
-            msg = P.decode(body, max_array_bytes=0)
-        except P.ProtocolError as exc:
-            self.malformed += 1
-            log.warning("malformed message: %s", exc)
-            self._reply(ident, P.error_for(exc, "malformed"))
-            return
-        handler = self.handlers.get(type(msg))
-        if handler is None:
-            self._reply(ident, P.Error(code="unsupported", message=f"ps-bsm does not accept {msg.TYPE}"))
+        ident, msg = req.ident, req.msg
+        if msg is None:
+            self._reply(ident, req.refusal)
             return
         try:
-            reply = handler(msg)
+            reply = self.handlers[type(msg)](msg)
         except Refused as exc:
             log.info("%s refused [%s]: %s", msg.TYPE, exc.code, exc)
             reply = P.Error(code=exc.code, message=str(exc)[:2000])

@@ -30,7 +30,8 @@ from ps_common.layout import partition
 from ps_common.metrics import MetricsWriter
 from ps_common.models import FlatParameters, build_model
 from ps_common.security import close_socket
-from ps_common.transport import Connection, TransportTimeout, advertised, bind_address, make_router, send
+from ps_common.transport import (Connection, TransportTimeout, advertised, bind_address, make_router,
+                                 parse_request, send)
 from ps_server.checkpoint import (CheckpointError, find_checkpoint, list_checkpoints, load_checkpoint,
                                   save_checkpoint)
 from ps_server.coordinator import Coordinator
@@ -195,23 +196,18 @@ class ShardServer:
 
     # ----- dispatch ------------------------------------------------------------------------
     def _handle(self, frames: list[zmq.Frame]) -> None:
-        if len(frames) < 2:
+        req = parse_request(frames, max_array_bytes=self.max_array_bytes, accepted=self.handlers,
+                            server="shard")
+        if req is None or req.malformed:
             self.malformed += 1
+        if req is None:
             return
-        ident, body = frames[0].bytes, frames[1:]
-        try:
-            msg = P.decode(body, max_array_bytes=self.max_array_bytes)
-        except P.ProtocolError as exc:
-            self.malformed += 1
-            log.warning("malformed message: %s", exc)
-            self._reply(ident, P.error_for(exc, "malformed"))
-            return
-        handler = self.handlers.get(type(msg))
-        if handler is None:
-            self._reply(ident, P.Error(code="unsupported", message=f"shard does not accept {msg.TYPE}"))
+        ident, msg = req.ident, req.msg
+        if msg is None:
+            self._reply(ident, req.refusal)
             return
         try:
-            handler(ident, msg)
+            self.handlers[type(msg)](ident, msg)
         except PushRejected as exc:
             log.warning("push rejected [%s]: %s", exc.code, exc)
             self._reply(ident, P.Error(code=exc.code, message=str(exc)))

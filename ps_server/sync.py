@@ -90,9 +90,9 @@ class SyncPolicy(ABC):
     def set_live(self, workers: Iterable[int]) -> None:
         """Membership changed (coordinator only)."""
 
+    @abstractmethod
     def reset(self) -> None:
         """Forget everything in flight (after a rollback to a checkpoint)."""
-        self.__init__(**getattr(self, "_init_args", {}))
 
     def stats(self) -> dict[str, Any]:
         return {}
@@ -107,13 +107,16 @@ class _Round(SyncPolicy):
     """
 
     def __init__(self) -> None:
+        self.dropped_late = 0
+        self.reset()
+
+    def reset(self) -> None:
         self.iteration = -1
         self.expected = 0
         self.global_batch = 0
         self.pending: dict[int, PendingGradient] = {}
         self.commit: dict[int, int] | None = None
         self.future_commits: dict[int, dict[int, int]] = {}
-        self.dropped_late = 0
 
     def _start(self, iteration: int, expected: int, global_batch: int) -> None:
         """Begin collecting ``iteration``; a plan of (0, 0) is learnt from its first push."""
@@ -205,7 +208,7 @@ class Backup(_Round):
     """Backup workers (Chen et al. 2016): the first ``required`` gradients of a version win.
 
     On the coordinator's shard (``leader``) the first ``required`` pushes are applied at once and
-    the choice is reported (``last_accepted``) so the server can commit it to the other shards;
+    the applied set (the update's gradients) is what the server commits to the other shards;
     followers wait for that commit. Later pushes for an applied version are dropped and counted.
     """
 
@@ -213,12 +216,10 @@ class Backup(_Round):
 
     def __init__(self, required: int, leader: bool = True) -> None:
         super().__init__()
-        self._init_args = {"required": required, "leader": leader}
         if required < 1:
             raise ValueError("backup: required workers must be >= 1")
         self.required = required
         self.leader = leader
-        self.last_accepted: dict[int, int] = {}
 
     def on_push(self, version, worker_id, iteration, batch_size, expected_workers, global_batch, grad):
         if not self._check(version, worker_id, iteration, batch_size, expected_workers, global_batch):
@@ -227,7 +228,6 @@ class Backup(_Round):
         if self.commit is not None:
             return self._try_commit()
         if self.leader and len(self.pending) >= min(self.required, self.expected):
-            self.last_accepted = {w: p.batch_size for w, p in self.pending.items()}
             return PushOutcome([self._apply(self.pending)])
         return PushOutcome()
 
@@ -239,6 +239,9 @@ class ASP(SyncPolicy):
     kind = "async"
 
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
         self.clocks: dict[int, int] = {}
 
     def on_push(self, version, worker_id, iteration, batch_size, expected_workers, global_batch, grad):
@@ -265,10 +268,12 @@ class SSP(ASP):
 
     def __init__(self, staleness: int = 5) -> None:
         super().__init__()
-        self._init_args = {"staleness": staleness}
         if staleness < 0:
             raise ValueError("ssp: staleness must be >= 0")
         self.staleness = staleness
+
+    def reset(self) -> None:
+        super().reset()
         self.live: set[int] | None = None
 
     def set_live(self, workers):
