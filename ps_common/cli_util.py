@@ -1,12 +1,18 @@
-"""Argument and logging helpers shared by every command-line tool."""
+"""Argument, logging and process helpers shared by every command-line tool."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import signal
+import threading
+import time
 
 from ps_common.config import JobConfig, load_config
+
+#: Set by ps-launch on its children: the launcher's pid, watched so that no child outlives it.
+PARENT_ENV = "LBBSP_PARENT_PID"
 
 
 def add_common_args(ap: argparse.ArgumentParser, *, config_required: bool = True) -> None:
@@ -14,6 +20,9 @@ def add_common_args(ap: argparse.ArgumentParser, *, config_required: bool = True
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config value, e.g. --set training.global_batch=256")
     ap.add_argument("--run-dir", default=None, help="directory for this process's metrics")
+    ap.add_argument("--secret-file", default=None,
+                    help="the job secret (security.secret_file): a master on shards, a master or "
+                         "this role's file elsewhere; make one with `ps-keys secret FILE`")
     ap.add_argument("--log-level", default=os.environ.get("LBBSP_LOG_LEVEL", "INFO"))
 
 
@@ -22,5 +31,52 @@ def setup_logging(level: str) -> None:
                         format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
 
 
-def load_cli_config(path: str | None, overrides: list[str]) -> JobConfig:
-    return load_config(path, overrides)
+def load_cli_config(path: str | None, overrides: list[str], secret_file: str | None = None) -> JobConfig:
+    extra = [f"security.secret_file={os.path.abspath(secret_file)}"] if secret_file else []
+    return load_config(path, [*overrides, *extra])
+
+
+def watch_parent(interval_s: float = 0.5) -> None:
+    """Exit (SIGTERM to ourselves) when the launcher that started us dies.
+
+    ps-launch sets ``LBBSP_PARENT_PID``; on Linux the child also asked the kernel for a
+    parent-death signal before exec. This thread covers the rest (and other systems): a job
+    whose launcher was SIGKILLed ends by itself instead of leaving orphans.
+    """
+    raw = os.environ.get(PARENT_ENV)
+    if not raw:
+        return
+    parent = int(raw)
+    _parent_death_signal()
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent:
+                logging.getLogger(__name__).warning("launcher %d is gone: stopping", parent)
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(interval_s)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+def _parent_death_signal() -> None:
+    """Linux: have the kernel send SIGTERM when the parent exits (no-op elsewhere)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def interrupt_on_signals() -> None:
+    """SIGTERM and SIGHUP (what Slurm, Kubernetes, systemd and a closed terminal send) become
+    KeyboardInterrupt, so the tool's Ctrl-C path stops its children and writes what it has."""
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, interrupt)

@@ -74,6 +74,9 @@ class TrainingConfig(StrictModel):
     max_seconds: Optional[float] = Field(None, gt=0)
     target_accuracy: Optional[float] = Field(None, gt=0, le=1)
     reject_nonfinite: bool = True
+    finish_timeout_s: float = Field(
+        60.0, gt=0, description="after the stop, how long shard 0 waits for workers and the "
+                                "evaluator to collect the final version before every shard exits")
 
 
 class ClusterConfig(StrictModel):
@@ -148,8 +151,16 @@ class CheckpointConfig(StrictModel):
 
 
 class TransportConfig(StrictModel):
+    """Timeouts and the bounds on what one peer can make a server hold (each one counted when hit)."""
+
     timeout_s: float = Field(120.0, gt=0)
     connect_timeout_s: float = Field(60.0, gt=0)
+    hwm: int = Field(100, ge=1, description="ZeroMQ high-water mark (messages) per peer and direction")
+    max_pending_pulls_per_peer: int = Field(4, ge=1)
+    max_pending_pulls: int = Field(4096, ge=1)
+    max_frames: int = Field(4, ge=1, description="frames per message")
+    max_telemetry_keys: int = Field(64, ge=0)
+    shard_sync_s: float = Field(1.0, gt=0, description="how often a follower shard reports to shard 0")
 
 
 class JobConfig(StrictModel):

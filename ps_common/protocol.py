@@ -24,7 +24,7 @@ import msgpack
 import numpy as np
 
 MAGIC = b"LBPS"
-VERSION = 1
+VERSION = 2
 HEADER_PREFIX = MAGIC + bytes([VERSION])
 MAX_HEADER_BYTES = 1 << 20
 ALLOWED_DTYPES = frozenset({"<f4", "<f8", "<i8", "<i4", "|u1"})
@@ -55,24 +55,32 @@ class Assignment:
     """What a worker trains on next: its batch size and the sample ranges of the global order.
 
     ``ranges`` holds ``[epoch, start, stop]`` triples into ``sample_order(seed, epoch, n)``.
-    ``expected_workers`` and ``global_batch`` describe the whole iteration's plan so that every
-    shard can tell when the iteration is complete without talking to the coordinator.
     """
 
     iteration: int
     batch_size: int
     ranges: list[list[int]]
-    expected_workers: int
     global_batch: int
-    lr_scale: float = 1.0  # elastic global batch: the logged learning-rate rule's factor
+
+
+@dataclass
+class Plan:
+    """Round modes: the gradients that iteration ``iteration`` is waiting for.
+
+    The coordinator sends it to every follower shard (inside the previous iteration's Commit),
+    so a follower checks each push against it: the worker is in the plan, with this batch size.
+    """
+
+    iteration: int
+    workers: list[int]
+    batch_sizes: list[int]
 
 
 @dataclass
 class Hello(Message):
-    """First message of any client to any shard: checks the protocol and says who it is."""
+    """A client checks the protocol version and learns the topology size; it authorizes nothing."""
 
     TYPE: ClassVar[str] = "hello"
-    role: str = ""
     name: str = ""
 
 
@@ -81,20 +89,6 @@ class HelloReply(Message):
     TYPE: ClassVar[str] = "hello_reply"
     shard: int = 0
     num_shards: int = 1
-    job_digest: str = ""
-
-
-@dataclass
-class RegisterShard(Message):
-    """Shard k > 0 tells the coordinator (shard 0) where workers can reach it."""
-
-    TYPE: ClassVar[str] = "register_shard"
-    shard: int = 0
-    endpoint: str = ""
-    job_digest: str = ""
-    version: int = 0
-    resumed: bool = False
-    token: str = ""  # control messages to this shard must carry it
 
 
 @dataclass
@@ -105,11 +99,15 @@ class Ack(Message):
 
 @dataclass
 class Join(Message):
-    """A worker asks the coordinator to join the job."""
+    """A worker (or the evaluator, as an observer) asks the coordinator to join the job.
+
+    ``instance`` is random per process: a second Join from the same process (after a timeout)
+    replaces its first membership instead of adding one.
+    """
 
     TYPE: ClassVar[str] = "join"
     name: str = ""
-    role: str = "worker"  # "worker" trains; "observer" (evaluator) only learns the topology
+    instance: str = ""
     job_digest: str = ""
     device: str = "cpu"
 
@@ -123,7 +121,7 @@ class Welcome(Message):
     num_params: int = 0
     version: int = 0
     job: dict[str, Any] = field(default_factory=dict)
-    token: str = ""  # the worker's membership secret: heartbeats, leaves and pushes to shard 0 carry it
+    token: str = ""  # the worker's membership secret: every push, heartbeat and leave carries it
 
 
 @dataclass
@@ -153,19 +151,22 @@ class Leave(Message):
 
 @dataclass
 class Push(Message):
-    """A worker's mean gradient over its ``batch_size`` samples for this shard's slice."""
+    """A worker's mean gradient over its ``batch_size`` samples for this shard's slice.
+
+    Nothing here sets the plan: the shard checks (worker, token, iteration, batch size) against
+    what the coordinator committed. With ``pull`` the reply is this shard's parameters once
+    they include iteration ``iteration`` (one round trip per iteration).
+    """
 
     TYPE: ClassVar[str] = "push"
     ARRAYS: ClassVar[tuple[int, int]] = (1, 1)
     worker_id: int = 0
+    token: str = ""
     iteration: int = 0
     batch_size: int = 0
-    expected_workers: int = 0
-    global_batch: int = 0
     loss: float = 0.0
-    telemetry: dict[str, float] = field(default_factory=dict)
-    token: str = ""  # checked by the coordinator's shard
-    lr_scale: float = 1.0  # from the assignment; every push of an iteration must agree
+    telemetry: dict[str, float] = field(default_factory=dict)  # shard 0 only
+    pull: bool = False
 
 
 @dataclass
@@ -174,6 +175,7 @@ class Pull(Message):
 
     TYPE: ClassVar[str] = "pull"
     worker_id: int = -1
+    token: str = ""  # a worker's membership token (worker_id >= 0)
     min_version: int = 0
     exact: bool = False  # observers: exactly ``min_version``, from the shard's snapshots
 
@@ -188,39 +190,111 @@ class Params(Message):
     samples: int = 0  # samples whose gradients made up this version (sum of applied x_i)
     stop: bool = False
     assignment: Union[Assignment, None] = None
+    log_hash: str = ""  # digest of every commit applied up to this version
+
+
+# ----- shard control: follower <-> coordinator (over the follower's link to shard 0) ----------
+
+
+@dataclass
+class RegisterShard(Message):
+    """Follower shard k tells the coordinator where workers reach it and where it stands."""
+
+    TYPE: ClassVar[str] = "register_shard"
+    shard: int = 0
+    endpoint: str = ""
+    job_digest: str = ""
+    version: int = 0
+    log_hash: str = ""
+    resumed: bool = False
+
+
+@dataclass
+class Registered(Message):
+    """The coordinator's answer: the key that worker tokens derive from, and what to collect."""
+
+    TYPE: ClassVar[str] = "registered"
+    member_key: str = ""
+    incarnation: str = ""
+    version: int = 0
+    plan: Union[Plan, None] = None
+    stop_version: int = -1
+
+
+@dataclass
+class Have(Message):
+    """Follower -> coordinator: these gradients arrived here whole (``[worker, iteration, x]``)."""
+
+    TYPE: ClassVar[str] = "have"
+    shard: int = 0
+    entries: list[list[int]] = field(default_factory=list)
+
+
+@dataclass
+class ShardSync(Message):
+    """Follower -> coordinator, every second and whenever it waits for a commit: where it
+    stands and what it holds. Repairs a lost Have or Commit; doubles as a liveness beat."""
+
+    TYPE: ClassVar[str] = "shard_sync"
+    shard: int = 0
+    version: int = 0
+    log_hash: str = ""
+    entries: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
 class Commit(Message):
-    """Coordinator -> shard: iteration ``iteration`` is made of exactly these gradients.
+    """Coordinator -> followers: version ``version`` is exactly these gradients, aggregated as
+    sum(x_i g_i) / sum(x_i) and applied with learning-rate scale ``lr_scale``.
 
-    Sent when the set differs from the plan every push carries (backup workers' first N, a
-    lost worker left out), so that every shard aggregates the same set.
+    Every shard applies the same commits in the same order; ``log_hash`` is the digest the
+    coordinator got after applying it, so a follower that disagrees stops instead of
+    diverging. ``drops`` names gradients ([worker, iteration]) that will never be applied.
     """
 
     TYPE: ClassVar[str] = "commit"
-    token: str = ""  # the receiving shard's control token (from its RegisterShard)
+    version: int = 0
     iteration: int = 0
-    workers: list[int] = field(default_factory=list)
-    batch_sizes: list[int] = field(default_factory=list)
+    entries: list[list[int]] = field(default_factory=list)  # [worker, batch_size]
+    lr_scale: float = 1.0
+    drops: list[list[int]] = field(default_factory=list)
+    next_plan: Union[Plan, None] = None
+    log_hash: str = ""
+    checkpoint: bool = False  # write a checkpoint once applied (the cut is the same everywhere)
 
 
 @dataclass
-class CheckpointAt(Message):
-    """Coordinator -> shard: write a checkpoint when your version reaches ``version``."""
+class PlanMessage(Message):
+    """Coordinator -> followers: a plan made outside a commit (start, re-plan after losses)."""
 
-    TYPE: ClassVar[str] = "checkpoint_at"
-    token: str = ""  # the receiving shard's control token (from its RegisterShard)
+    TYPE: ClassVar[str] = "plan"
+    plan: Union[Plan, None] = None
+
+
+@dataclass
+class Stop(Message):
+    """Coordinator -> followers: the job ends at ``version``; answer pulls with stop there."""
+
+    TYPE: ClassVar[str] = "stop"
     version: int = 0
+    reason: str = ""
+
+
+@dataclass
+class Finish(Message):
+    """Coordinator -> followers: everyone has the final version; write results and exit."""
+
+    TYPE: ClassVar[str] = "finish"
+    reason: str = ""
 
 
 @dataclass
 class Rollback(Message):
-    """Coordinator -> shard: go back to your checkpoint at ``version`` (a shard restarted)."""
+    """Coordinator -> followers: go back to your checkpoint at ``version`` (a shard restarted)."""
 
     TYPE: ClassVar[str] = "rollback"
-    token: str = ""  # the receiving shard's control token (from its RegisterShard)
     version: int = 0
+    coordinator: str = ""  # sent by a restarted shard 0 to a follower's own socket: its new address
 
 
 @dataclass
@@ -230,10 +304,12 @@ class StatusRequest(Message):
 
 @dataclass
 class Status(Message):
-    """The coordinator's view of the run, for the launcher's progress bar and the evaluator."""
+    """A shard's view of the run; the coordinator's also covers the whole job."""
 
     TYPE: ClassVar[str] = "status"
+    shard: int = 0
     version: int = 0
+    log_hash: str = ""
     iterations: float = 0.0  # progress in global batches (X-sample equivalents in async modes)
     epoch: int = 0
     samples: int = 0
@@ -243,24 +319,27 @@ class Status(Message):
     started: bool = False
     elapsed: float = 0.0
     last_accuracy: float = -1.0
+    counters: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
 class EvalReport(Message):
-    """The evaluator's measurement, so the coordinator can stop at a target accuracy."""
+    """The evaluator's measurement, so the coordinator can stop at a target accuracy.
+
+    ``final`` marks the measurement of the final version: the evaluator is done.
+    """
 
     TYPE: ClassVar[str] = "eval_report"
-    job_digest: str = ""
     version: int = 0
     samples: int = 0
     accuracy: float = 0.0
     loss: float = 0.0
+    final: bool = False
 
 
 @dataclass
 class Shutdown(Message):
     TYPE: ClassVar[str] = "shutdown"
-    job_digest: str = ""
     reason: str = ""
 
 
@@ -361,8 +440,8 @@ class BsmStatsReply(Message):
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (
-        Hello, HelloReply, RegisterShard, Ack, Join, Welcome, Heartbeat, HeartbeatReply, Leave, Push, Pull, Params, Commit,
-        CheckpointAt, Rollback,
+        Hello, HelloReply, Ack, Join, Welcome, Heartbeat, HeartbeatReply, Leave, Push, Pull, Params,
+        RegisterShard, Registered, Have, ShardSync, Commit, PlanMessage, Stop, Finish, Rollback,
         StatusRequest, Status, EvalReport, Shutdown, Error,
         BsmJoin, BsmLeave, BsmReport, BsmAssign, BsmAssignment, BsmStats, BsmStatsReply,
     )

@@ -58,6 +58,7 @@ the authenticator's sockets: close your sockets with :func:`close_socket`, or ca
 from __future__ import annotations
 
 import argparse
+import hmac
 import json
 import logging
 import os
@@ -75,6 +76,9 @@ import zmq.auth
 from zmq.utils import z85
 from pydantic import BaseModel, ConfigDict
 
+from ps_common.credentials import (ROLES, CredentialError, generate_master, load_secret,
+                                   write_role_secret)
+
 log = logging.getLogger(__name__)
 
 ZAP_DOMAIN = "lbbsp-ps"
@@ -83,7 +87,7 @@ ZAP_DOMAIN = "lbbsp-ps"
 _KEY_Z85_LEN = 40
 
 
-class SecurityError(ValueError, RuntimeError):
+class SecurityError(CredentialError):
     """A security setting or key file is wrong or missing; the message names the key.
 
     Both a ``ValueError`` and a ``RuntimeError`` so that the existing CLIs' error handlers
@@ -107,12 +111,29 @@ class SecurityConfig(_Strict):
     client_secret_key: Optional[str] = None
     """This client's key pair (``.key_secret`` file); shards fall back to server_secret_key."""
     allowed_clients_dir: Optional[str] = None
-    """Directory of allowed clients' public ``.key`` files; needed by shards."""
+    """Directory of allowed clients' public ``.key`` files; needed by shards. A file's name
+    gives its role: ``worker*.key``, ``evaluator*.key``, ``operator*.key`` (``shard*.key`` for
+    extra shard keys); other names are refused."""
+    client_keys_dir: Optional[str] = None
+    """Directory of ``ROLE.key_secret`` files: each process dials with its role's key, so one
+    config serves every process of a single-host run (``ps-keys init``)."""
+    secret_file: Optional[str] = None
+    """Without CURVE: the job secret (``ps-keys secret FILE``): a master file on shards, a
+    master or a role file on clients. ps-launch makes one per run."""
+
+    @property
+    def mechanism(self) -> str:
+        """``curve``, ``plain`` (the job secret) or ``none`` (no credentials configured)."""
+        if self.curve:
+            return "curve"
+        return "plain" if self.secret_file else "none"
 
     # ----- per-role validation -----------------------------------------------------------
     def require_server(self) -> None:
-        """Check what a server (shard) needs; no-op when curve is off."""
+        """Check what a server (shard) needs: the CURVE keys, or a master job secret."""
         if not self.curve:
+            if self.secret_file:
+                load_secret(self.secret_file).verifier()
             return
         _require_curve_support()
         self._required("server_secret_key")
@@ -122,21 +143,19 @@ class SecurityConfig(_Strict):
         if not d.is_dir():
             raise SecurityError(f"security.allowed_clients_dir: {d} is not a directory")
 
-    def require_client(self) -> None:
-        """Check what a client (worker, evaluator, launcher, shard link) needs; no-op when curve is off."""
+    def require_client(self, role: str = "worker") -> None:
+        """Check what a client of ``role`` needs: its CURVE key pair, or its job secret."""
         if not self.curve:
+            if self.secret_file:
+                load_secret(self.secret_file).secret_for(role)
             return
         _require_curve_support()
         if not (self.server_public_key or self.server_secret_key):
             raise SecurityError(
                 "security.server_public_key is required when security.curve is true "
                 "(the servers' public .key file)")
-        if not (self.client_secret_key or self.server_secret_key):
-            raise SecurityError(
-                "security.client_secret_key is required when security.curve is true "
-                "(this client's .key_secret file, made by `ps-keys generate DIR NAME`)")
         self.server_public()
-        self.client_keypair()
+        self.client_keypair(role)
 
     def _required(self, name: str) -> str:
         value = getattr(self, name)
@@ -157,13 +176,23 @@ class SecurityConfig(_Strict):
             return _load_public(self.server_secret_key, "security.server_secret_key")
         raise SecurityError("security.server_public_key is required when security.curve is true")
 
-    def client_keypair(self) -> tuple[bytes, bytes]:
-        """(public, secret) z85 keys this process dials with (a shard uses the server pair)."""
+    def client_keypair(self, role: str = "worker") -> tuple[bytes, bytes]:
+        """(public, secret) z85 keys a process of ``role`` dials with.
+
+        ``client_secret_key`` if set, else ``client_keys_dir/ROLE.key_secret``, else (shards,
+        and single-host setups) the server pair. The servers map the key to a role; a key
+        whose role is not ``role`` gets this process's messages refused.
+        """
         if self.client_secret_key:
             return _load_pair(self.client_secret_key, "security.client_secret_key")
+        if self.client_keys_dir:
+            return _load_pair(_path(self.client_keys_dir) / f"{role}.key_secret",
+                              "security.client_keys_dir")
         if self.server_secret_key:
             return _load_pair(self.server_secret_key, "security.server_secret_key")
-        raise SecurityError("security.client_secret_key is required when security.curve is true")
+        raise SecurityError(
+            "security.client_secret_key (or client_keys_dir) is required when security.curve "
+            "is true (this client's .key_secret file, made by `ps-keys generate DIR NAME`)")
 
 
 def _require_curve_support() -> None:
@@ -258,42 +287,53 @@ def generate_keypair(directory: str | os.PathLike, name: str, *,
 def init_local_keys(directory: str | os.PathLike) -> SecurityConfig:
     """A complete single-host key set under ``directory`` and the config that uses it.
 
-    ``server.key[_secret]``, ``client.key[_secret]`` and ``allowed/client.key``; every local
-    process (shards, workers, evaluator, launcher) can share the one config.
+    ``server.key[_secret]``; one pair per client role (``worker``, ``evaluator``,
+    ``operator``) in ``directory`` with their public keys in ``allowed/``, so the servers know
+    each key's role; every local process shares the one config (``client_keys_dir``).
     """
     d = _path(directory).resolve()
     _, server_secret = generate_keypair(d, "server")
-    client_public, client_secret = generate_keypair(d, "client")
     allowed = d / "allowed"
     allowed.mkdir(exist_ok=True)
-    shutil.copyfile(client_public, allowed / "client.key")
+    for role in ("worker", "evaluator", "operator"):
+        public, _ = generate_keypair(d, role)
+        shutil.copyfile(public, allowed / f"{role}.key")
     return SecurityConfig(curve=True, server_secret_key=str(server_secret),
-                          server_public_key=str(d / "server.key"),
-                          client_secret_key=str(client_secret), allowed_clients_dir=str(allowed))
+                          server_public_key=str(d / "server.key"), client_keys_dir=str(d),
+                          allowed_clients_dir=str(allowed))
+
+
+def role_of_key_file(name: str) -> str | None:
+    """The role an allowed key file grants, from its name: ``worker-hostA.key`` -> worker."""
+    stem = name[:-len(".key")] if name.endswith(".key") else name
+    for role in ROLES:
+        if stem == role or stem.startswith((f"{role}-", f"{role}_", f"{role}.")):
+            return role
+    return None
 
 
 # ----- server side: the ZAP authenticator ----------------------------------------------------
 class AllowList:
-    """ZAP credentials provider: keys of ``*.key`` files in a directory, plus fixed extras.
+    """ZAP credentials provider: keys of ``ROLE*.key`` files in a directory, plus fixed extras.
 
     The directory is re-read when its modification time changes (files added, removed,
     renamed) and, at most once a second, when an unknown key knocks. Runs in the
-    authenticator's thread.
+    authenticator's thread. ``role(key)`` is the role a key's file name grants.
     """
 
     RESCAN_ON_MISS_S = 1.0
 
-    def __init__(self, directory: str | os.PathLike, extra: Sequence[bytes] = ()) -> None:
+    def __init__(self, directory: str | os.PathLike, extra: dict[bytes, str] | None = None) -> None:
         self.directory = _path(directory)
-        self.extra = frozenset(extra)
-        self._keys: frozenset[bytes] = frozenset()
+        self.extra = dict(extra or {})
+        self._roles: dict[bytes, str] = {}
         self._mtime: int | None = None
         self._scanned = 0.0
         self._denied_logged: set[bytes] = set()
         self._scan()
 
     def _scan(self) -> None:
-        keys = set()
+        roles: dict[bytes, str] = {}
         try:
             self._mtime = self.directory.stat().st_mtime_ns
             files = sorted(self.directory.glob("*.key"))
@@ -301,14 +341,19 @@ class AllowList:
             log.error("allowed_clients_dir %s unreadable: %s (no client is allowed)", self.directory, exc)
             self._mtime, files = None, []
         for f in files:
+            role = role_of_key_file(f.name)
+            if role is None:
+                log.warning("allowed client key %s ignored: name it ROLE.key or ROLE-NAME.key with "
+                            "ROLE one of %s", f, ", ".join(ROLES))
+                continue
             try:
                 pub, _ = zmq.auth.load_certificate(f)
             except (OSError, ValueError) as exc:
                 log.warning("skipping allowed client key %s: %s", f, exc)
                 continue
             if pub and len(pub) == _KEY_Z85_LEN:
-                keys.add(pub)
-        self._keys = frozenset(keys)
+                roles.setdefault(pub, role)
+        self._roles = roles
         self._scanned = time.monotonic()
 
     def keys(self) -> frozenset[bytes]:
@@ -318,15 +363,18 @@ class AllowList:
             mtime = None
         if mtime != self._mtime:
             self._scan()
-        return self._keys | self.extra
+        return frozenset(self._roles) | frozenset(self.extra)
 
     def allows(self, key: bytes) -> bool:
         if key in self.keys():
             return True
         if time.monotonic() - self._scanned >= self.RESCAN_ON_MISS_S:
             self._scan()
-            return key in self._keys
+            return key in self._roles
         return False
+
+    def role(self, key: bytes) -> str:
+        return self.extra.get(key) or self._roles.get(key, "")
 
     def callback(self, domain: str, key: bytes) -> bool:  # the zmq.auth provider protocol
         ok = self.allows(key)
@@ -337,25 +385,55 @@ class AllowList:
         return ok
 
 
-class _Auth:
-    def __init__(self, ctx: zmq.Context, allowed_dir: Path, server_public: bytes) -> None:
-        from zmq.auth.thread import ThreadAuthenticator
+def _make_authenticator(ctx: zmq.Context, allow_list: AllowList | None):
+    """A ZAP thread whose User-Id is the client's role (CURVE key -> role; PLAIN username)."""
+    from zmq.auth.thread import ThreadAuthenticator
 
+    class RoleAuthenticator(ThreadAuthenticator):
+        def curve_user_id(self, client_public_key: bytes) -> str:
+            key = client_public_key if len(client_public_key) == _KEY_Z85_LEN \
+                else z85.encode(client_public_key)
+            return allow_list.role(key) if allow_list is not None else ""
+
+        def _authenticate_plain(self, domain: str, username: str, password: str):
+            expected = self.passwords.get(domain, self.passwords.get("*", {})).get(username)
+            if expected is not None and hmac.compare_digest(expected.encode(), password.encode()):
+                return True, b"OK"
+            return False, b"Invalid credentials"
+
+    return RoleAuthenticator(ctx, log=logging.getLogger(__name__ + ".zap"))
+
+
+class _Auth:
+    """One context's ZAP handler, configured for one mechanism (CURVE keys or PLAIN secrets)."""
+
+    def __init__(self, ctx: zmq.Context, setting: tuple) -> None:
         self.ctx = ctx
-        self.allowed_dir = allowed_dir
-        self.server_public = server_public
-        self.allow_list = AllowList(allowed_dir, extra=[server_public])
+        self.setting = setting
         self.refs = 0
-        self.authenticator = ThreadAuthenticator(ctx, log=logging.getLogger(__name__ + ".zap"))
+        mechanism = setting[0]
+        self.allow_list = None
+        if mechanism == "curve":
+            _, allowed_dir, server_public = setting
+            self.allowed_dir = allowed_dir
+            self.allow_list = AllowList(allowed_dir, extra={server_public: "shard"})
+        else:
+            self.allowed_dir = None
+        self.authenticator = _make_authenticator(ctx, self.allow_list)
         try:
             self.authenticator.start()
         except zmq.ZMQError as exc:
             self.authenticator.stop()
             raise SecurityError(
-                f"cannot start the CURVE authenticator on this context ({exc}): another ZAP "
+                f"cannot start the authenticator on this context ({exc}): another ZAP "
                 "handler is already bound to it") from None
-        for domain in (ZAP_DOMAIN, "*"):
-            self.authenticator.configure_curve_callback(domain, credentials_provider=self.allow_list)
+        if mechanism == "curve":
+            for domain in (ZAP_DOMAIN, "*"):
+                self.authenticator.configure_curve_callback(domain, credentials_provider=self.allow_list)
+        else:
+            passwords = dict(setting[1])
+            for domain in (ZAP_DOMAIN, "*"):
+                self.authenticator.configure_plain(domain, passwords)
 
     def stop(self) -> None:
         self.authenticator.stop()
@@ -367,7 +445,7 @@ _sock_handles: dict[int, "ServerSecurity"] = {}  # id(sock) -> the handle secure
 
 
 class ServerSecurity:
-    """A CURVE server socket's claim on its context's authenticator; ``close()`` releases it."""
+    """A secured server socket's claim on its context's authenticator; ``close()`` releases it."""
 
     def __init__(self, sock: zmq.Socket, auth: _Auth) -> None:
         self._sock_id = id(sock)
@@ -399,30 +477,37 @@ class ServerSecurity:
 
 def secure_server_socket(sock: zmq.Socket, cfg: SecurityConfig | None,
                          ctx: zmq.Context | None = None) -> ServerSecurity | None:
-    """Make ``sock`` (a ROUTER, not yet bound) a CURVE server with allow-listed clients.
+    """Make ``sock`` (a ROUTER, not yet bound) authenticate every client as a role.
 
-    Starts the context's authenticator if none runs (one per context; later sockets share it,
-    and must use the same allowed_clients_dir and server key). Returns a handle whose
-    ``close()`` releases the authenticator, or None when curve is off. :func:`close_socket`
-    finds the handle by socket, so callers need not keep it.
+    CURVE: encrypted, allow-listed keys, the key file's name gives the role. PLAIN (the job
+    secret, no CURVE): username = role, password = the role's secret. Either way a ZAP thread
+    (one per context, reference counted by the sockets that use it) checks the handshake before
+    any message is delivered, and each message's ``User-Id`` is the role. ``ZAP_ENFORCE_DOMAIN``
+    makes the socket refuse everyone if no handler runs. Returns None when ``cfg`` configures
+    no credentials (open socket: only for services that need none, such as a bare ps-bsm).
     """
-    if cfg is None or not cfg.curve:
+    if cfg is None or cfg.mechanism == "none":
         return None
     cfg.require_server()
-    public, secret = cfg.server_keypair()
-    allowed = _path(cfg.allowed_clients_dir).resolve()  # type: ignore[arg-type]
+    if cfg.curve:
+        public, secret = cfg.server_keypair()
+        allowed = _path(cfg.allowed_clients_dir).resolve()  # type: ignore[arg-type]
+        setting: tuple = ("curve", allowed, public)
+    else:
+        verifier = load_secret(cfg.secret_file).verifier()  # type: ignore[arg-type]
+        setting = ("plain", tuple(sorted(verifier.items())))
     ctx = ctx if ctx is not None else sock.context
     with _lock:
         auth = _auths.get(id(ctx))
         if auth is not None and auth.ctx is not ctx:  # a dead context's id was reused
             auth = None
         if auth is None:
-            auth = _Auth(ctx, allowed, public)
+            auth = _Auth(ctx, setting)
             _auths[id(ctx)] = auth
-        elif auth.allowed_dir != allowed or auth.server_public != public:
+        elif auth.setting != setting:
             raise SecurityError(
-                "one ZeroMQ context serves one allow-list and server key: "
-                f"{auth.allowed_dir} is in use, {allowed} was asked for (use another context)")
+                "one ZeroMQ context serves one set of credentials (allow-list and server key, "
+                "or job secret): another one is in use on this context (use another context)")
         auth.refs += 1
         handle = ServerSecurity(sock, auth)
         _sock_handles[id(sock)] = handle
@@ -432,24 +517,31 @@ def secure_server_socket(sock: zmq.Socket, cfg: SecurityConfig | None,
             sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
         except (AttributeError, zmq.ZMQError):
             log.debug("ZAP_ENFORCE_DOMAIN unsupported by this libzmq")
-        sock.setsockopt(zmq.CURVE_SERVER, 1)
-        sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
-        sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+        if cfg.curve:
+            sock.setsockopt(zmq.CURVE_SERVER, 1)
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+        else:
+            sock.setsockopt(zmq.PLAIN_SERVER, 1)
     except BaseException:
         handle.close()
         raise
     return handle
 
 
-def secure_client_socket(sock: zmq.Socket, cfg: SecurityConfig | None) -> None:
-    """Make ``sock`` (a DEALER, not yet connected) a CURVE client; no-op when curve is off."""
-    if cfg is None or not cfg.curve:
+def secure_client_socket(sock: zmq.Socket, cfg: SecurityConfig | None, role: str = "worker") -> None:
+    """Make ``sock`` (a DEALER, not yet connected) authenticate as ``role``; no-op without credentials."""
+    if cfg is None or cfg.mechanism == "none":
         return
-    cfg.require_client()
-    public, secret = cfg.client_keypair()
-    sock.setsockopt(zmq.CURVE_SERVERKEY, cfg.server_public())
-    sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
-    sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+    cfg.require_client(role)
+    if cfg.curve:
+        public, secret = cfg.client_keypair(role)
+        sock.setsockopt(zmq.CURVE_SERVERKEY, cfg.server_public())
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+    else:
+        sock.setsockopt(zmq.PLAIN_USERNAME, role.encode())
+        sock.setsockopt(zmq.PLAIN_PASSWORD, load_secret(cfg.secret_file).secret_for(role).encode())  # type: ignore[arg-type]
 
 
 def release_server_socket(sock: zmq.Socket) -> None:
@@ -496,30 +588,50 @@ def authenticator_running(ctx: zmq.Context) -> bool:
 
 
 def timeout_hint(cfg: SecurityConfig | None) -> str:
-    """Text to append to a "no reply" error: with CURVE, a refused handshake looks like silence."""
-    if cfg is None or not cfg.curve:
+    """Text to append to a "no reply" error: a refused handshake looks like silence."""
+    if cfg is None or cfg.mechanism == "none":
         return ""
-    return (" (with security.curve on, a refused CURVE handshake looks like this: is this "
-            "client's public key in the servers' allowed_clients_dir, and is "
-            "security.server_public_key the servers' key?)")
+    if cfg.curve:
+        return (" (with security.curve on, a refused CURVE handshake looks like this: is this "
+                "client's public key, named for its role, in the servers' allowed_clients_dir, and "
+                "is security.server_public_key the servers' key?)")
+    return (" (a refused job secret looks like this: do the servers and this process use the "
+            "same job's security.secret_file?)")
 
 
 # ----- CLI ---------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    """``ps-keys``: make and inspect CURVE key files."""
-    ap = argparse.ArgumentParser(prog="ps-keys", description="CURVE key files for ps-server and its clients")
+    """``ps-keys``: make and inspect job secrets and CURVE key files."""
+    ap = argparse.ArgumentParser(prog="ps-keys", description="job secrets and CURVE key files")
     sub = ap.add_subparsers(dest="cmd", required=True)
+    sec = sub.add_parser("secret", help="write a job secret file (0600): a master, or one role's "
+                                        "secret derived from a master (--role R --from MASTER)")
+    sec.add_argument("file")
+    sec.add_argument("--role", choices=ROLES, default=None)
+    sec.add_argument("--from", dest="master", default=None, help="the master secret file")
+    sec.add_argument("--force", action="store_true", help="overwrite an existing file")
     g = sub.add_parser("generate", help="write DIR/NAME.key (public) and DIR/NAME.key_secret (0600)")
     g.add_argument("dir")
-    g.add_argument("name")
+    g.add_argument("name", help="ROLE or ROLE-HOST: the servers read the role from the file name")
     g.add_argument("--force", action="store_true", help="overwrite existing files")
     s = sub.add_parser("show", help="print the public key (z85) of a .key or .key_secret file")
     s.add_argument("file")
-    i = sub.add_parser("init", help="a server + client key set for a single-host run; prints the YAML")
+    i = sub.add_parser("init", help="a server key and one key per client role for a single-host "
+                                    "run; prints the YAML")
     i.add_argument("dir")
     args = ap.parse_args(argv)
     try:
-        if args.cmd == "generate":
+        if args.cmd == "secret":
+            if args.role is None:
+                if args.master:
+                    raise SecurityError("--from needs --role (a master is made from nothing)")
+                generate_master(args.file, overwrite=args.force)
+            else:
+                if not args.master:
+                    raise SecurityError("--role needs --from MASTER_FILE")
+                write_role_secret(args.file, load_secret(args.master), args.role, overwrite=args.force)
+            print(args.file)
+        elif args.cmd == "generate":
             public, secret = generate_keypair(args.dir, args.name, overwrite=args.force)
             print(public)
             print(secret)
@@ -529,8 +641,9 @@ def main(argv: list[str] | None = None) -> int:
             cfg = init_local_keys(args.dir)
             print("security:")
             for k, v in cfg.model_dump().items():
-                print(f"  {k}: {json.dumps(v)}")
-    except (SecurityError, OSError) as exc:
+                if v is not None:
+                    print(f"  {k}: {json.dumps(v)}")
+    except (CredentialError, OSError) as exc:
         print(f"ps-keys: error: {exc}", file=sys.stderr)
         return 2
     return 0

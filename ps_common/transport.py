@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass
-from typing import Any, Container, Sequence
+import time
+from typing import Any, Sequence
 
 import zmq
 
@@ -32,16 +32,24 @@ def bind_address(host: str, port: int) -> str:
     return f"tcp://{host}:{'*' if port == 0 else port}"
 
 
+DEFAULT_HWM = 100
+
+
 def make_router(ctx: zmq.Context, address: str, *, max_msg_bytes: int = -1,
-                security: SecurityConfig | None = None) -> tuple[zmq.Socket, str]:
-    """A bound ROUTER and the endpoint it actually got (port 0 resolved); CURVE if configured."""
+                security: SecurityConfig | None = None, hwm: int = DEFAULT_HWM) -> tuple[zmq.Socket, str]:
+    """A bound ROUTER and the endpoint it actually got (port 0 resolved).
+
+    Clients authenticate as a role (CURVE or the job secret) when ``security`` configures
+    credentials. High-water marks bound what each peer's pipe may hold in both directions: a
+    peer that floods is slowed by TCP back-pressure, one that does not read loses replies.
+    """
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished peer raises, not drops
     if max_msg_bytes > 0:
         sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm)
     try:
         secure_server_socket(sock, security, ctx)  # before bind
         sock.bind(address)
@@ -67,34 +75,6 @@ def send(sock: zmq.Socket, msg: Message, identity: bytes | None = None) -> None:
     sock.send_multipart(frames, copy=False)
 
 
-@dataclass
-class Request:
-    """One message a ROUTER received: who sent it, and either the message or the answer to send
-    instead of dispatching it (malformed, or a type this server does not take)."""
-
-    ident: bytes
-    msg: Message | None = None
-    refusal: protocol.Error | None = None
-    malformed: bool = False
-
-
-def parse_request(frames: list[zmq.Frame], *, max_array_bytes: int, accepted: Container[type],
-                  server: str) -> Request | None:
-    """Decode a ROUTER message for dispatch; None when not even an identity came with it."""
-    if len(frames) < 2:
-        return None
-    ident, body = frames[0].bytes, frames[1:]
-    try:
-        msg = protocol.decode(body, max_array_bytes=max_array_bytes)
-    except protocol.ProtocolError as exc:
-        log.warning("malformed message: %s", exc)
-        return Request(ident, refusal=protocol.error_for(exc, "malformed"), malformed=True)
-    if type(msg) not in accepted:
-        return Request(ident, refusal=protocol.Error(code="unsupported",
-                                                     message=f"{server} does not accept {msg.TYPE}"))
-    return Request(ident, msg)
-
-
 def recv_frames(sock: zmq.Socket, timeout_s: float) -> list[zmq.Frame] | None:
     """Frames of the next message, or None if nothing arrived within ``timeout_s``."""
     if sock.poll(int(timeout_s * 1000), zmq.POLLIN) == 0:
@@ -103,26 +83,55 @@ def recv_frames(sock: zmq.Socket, timeout_s: float) -> list[zmq.Frame] | None:
 
 
 class Connection:
-    """A DEALER to one server with request/reply helpers and hard timeouts."""
+    """A DEALER to one server, authenticated as ``role``, with request/reply helpers and hard
+    timeouts."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, *, timeout_s: float = 30.0,
-                 max_array_bytes: int = 1 << 32, security: SecurityConfig | None = None) -> None:
+    def __init__(self, ctx: zmq.Context, endpoint: str, *, role: str, timeout_s: float = 30.0,
+                 max_array_bytes: int = 1 << 32, security: SecurityConfig | None = None,
+                 hwm: int = DEFAULT_HWM, identity: bytes | None = None) -> None:
         self.endpoint = endpoint
+        self.role = role
         self.timeout_s = timeout_s
         self.max_array_bytes = max_array_bytes
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.SNDHWM, 0)
-        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.setsockopt(zmq.SNDHWM, hwm)
+        self.sock.setsockopt(zmq.RCVHWM, hwm)
+        if identity is not None:  # a stable routing id survives reconnects
+            self.sock.setsockopt(zmq.ROUTING_ID, identity)
         # A DEALER with no live pipe (peer gone, handshake refused) blocks on send: bound it.
         self.sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
         self.security = security
+        self._monitor: zmq.Socket | None = None
+        self.auth_failure: str | None = None
         try:
-            secure_client_socket(self.sock, security)  # before connect
+            secure_client_socket(self.sock, security, role)  # before connect
+            if security is not None and security.mechanism != "none":
+                # A refused handshake is otherwise silence: watch for it to fail fast and clearly.
+                self._monitor = self.sock.get_monitor_socket(
+                    zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
         except BaseException:
-            self.sock.close(linger=0)
+            self.close()
             raise
         self.sock.connect(endpoint)
+
+    def check_auth(self) -> None:
+        """Raise :class:`AuthenticationFailed` if the server refused this client's handshake."""
+        mon = self._monitor
+        if mon is not None and self.auth_failure is None:
+            while mon.poll(0):
+                try:
+                    frames = mon.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                event = int.from_bytes(frames[0][:2], "little")
+                status = int.from_bytes(frames[0][2:6], "little")
+                if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                    self.auth_failure = f"the server refused the {self.role} credentials (ZAP status {status})"
+                else:
+                    self.auth_failure = "the handshake failed (security settings differ: CURVE on one side only?)"
+        if self.auth_failure is not None:
+            raise AuthenticationFailed(f"{self.endpoint}: {self.auth_failure}{timeout_hint(self.security)}")
 
     def send(self, msg: Message) -> None:
         try:
@@ -134,9 +143,16 @@ class Connection:
     def recv(self, timeout_s: float | None = None) -> Message:
         """The next message; a server Error is raised as :class:`RemoteError`."""
         t = self.timeout_s if timeout_s is None else timeout_s
-        frames = recv_frames(self.sock, t)
-        if frames is None:
-            raise TransportTimeout(f"no reply from {self.endpoint} within {t:.1f}s{timeout_hint(self.security)}")
+        deadline = time.monotonic() + t
+        while True:
+            left = deadline - time.monotonic()
+            frames = recv_frames(self.sock, max(0.0, min(left, 0.25)))
+            if frames is not None:
+                break
+            self.check_auth()
+            if left <= 0.25:
+                raise TransportTimeout(
+                    f"no reply from {self.endpoint} within {t:.1f}s{timeout_hint(self.security)}")
         msg = protocol.decode(frames, max_array_bytes=self.max_array_bytes)
         if isinstance(msg, protocol.Error):
             raise RemoteError(msg.code, msg.message, self.endpoint)
@@ -154,7 +170,18 @@ class Connection:
         return reply
 
     def close(self, linger_ms: int = 0) -> None:
+        if self._monitor is not None:
+            try:
+                self.sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            self._monitor.close(linger=0)
+            self._monitor = None
         self.sock.close(linger=linger_ms)
+
+
+class AuthenticationFailed(TransportTimeout):
+    """The server refused this client's credentials in the handshake (wrong secret or key)."""
 
 
 class RemoteError(RuntimeError):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ps_common.cli_util import setup_logging
+from ps_common.cli_util import interrupt_on_signals, setup_logging
 from ps_common.config import ConfigError, load_config
 from ps_common.datasets import DatasetUnavailable
 
@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     from ps_launcher.summary import summary_markdown
 
     cluster = LocalCluster(cfg, args.run_dir, progress=not args.no_progress)
+    interrupt_on_signals()
     try:
         summary = cluster.run()
     except RunFailed as exc:

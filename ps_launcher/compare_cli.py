@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ps_common.cli_util import setup_logging
+from ps_common.cli_util import interrupt_on_signals, setup_logging
 from ps_common.config import ConfigError
 from ps_common.datasets import DatasetUnavailable
 
@@ -24,6 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.log_level)
     from ps_launcher.compare import default_out_dir, load_comparison, report_table, run_comparison
     from ps_launcher.launcher import RunFailed
+
+    interrupt_on_signals()
 
     try:
         base, comp = load_comparison(args.config, args.set)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from datetime import datetime
 from pathlib import Path
@@ -12,7 +13,9 @@ import zmq
 from tqdm import tqdm
 
 from ps_common import protocol as P
+from ps_common.cli_util import PARENT_ENV
 from ps_common.config import JobConfig, dump_yaml
+from ps_common.credentials import ROLES, generate_master, load_secret, write_role_secret
 from ps_common.datasets import dataset_from_config
 from ps_common.transport import Connection, TransportTimeout
 from ps_launcher.processes import ProcessGroup
@@ -20,6 +23,8 @@ from ps_launcher.plots import plot_run
 from ps_launcher.summary import summarize
 
 log = logging.getLogger(__name__)
+
+SECRET_ENV = "LBBSP__SECURITY__SECRET_FILE"
 
 
 def new_run_dir(cfg: JobConfig) -> Path:
@@ -46,6 +51,7 @@ class LocalCluster:
 
     def run(self) -> dict[str, Any]:
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.role_env = self._credentials()
         cfg_path = self.run_dir / "config.yaml"
         cfg_path.write_text(dump_yaml(self.cfg))
         # Fetch/convert the dataset once here, so children do not race to do it.
@@ -65,46 +71,83 @@ class LocalCluster:
         plot_run(self.run_dir, summary)
         return summary
 
+    def _credentials(self) -> dict[str, dict[str, str]]:
+        """Per-role environment for the children: without CURVE, a fresh job secret for this run
+        (or the one configured) with the master for shards and one role file per other role, so
+        a worker process cannot act as the operator or a shard. With CURVE each process picks its
+        role's key itself."""
+        sec = self.cfg.security
+        if sec.curve:
+            return {}
+        secrets_dir = self.run_dir / "secrets"
+        if sec.secret_file:
+            master = load_secret(sec.secret_file)
+            if master.master is None:  # a single role file: everyone uses it (and fails if it must)
+                return {r: {SECRET_ENV: master.path} for r in ROLES}
+        else:
+            master = generate_master(secrets_dir / "job.secret", overwrite=True)
+        env = {"shard": {SECRET_ENV: str(Path(master.path).resolve())}}
+        for role in ("worker", "evaluator", "operator"):
+            path = secrets_dir / f"{role}.secret"
+            write_role_secret(path, master, role, overwrite=True)
+            env[role] = {SECRET_ENV: str(path.resolve())}
+        self.cfg = self.cfg.model_copy(update={"security": sec.model_copy(
+            update={"secret_file": env["operator"][SECRET_ENV]})})
+        return env
+
     def _common(self, cfg_path: Path) -> list[str]:
         return ["--config", str(cfg_path), "--run-dir", str(self.run_dir)]
 
+    def _start_child(self, name: str, module: str, args: list[str], role: str):
+        env = {**self.role_env.get(role, {}), PARENT_ENV: str(os.getpid())}
+        return self.group.start(name, module, args, env=env)
+
     def _start(self, cfg_path: Path) -> None:
         c = self.cfg
-        s0 = self.group.start("shard-0", "ps_server.cli", [*self._common(cfg_path), "--shard", "0", "--port", "0"])
+        s0 = self._start_child("shard-0", "ps_server.cli", [*self._common(cfg_path), "--shard", "0", "--port", "0"],
+                               "shard")
         ep0 = self.group.wait_endpoint(s0, self.startup_timeout_s)
         self.shard_endpoints = [ep0]
-        others = [self.group.start(f"shard-{k}", "ps_server.cli",
-                                   [*self._common(cfg_path), "--shard", str(k), "--port", "0",
-                                    "--coordinator", ep0])
+        others = [self._start_child(f"shard-{k}", "ps_server.cli",
+                                    [*self._common(cfg_path), "--shard", str(k), "--port", "0",
+                                     "--coordinator", ep0], "shard")
                   for k in range(1, c.cluster.num_shards)]
         self.shard_endpoints += [self.group.wait_endpoint(ch, self.startup_timeout_s) for ch in others]
         for i in range(c.cluster.num_workers):
-            self.group.start(f"worker-{i}", "ps_worker.cli",
-                             [*self._common(cfg_path), "--server", ep0, "--name", f"worker-{i}",
-                              "--scenario-index", str(i)])
+            self._start_child(f"worker-{i}", "ps_worker.cli",
+                              [*self._common(cfg_path), "--server", ep0, "--name", f"worker-{i}",
+                               "--scenario-index", str(i)], "worker")
         if c.evaluator.enabled:
-            self.group.start("evaluator", "ps_worker.evaluator_cli", [*self._common(cfg_path), "--server", ep0])
+            self._start_child("evaluator", "ps_worker.evaluator_cli", [*self._common(cfg_path), "--server", ep0],
+                              "evaluator")
 
     def _roles(self, prefix: str) -> list:
         return [ch for ch in self.group.children if ch.role.startswith(prefix)]
 
     def _monitor(self) -> str:
         ctx = zmq.Context.instance()
-        conn = Connection(ctx, self.shard_endpoints[0], timeout_s=10.0, security=self.cfg.security)
+        conn = Connection(ctx, self.shard_endpoints[0], role="operator", timeout_s=10.0,
+                          security=self.cfg.security)
         t = self.cfg.training
         total = t.max_iterations
         bar = tqdm(total=total, unit="it", desc=self.cfg.run.name, disable=not self.progress,
                    dynamic_ncols=True)
         last = 0
+        shard0 = self._roles("shard-0")[0]
         try:
             while True:
                 failed = self.group.failed()
                 if failed is not None:
                     raise RunFailed(f"{failed.role} exited with code {failed.proc.returncode}; "
                                     f"last lines of {failed.log_path}:\n{failed.tail()}")
+                if shard0.proc.poll() == 0:  # the job finished between two status requests
+                    self._wait_finish()
+                    return self._final_stop_reason()
                 try:
-                    st = conn.request(P.StatusRequest(), P.Status)
+                    st = conn.request(P.StatusRequest(), P.Status, timeout_s=5.0)
                 except TransportTimeout:
+                    if shard0.proc.poll() is not None:
+                        continue
                     raise RunFailed("shard 0 stopped answering status requests") from None
                 assert isinstance(st, P.Status)
                 done = int(st.iterations)
@@ -121,10 +164,22 @@ class LocalCluster:
             bar.close()
             conn.close()
 
+    def _final_stop_reason(self) -> str:
+        from ps_common.metrics import read_jsonl
+
+        path = self.run_dir / "metrics" / "coordinator.jsonl"
+        reason = "finished"
+        if path.exists():
+            for rec in read_jsonl(path):
+                if rec.get("event") == "stop":
+                    reason = rec.get("reason", reason)
+        return reason
+
     def _wait_finish(self) -> None:
-        """Workers leave on their own at stop; the evaluator takes its final measurement."""
-        deadline = time.monotonic() + self.finish_timeout_s
-        for ch in self._roles("worker") + self._roles("evaluator"):
+        """Every process ends on its own after the stop: workers at once, the evaluator after
+        its final measurement, the shards once both have the final version."""
+        deadline = time.monotonic() + self.finish_timeout_s + self.cfg.training.finish_timeout_s
+        for ch in self._roles("worker") + self._roles("evaluator") + self._roles("shard"):
             left = max(0.1, deadline - time.monotonic())
             try:
                 ch.proc.wait(timeout=left)
@@ -132,11 +187,15 @@ class LocalCluster:
                 log.warning("%s did not exit within the finish timeout", ch.role)
 
     def _shutdown(self) -> None:
+        """Stop whatever still runs: an operator Shutdown to live shards, then signals."""
         ctx = zmq.Context.instance()
-        for ep in self.shard_endpoints:
-            conn = Connection(ctx, ep, timeout_s=2.0, security=self.cfg.security)
+        live = {ch.role for ch in self.group.children if ch.proc.poll() is None}
+        for k, ep in enumerate(self.shard_endpoints):
+            if f"shard-{k}" not in live:
+                continue
+            conn = Connection(ctx, ep, role="operator", timeout_s=2.0, security=self.cfg.security)
             try:
-                conn.request(P.Shutdown(reason="launcher finished", job_digest=self.cfg.job_digest()), P.Ack)
+                conn.request(P.Shutdown(reason="launcher stopping"), P.Ack)
             except Exception:
                 pass
             finally:

@@ -29,7 +29,8 @@ import zmq
 from batchsize_manager import BatchSizeManager, WorkerReport
 from ps_common import protocol as P
 from ps_common.security import SecurityConfig, close_socket
-from ps_common.transport import advertised, bind_address, make_router, parse_request, recv_frames
+from ps_common.transport import advertised, bind_address, make_router
+from ps_server.router import Limits, Refused, RouterLoop
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +38,6 @@ log = logging.getLogger(__name__)
 MAX_MSG_BYTES = P.MAX_HEADER_BYTES + 4096
 #: Telemetry entries accepted per report (the worker sends a dozen or so).
 MAX_TELEMETRY_KEYS = 256
-
-
-class Refused(Exception):
-    """A request the service answers with ``Error(code, message)``; state is left unchanged."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 def _worker_id(w: int) -> int:
@@ -77,10 +70,7 @@ class BatchSizeService:
         self.endpoint = advertised(bound, advertise_host)
         self.stop_event = threading.Event()
         self.started = time.monotonic()
-        self.requests = 0
         self.reports = 0
-        self.malformed = 0
-        self.errors_sent = 0
         self._closed = False
         self.handlers: dict[type[P.Message], Callable[[Any], P.Message]] = {
             P.BsmJoin: self._on_join,
@@ -89,15 +79,32 @@ class BatchSizeService:
             P.BsmAssign: self._on_assign,
             P.BsmStats: self._on_stats,
         }
+        # With credentials, workers report and the operator may do anything; without, anyone may.
+        perms = None
+        if security is not None and security.mechanism != "none":
+            anyone = frozenset({"worker", "operator"})
+            perms = {kind: anyone for kind in self.handlers}
+        self.router = RouterLoop(self.sock, {k: self._dispatch for k in self.handlers}, server="ps-bsm",
+                                 limits=Limits(max_frames=1, max_array_bytes=0), permissions=perms)
+
+    @property
+    def requests(self) -> int:
+        return self.router.counters["received"]
+
+    @property
+    def malformed(self) -> int:
+        return self.router.counters["malformed"]
+
+    @property
+    def errors_sent(self) -> int:
+        return self.router.counters["errors_sent"]
 
     # ----- lifecycle -----------------------------------------------------------------------
     def run(self) -> None:
         """Serve until :meth:`stop` (or SIGINT/SIGTERM once handlers are installed)."""
         try:
             while not self.stop_event.is_set():
-                frames = recv_frames(self.sock, self.poll_s)
-                if frames is not None:
-                    self.handle(frames)
+                self.router.poll(int(self.poll_s * 1000))
         finally:
             self.close()
 
@@ -126,39 +133,16 @@ class BatchSizeService:
     # ----- dispatch ------------------------------------------------------------------------
     def handle(self, frames: list[zmq.Frame]) -> None:
         """Answer one message; nothing a peer sends raises out of here."""
-        self.requests += 1
-        req = parse_request(frames, max_array_bytes=0, accepted=self.handlers, server="ps-bsm")
-        if req is None or req.malformed:
-            self.malformed += 1
-        if req is None:
-            return
-        ident, msg = req.ident, req.msg
-        if msg is None:
-            self._reply(ident, req.refusal)
-            return
+        self.router.handle(frames)
+
+    def _dispatch(self, ident: bytes, role: str, msg: P.Message) -> P.Message:
         try:
-            reply = self.handlers[type(msg)](msg)
-        except Refused as exc:
-            log.info("%s refused [%s]: %s", msg.TYPE, exc.code, exc)
-            reply = P.Error(code=exc.code, message=str(exc)[:2000])
+            return self.handlers[type(msg)](msg)
+        except Refused:
+            raise
         except Exception as exc:  # a policy bug must not take the service down
             log.exception("%s failed", msg.TYPE)
-            reply = P.error_for(exc, "internal")
-        self._reply(ident, reply)
-
-    def _reply(self, ident: bytes, msg: P.Message) -> None:
-        try:
-            frames = P.encode(msg)
-        except Exception as exc:  # e.g. a policy state that msgpack cannot carry
-            log.exception("cannot encode a %s reply", msg.TYPE)
-            msg = P.error_for(exc, "internal")
-            frames = P.encode(msg)
-        if isinstance(msg, P.Error):
-            self.errors_sent += 1
-        try:
-            self.sock.send_multipart([ident, *frames], copy=False)
-        except zmq.ZMQError as exc:  # peer vanished (ROUTER_MANDATORY): nothing to answer
-            log.info("reply to a vanished peer dropped: %s", exc)
+            raise Refused("internal", f"{type(exc).__name__}: {exc}") from None
 
     # ----- handlers: each returns the reply or raises Refused -------------------------------
     def _on_join(self, msg: P.BsmJoin) -> P.Message:

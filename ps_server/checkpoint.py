@@ -81,3 +81,50 @@ def find_checkpoint(directory: str | Path, shard: int, version: int | None = Non
         what = "any version" if version is None else f"version {version}"
         raise CheckpointError(f"no checkpoint of shard {shard} at {what} in {directory}")
     return found[-1][1]
+
+
+class CheckpointWriter:
+    """Writes checkpoints on a thread of its own, so an fsync never stalls the message loop.
+
+    The arrays handed over must not change afterwards (parameters are replaced, never mutated;
+    the shard copies its momentum buffer). Writes happen in order; ``flush`` waits for them.
+    """
+
+    def __init__(self, directory: str | Path, shard: int, keep: int) -> None:
+        import queue
+        import threading
+
+        self.directory = Path(directory)
+        self.shard = shard
+        self.keep = keep
+        self.written: list[Path] = []
+        self.errors: list[str] = []
+        self._queue: "queue.Queue[tuple[int, dict, dict] | None]" = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=f"checkpoints-{shard}", daemon=True)
+        self._thread.start()
+
+    def submit(self, version: int, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+        self._queue.put((version, arrays, meta))
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                version, arrays, meta = job
+                try:
+                    self.written.append(save_checkpoint(self.directory, self.shard, version, arrays, meta,
+                                                        keep=self.keep))
+                except OSError as exc:
+                    self.errors.append(f"version {version}: {exc}")
+            finally:
+                self._queue.task_done()
+
+    def flush(self) -> None:
+        """Wait until every submitted checkpoint is on disk."""
+        self._queue.join()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=60)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from ps_common.cli_util import add_common_args, load_cli_config, setup_logging
+from ps_common.cli_util import add_common_args, load_cli_config, setup_logging, watch_parent
 from ps_common.config import ConfigError
 from ps_common.datasets import DatasetUnavailable
+from ps_common.credentials import CredentialError, generate_master
 from ps_server.checkpoint import CheckpointError
 
 
@@ -24,14 +26,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="restart from this shard's newest checkpoint (checkpoint.dir or RUN_DIR/checkpoints)")
     args = ap.parse_args(argv)
     setup_logging(args.log_level)
+    watch_parent()
     try:
-        cfg = load_cli_config(args.config, args.set)
+        cfg = load_cli_config(args.config, args.set, args.secret_file)
+        _make_secret_if_new(cfg, args.shard)
         from ps_server.server import ShardServer
 
         server = ShardServer(cfg, args.shard, host=args.host, port=args.port,
                              advertise_host=args.advertise, coordinator=args.coordinator,
                              run_dir=args.run_dir, resume=args.resume)
-    except (ConfigError, DatasetUnavailable, ValueError, CheckpointError) as exc:
+    except (ConfigError, DatasetUnavailable, ValueError, CheckpointError, CredentialError) as exc:
         print(f"ps-server: error: {exc}", file=sys.stderr)
         return 2
     server.install_signal_handlers()
@@ -41,7 +45,16 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as exc:
         print(f"ps-server: error: {exc}", file=sys.stderr)
         return 1
-    return 0
+    return server.exit_code
+
+
+def _make_secret_if_new(cfg, shard: int) -> None:
+    """Shard 0 of a hand-started job makes the job secret it was pointed at, if it is new."""
+    path = cfg.security.secret_file
+    if shard == 0 and path and not cfg.security.curve and not Path(path).exists():
+        generate_master(path)
+        print(f"ps-server: made a new job secret at {path}: give it to the other shards; workers "
+              f"and the evaluator may get role files instead (ps-keys secret --role ...)", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,50 +1,93 @@
-"""The coordinator (a role of shard 0): membership, assignments, data cursor, stop rules.
+"""The coordinator (a role of shard 0): membership, plans, the data cursor, commits, stop rules.
 
-Pure bookkeeping with an injected clock; the server loop calls it and does the I/O.
+Pure bookkeeping with an injected clock; the server loop feeds it and carries out what it
+returns. It is the one place where a commit is decided (DESIGN.md section 3):
 
-- Round modes (BSP, LB-BSP, backup workers): one plan per iteration. The live workers, each
-  one's batch size from the batch policy, each one's sample ranges cut from the data cursor.
-  The plan for t+1 is made when iteration t is applied, from the reports that came with t's
-  pushes. Samples of gradients that were not applied (a backup worker's late gradient) go back
-  to the cursor, so every applied sample is used exactly once per epoch.
-- Async modes (ASP, SSP): each worker has its own clock; its next assignment is cut when it
-  asks for it.
+- Shards tell it which gradients they hold (shard 0 by receiving them, followers with Have
+  messages). A gradient is *complete* once every shard holds it.
+- The sync policy picks, among complete gradients, the set that makes up the next version
+  (:meth:`decide`). Each decision is one :class:`CommitDecision` that every shard applies in the
+  same order, so versions mean the same thing on every shard.
+- Round modes (BSP, LB-BSP, backup workers) have one plan per iteration: the live workers, each
+  one's batch size from the batch policy and its sample ranges from the data cursor. A worker
+  lost before its gradient was complete leaves the plan and its samples go back to the cursor
+  once; a complete one stays and is applied. The plan for t+1 rides on t's commit.
+- Async modes (ASP, SSP) cut each worker's next assignment when it asks for it; each complete
+  gradient that matches an outstanding assignment is its own commit.
+
+Samples of gradients that are not applied go back to the cursor exactly once, so every applied
+sample is used exactly once per epoch.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable
 
 from batchsize_manager import WorkerReport
 from batchsize_manager.manager import BatchSizeManager
 from ps_common.config import JobConfig
-from ps_common.protocol import Assignment
+from ps_common.protocol import Assignment, Plan
 from ps_server.data_cursor import DataCursor
+from ps_server.sync import AsyncPolicy, RoundPolicy, SyncPolicy
 
 log = logging.getLogger(__name__)
+
+#: Async modes: assignments a worker may hold whose gradients are not committed yet.
+MAX_OUTSTANDING = 3
+
+
+def member_token(member_key: str, worker_id: int) -> str:
+    """A worker's membership secret; any shard that knows ``member_key`` can check it."""
+    return hmac.new(bytes.fromhex(member_key), f"worker:{worker_id}".encode(), hashlib.sha256).hexdigest()[:32]
 
 
 @dataclass
 class WorkerInfo:
     worker_id: int
     name: str
+    instance: str
     joined_at: float
     device: str = "cpu"
     last_seen: float = 0.0
-    clock: int = 0  # iterations pushed
-    token: str = ""  # membership secret handed out in Welcome
+    clock: int = 0  # async modes: gradients committed
+    told_stop: bool = False
+
+
+@dataclass
+class _Gradient:
+    """What the ledger knows of one pushed gradient: its batch size and who holds it."""
+
+    batch_size: int
+    shards: set[int] = field(default_factory=set)
+    complete: bool = False
+
+
+@dataclass
+class CommitDecision:
+    """One version: every shard applies exactly these gradients, in this order of versions."""
+
+    version: int
+    iteration: int
+    entries: list[list[int]]  # [worker, batch_size], sorted by worker
+    lr_scale: float
+    drops: list[list[int]]    # [worker, iteration]: never to be applied
+    next_plan: Plan | None
+    record: "UpdateRecord"
+    checkpoint: bool = False
 
 
 @dataclass
 class UpdateRecord:
-    """What the coordinator logs for each applied update (one iteration in round modes)."""
+    """What the coordinator logs for each commit (one iteration in round modes)."""
 
     iteration: int
+    version: int
     elapsed: float
     duration: float
     batch_sizes: dict[int, int]
@@ -58,27 +101,35 @@ class UpdateRecord:
 
 
 class Coordinator:
-    def __init__(self, cfg: JobConfig, num_samples: int, manager: BatchSizeManager, *,
-                 kind: str = "round", clock: Callable[[], float] = time.monotonic) -> None:
-        if kind not in ("round", "async"):
-            raise ValueError(f"unknown coordination kind {kind!r}")
+    def __init__(self, cfg: JobConfig, num_samples: int, manager: BatchSizeManager,
+                 policy: SyncPolicy, *, num_shards: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
-        self.kind = kind
+        self.policy = policy
+        self.num_shards = num_shards
         self.num_samples = num_samples
         self.manager = manager
         self.clock = clock
         self.cursor = DataCursor(num_samples)
+        self.member_key = os.urandom(16).hex()
         self.workers: dict[int, WorkerInfo] = {}
         self._next_id = 0
         self.started = False
         self.start_time = 0.0
         self.last_update_time = 0.0
+        self.version = 0
         self.iteration = -1
         self.plan: dict[int, Assignment] = {}
-        self.async_plan: dict[int, Assignment] = {}
+        self.plan_lr = 1.0
+        self.outstanding: dict[int, dict[int, Assignment]] = {}  # async: worker -> clock -> assignment
+        self.ledger: dict[tuple[int, int], _Gradient] = {}
+        self._completed: list[tuple[int, int]] = []  # completion order, not yet decided on
+        self._pending_drops: list[list[int]] = []
         self.stop = False
         self.stop_reason = ""
+        self.stop_version = -1
         self.last_accuracy = -1.0
+        self.evaluator_done = False
         self.applied_samples = 0
         self.updates = 0
         self.reports: dict[int, WorkerReport] = {}
@@ -88,6 +139,7 @@ class Coordinator:
         self.resumed = False
         self.elapsed_at_resume = 0.0
         self.events: list[dict] = []  # drained and logged by the server
+        self.counters: dict[str, int] = {}
         self._last_X: int | None = None
         self._ramp: tuple[int, float, float] | None = None
 
@@ -95,44 +147,59 @@ class Coordinator:
     def global_batch(self) -> int:
         return self.cfg.training.global_batch
 
+    @property
+    def round_based(self) -> bool:
+        return self.policy.round_based
+
+    def _count(self, what: str) -> None:
+        self.counters[what] = self.counters.get(what, 0) + 1
+
     # ----- membership -------------------------------------------------------------------
-    def join(self, name: str, device: str = "cpu") -> int:
+    def join(self, name: str, instance: str, device: str = "cpu") -> int:
+        """A new member; a Join from a process that already is one replaces that membership."""
+        for wid, info in list(self.workers.items()):
+            if instance and info.instance == instance:
+                self.leave(wid, "joined again (same process)")
         wid = self._next_id
         self._next_id += 1
         now = self.clock()
         clock = min((w.clock for w in self.workers.values()), default=0)
-        self.workers[wid] = WorkerInfo(wid, name, now, device, now, clock, os.urandom(8).hex())
+        self.workers[wid] = WorkerInfo(wid, name, instance, now, device, now, clock)
         self.manager.join(wid)
         log.info("worker %d (%s) joined; %d live", wid, name, len(self.workers))
         return wid
 
-    def leave(self, worker_id: int, reason: str = "left") -> dict[int, int] | None:
-        """Remove a worker (graceful leave or declared lost); never let a barrier wait for it.
+    def token(self, worker_id: int) -> str:
+        return member_token(self.member_key, worker_id)
 
-        Its unused samples go back to the cursor. In round modes, if it was part of the current
-        iteration's plan, returns the reduced set {worker: batch size} that the iteration must
-        now be committed to (the server sends that commit to every shard); else None. If it was
-        the last worker of the plan, the iteration is planned again for whoever joins next.
+    def token_ok(self, worker_id: int, token: str) -> bool:
+        return worker_id in self.workers and hmac.compare_digest(self.token(worker_id), token)
+
+    def leave(self, worker_id: int, reason: str = "left") -> None:
+        """Remove a worker (graceful leave, declared lost, replaced); no barrier waits for it.
+
+        Its gradients that are not complete will never be: they are dropped everywhere and
+        their samples go back to the cursor. A complete one is still applied.
         """
         if self.workers.pop(worker_id, None) is None:
-            return None
+            return
         self.manager.leave(worker_id)
         self.lost.append((worker_id, reason, self.clock()))
         log.info("worker %d %s; %d live", worker_id, reason, len(self.workers))
-        pending = self.async_plan.pop(worker_id, None)
-        if pending is not None:
-            self.cursor.give_back(pending.ranges)
-        if self.kind != "round" or worker_id not in self.plan or self.stop:
-            return None
-        self.cursor.give_back(self.plan.pop(worker_id).ranges)
-        if not self.plan:
-            self.replan_pending = True
-            return None
-        return {w: a.batch_size for w, a in self.plan.items()}
-
-    def token_ok(self, worker_id: int, token: str) -> bool:
-        info = self.workers.get(worker_id)
-        return info is not None and hmac.compare_digest(info.token, token)
+        for clock, a in sorted(self.outstanding.pop(worker_id, {}).items()):
+            g = self.ledger.get((worker_id, clock))
+            if g is not None and g.complete:
+                self.outstanding.setdefault(worker_id, {})[clock] = a  # still committed
+            else:
+                self._discard((worker_id, clock))
+                self.cursor.give_back(a.ranges)
+        if self.round_based and worker_id in self.plan and not self.stop:
+            g = self.ledger.get((worker_id, self.iteration))
+            if g is None or not g.complete:
+                self._discard((worker_id, self.iteration))
+                self.cursor.give_back(self.plan.pop(worker_id).ranges)
+                if not self.plan:
+                    self.replan_pending = True
 
     def silent_workers(self, timeout_s: float) -> list[int]:
         """Workers not heard from (push or heartbeat) for longer than ``timeout_s``."""
@@ -149,18 +216,27 @@ class Coordinator:
     def live(self) -> list[int]:
         return sorted(self.workers)
 
-    # ----- starting and planning ----------------------------------------------------------
-    def try_start(self) -> bool:
-        """Start once the configured number of workers has joined (plans iteration 0).
+    def told_stop(self, worker_id: int) -> None:
+        info = self.workers.get(worker_id)
+        if info is not None:
+            info.told_stop = True
 
-        Also re-plans an iteration whose every worker left, once somebody is live again.
-        """
-        if self.started and self.replan_pending and self.workers and not self.stop:
+    def everyone_knows_stop(self) -> bool:
+        """Every member has been answered with stop (or left) and the evaluator is done."""
+        workers_done = all(w.told_stop for w in self.workers.values())
+        return workers_done and (self.evaluator_done or not self.cfg.evaluator.enabled)
+
+    # ----- starting and planning ----------------------------------------------------------
+    def try_start(self) -> Plan | None:
+        """Start once the configured number of workers has joined; re-plan an iteration whose
+        every worker left once somebody is live again. Returns a new plan to announce."""
+        if self.stop:
+            return None
+        if self.started and self.replan_pending and self.workers:
             self.replan_pending = False
-            self._plan(self.iteration)
-            return True
+            return self._plan(self.iteration) if self.round_based else None
         if self.started or len(self.workers) < self.cfg.cluster.num_workers:
-            return False
+            return None
         self.started = True
         now = self.clock()
         if not self.resumed:
@@ -169,14 +245,18 @@ class Coordinator:
         else:  # keep the elapsed clock running across the restart
             self.start_time = now - self.elapsed_at_resume
         self.last_update_time = now
-        if self.kind == "round":
-            self._plan(self.iteration)
-        return True
+        return self._plan(self.iteration) if self.round_based else None
+
+    def current_plan(self) -> Plan | None:
+        if not self.round_based or not self.plan or self.stop:
+            return None
+        ws = sorted(self.plan)
+        return Plan(iteration=self.iteration, workers=ws, batch_sizes=[self.plan[w].batch_size for w in ws])
 
     def current_global_batch(self) -> int:
         """X for the next plan: constant, or worker_batch x live workers (elastic.keep)."""
         e = self.cfg.elastic
-        if e.keep == "worker_batch" and self.kind == "round":
+        if e.keep == "worker_batch" and self.round_based:
             wb = e.worker_batch or max(1, self.global_batch // self.cfg.cluster.num_workers)
             return wb * max(1, len(self.workers))
         return self.global_batch
@@ -228,113 +308,203 @@ class Coordinator:
         self.manager.global_batch = total
         return self.manager.assign(), total
 
-    def _plan(self, iteration: int) -> None:
+    def _plan(self, iteration: int) -> Plan | None:
         self.iteration = iteration
         self.reports, self.losses = {}, {}
         live = self.live()
         if not live:
             self.plan = {}
-            return
+            self.replan_pending = True
+            return None
         sizes, total = self._split(live)
-        lr = self._lr_factor(iteration, self.current_global_batch())
-        self.plan = {
-            w: Assignment(iteration=iteration, batch_size=x, ranges=self.cursor.take(x),
-                          expected_workers=len(live), global_batch=total, lr_scale=lr)
-            for w, x in sizes.items()
-        }
+        self.plan_lr = self._lr_factor(iteration, self.current_global_batch())
+        self.plan = {w: Assignment(iteration=iteration, batch_size=x, ranges=self.cursor.take(x),
+                                   global_batch=total)
+                     for w, x in sizes.items()}
+        return self.current_plan()
 
-    def assignment(self, worker_id: int, iteration: int) -> Assignment | None:
-        """The assignment answering a pull: ``iteration`` is the shard version (round modes) or
-        the worker's next clock (async modes)."""
+    def assignment(self, worker_id: int, key: int) -> Assignment | None:
+        """The assignment answering a worker's pull: ``key`` is the shard version (round modes:
+        the current iteration's plan) or the worker's next clock (async modes)."""
         if self.stop or worker_id not in self.workers or not self.started:
             return None
-        if self.kind == "round":
-            return self.plan.get(worker_id) if iteration == self.iteration else None
-        a = self.async_plan.get(worker_id)
-        if a is None or a.iteration != iteration:
-            if a is not None:
-                self.cursor.give_back(a.ranges)
-            live = self.live()
-            sizes, total = self._split(live)
-            x = sizes[worker_id]
-            a = Assignment(iteration=iteration, batch_size=x, ranges=self.cursor.take(x),
-                           expected_workers=len(live), global_batch=total)
-            self.async_plan[worker_id] = a
+        if self.round_based:
+            return self.plan.get(worker_id) if key == self.iteration else None
+        mine = self.outstanding.setdefault(worker_id, {})
+        a = mine.get(key)
+        if a is not None:
+            return a
+        if len(mine) >= MAX_OUTSTANDING:
+            return None  # its earlier gradients are not committed yet: back-pressure
+        policy = self.policy
+        assert isinstance(policy, AsyncPolicy)
+        if not policy.pull_ready({w: i.clock for w, i in self.workers.items()}, self.workers, key):
+            return None
+        sizes, total = self._split(self.live())
+        x = sizes[worker_id]
+        a = Assignment(iteration=key, batch_size=x, ranges=self.cursor.take(x), global_batch=total)
+        mine[key] = a
         return a
 
-    # ----- progress -------------------------------------------------------------------------
-    def record_push(self, report: WorkerReport, loss: float) -> None:
+    # ----- gradients and commits ------------------------------------------------------------
+    def expected(self, worker_id: int, iteration: int) -> int | None:
+        """The batch size a push of (worker, iteration) must carry, or None if none is due."""
+        if self.round_based:
+            a = self.plan.get(worker_id) if iteration == self.iteration else None
+        else:
+            a = self.outstanding.get(worker_id, {}).get(iteration)
+        return None if a is None else a.batch_size
+
+    def on_gradient(self, shard: int, worker_id: int, iteration: int, batch_size: int) -> None:
+        """Shard ``shard`` holds this gradient. Reports of gradients that cannot be committed
+        (stale, unknown, a batch size other than assigned) are dropped and counted."""
+        if not 0 <= shard < self.num_shards:
+            self._count("have.bad_shard")
+            return
+        key = (worker_id, iteration)
+        g = self.ledger.get(key)
+        if g is None:
+            if self.expected(worker_id, iteration) != batch_size or self.stop:
+                self._count("have.unexpected")
+                self._pending_drops.append([worker_id, iteration])
+                return
+            g = self.ledger[key] = _Gradient(batch_size)
+        elif g.batch_size != batch_size:
+            self._count("have.conflict")
+            return
+        if shard in g.shards:
+            return
+        g.shards.add(shard)
+        if len(g.shards) == self.num_shards and not g.complete:
+            g.complete = True
+            self._completed.append(key)
+
+    def _discard(self, key: tuple[int, int]) -> None:
+        if self.ledger.pop(key, None) is not None:
+            self._pending_drops.append(list(key))
+
+    def record_report(self, report: WorkerReport, loss: float) -> None:
+        """Telemetry from a worker's push to shard 0 (feeds the batch policy)."""
         self.reports[report.worker_id] = report
         self.losses[report.worker_id] = loss
         self.manager.observe(report)
-        info = self.workers.get(report.worker_id)
-        if info is not None:
-            info.last_seen = self.clock()
-            info.clock = max(info.clock, report.iteration + 1)
+        self.heard_from(report.worker_id)
 
-    def on_update(self, iteration: int, accepted: Iterable[int], samples: int) -> UpdateRecord:
-        """An update was applied on shard 0: log it, check stop rules, plan what comes next."""
+    def decide(self) -> list[CommitDecision]:
+        """The commits due now, in order (usually none or one)."""
+        if not self.started or self.stop:
+            return []
+        if self.round_based:
+            d = self._decide_round()
+            return [d] if d is not None else []
+        return self._decide_async()
+
+    def _decide_round(self) -> CommitDecision | None:
+        policy = self.policy
+        assert isinstance(policy, RoundPolicy)
+        t = self.iteration
+        if not self.plan:
+            return None
+        complete = [w for (w, it) in self._completed if it == t and w in self.plan]
+        accepted = policy.accept(sorted(self.plan), complete)
+        if accepted is None:
+            return None
+        plan = self.plan
+        for w, a in plan.items():
+            if w not in accepted:  # a late backup worker: its samples are served again
+                self.cursor.give_back(a.ranges)
+                self._count("gradients_dropped")
+        drops = self._pending_drops + [[w, it] for (w, it) in self.ledger if it <= t and w not in accepted]
+        self._pending_drops = []
+        self.ledger = {k: g for k, g in self.ledger.items() if k[1] > t}
+        self._completed = [k for k in self._completed if k[1] > t]
+        entries = [[w, plan[w].batch_size] for w in accepted]
+        lr = self.plan_lr
+        self.plan = {}  # consumed: a stop below must not give its samples back
+        record = self._record(t, plan, accepted)
+        self._check_stop(self.clock())
+        next_plan = None if self.stop else self._plan(t + 1)
+        return CommitDecision(self.version, t, entries, lr, drops, next_plan, record)
+
+    def _decide_async(self) -> list[CommitDecision]:
+        out = []
+        completed, self._completed = self._completed, []
+        for key in completed:
+            w, c = key
+            g = self.ledger.pop(key, None)
+            a = self.outstanding.get(w, {}).get(c)
+            if g is None or a is None or a.batch_size != g.batch_size:
+                self._count("have.unexpected")
+                self._pending_drops.append([w, c])
+                continue
+            del self.outstanding[w][c]
+            if not self.outstanding[w]:
+                del self.outstanding[w]
+            info = self.workers.get(w)
+            if info is not None:
+                info.clock = max(info.clock, c + 1)
+            drops, self._pending_drops = self._pending_drops, []
+            record = self._record(c, {w: a}, [w])
+            out.append(CommitDecision(self.version, c, [[w, a.batch_size]], a.batch_size / a.global_batch,
+                                      drops, None, record))
+            self._check_stop(self.clock())
+            if self.stop:
+                break
+        if self.stop:  # what completed after the final version is never applied
+            for key in self._completed + [k for k in self.ledger]:
+                self._pending_drops.append(list(key))
+        return out
+
+    def _record(self, iteration: int, plan: dict[int, Assignment], accepted: list[int]) -> UpdateRecord:
         now = self.clock()
-        accepted = sorted(accepted)
+        samples = sum(plan[w].batch_size for w in accepted)
         self.applied_samples += samples
         self.updates += 1
-        if self.kind == "round":
-            plan = self.plan
-            for w, a in plan.items():
-                if w not in accepted:  # dropped (late backup worker): its samples are reused
-                    self.cursor.give_back(a.ranges)
-        else:
-            plan = {w: a for w, a in self.async_plan.items() if w in accepted}
-            for w in accepted:
-                self.async_plan.pop(w, None)
-        sizes = {w: a.batch_size for w, a in plan.items() if w in accepted}
-        n = sum(sizes.values()) or 1
-        loss = sum(self.losses.get(w, 0.0) * x for w, x in sizes.items()) / n
+        self.version += 1
+        n = samples or 1
+        loss = sum(self.losses.get(w, 0.0) * plan[w].batch_size for w in accepted) / n
         record = UpdateRecord(
-            iteration=iteration, elapsed=now - self.start_time, duration=now - self.last_update_time,
+            iteration=iteration, version=self.version, elapsed=now - self.start_time,
+            duration=now - self.last_update_time,
             batch_sizes={w: a.batch_size for w, a in plan.items()},
-            ranges={w: a.ranges for w, a in plan.items()}, accepted=accepted, loss=loss,
+            ranges={w: a.ranges for w, a in plan.items()}, accepted=sorted(accepted), loss=loss,
             epoch=self.cursor.epoch, samples=self.cursor.state.samples_served,
             applied_samples=self.applied_samples,
             reports=[self.reports[w] for w in accepted if w in self.reports])
         self.last_update_time = now
-        self._check_stop(now)
-        if self.kind == "round":
-            if self.stop:
-                self.plan = {}
-                self.iteration = iteration + 1
-            else:
-                self._plan(iteration + 1)
         return record
 
     # ----- checkpoints ------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """What a resumed coordinator needs: the data cursor at the end of the last applied
-        iteration (the in-flight plan's samples count as unused), progress counters, the batch
+        """What a resumed coordinator needs: the data cursor at the end of the last commit (the
+        in-flight plan's and assignments' samples count as unused), progress counters, the batch
         policy's state. Membership is not saved: workers join again after a restart."""
         cursor = DataCursor(self.num_samples)
         cursor.load_state_dict(self.cursor.state_dict())
-        for a in list(self.plan.values()) + list(self.async_plan.values()):
+        inflight = list(self.plan.values()) + [a for m in self.outstanding.values() for a in m.values()]
+        for a in inflight:
             cursor.give_back(a.ranges)
-        policy_state = self.manager.state_dict()
-        return {"cursor": cursor.state_dict(), "iteration": self.updates if self.kind == "round" else 0,
-                "elapsed": self.elapsed(), "updates": self.updates,
+        return {"cursor": cursor.state_dict(), "iteration": self.updates if self.round_based else 0,
+                "version": self.version, "elapsed": self.elapsed(), "updates": self.updates,
                 "applied_samples": self.applied_samples, "last_accuracy": self.last_accuracy,
-                "next_id": self._next_id, "policy": policy_state}
+                "next_id": self._next_id, "policy": self.manager.state_dict()}
 
     def load_state_dict(self, d: dict) -> None:
         """Resume: progress and cursor from the checkpoint; wait for the workers to join again."""
         for w in list(self.workers):
             self.manager.leave(w)
         self.workers.clear()
-        self.plan, self.async_plan = {}, {}
+        self.plan, self.outstanding, self.ledger = {}, {}, {}
+        self._completed, self._pending_drops = [], []
         self.cursor.load_state_dict(d["cursor"])
         self.iteration = int(d["iteration"])
+        self.version = int(d.get("version", d["updates"]))
         self.updates = int(d["updates"])
         self.applied_samples = int(d["applied_samples"])
         self.last_accuracy = float(d["last_accuracy"])
         self.elapsed_at_resume = float(d.get("elapsed", 0.0))
         self._next_id = max(self._next_id, int(d["next_id"]))
+        self.member_key = os.urandom(16).hex()  # tokens of the old incarnation are void
         if d.get("policy") is not None:
             try:
                 self.manager.load_state_dict(d["policy"])
@@ -342,12 +512,13 @@ class Coordinator:
                 log.warning("batch policy state not restored: %s", exc)
         for w in self.manager.live_workers:  # members of the old incarnation join again
             self.manager.leave(w)
-        self.started, self.stop, self.stop_reason = False, False, ""
+        self.started, self.stop, self.stop_reason, self.stop_version = False, False, "", -1
+        self.replan_pending = False
         self.resumed = True
 
     def iterations_done(self) -> float:
         """Progress in global batches: iterations in round modes, X-sample equivalents in async."""
-        if self.kind == "round":
+        if self.round_based:
             return float(self.updates)
         return self.applied_samples / self.global_batch
 
@@ -365,13 +536,33 @@ class Coordinator:
         elif t.target_accuracy is not None and self.last_accuracy >= t.target_accuracy:
             self.request_stop(f"reached target_accuracy={t.target_accuracy}")
 
-    def request_stop(self, reason: str) -> None:
-        if not self.stop:
-            self.stop, self.stop_reason = True, reason
-            log.info("stopping: %s", reason)
+    def check_time(self) -> bool:
+        """The wall-clock stop rule between commits (a job with no progress still ends)."""
+        if self.started and not self.stop:
+            self._check_stop(self.clock())
+        return self.stop
 
-    def on_eval(self, accuracy: float) -> None:
+    def request_stop(self, reason: str) -> None:
+        """The job ends at the current version; nothing in flight is applied after it."""
+        if self.stop:
+            return
+        self.stop, self.stop_reason, self.stop_version = True, reason, self.version
+        log.info("stopping at version %d: %s", self.version, reason)
+        if self.round_based:
+            for a in self.plan.values():
+                self.cursor.give_back(a.ranges)
+            self.plan = {}
+        for w, mine in self.outstanding.items():
+            for a in mine.values():
+                self.cursor.give_back(a.ranges)
+        self.outstanding = {}
+        self._pending_drops += [list(k) for k in self.ledger]
+        self.ledger, self._completed = {}, []
+
+    def on_eval(self, accuracy: float, final: bool = False) -> None:
         self.last_accuracy = accuracy
+        if final:
+            self.evaluator_done = True
 
     def elapsed(self) -> float:
         return self.clock() - self.start_time if self.started else 0.0

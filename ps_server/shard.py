@@ -1,44 +1,84 @@
-"""One shard's state: its slice of the parameters, optimizer, version and aggregation buffers."""
+"""One shard's state: its slice of the parameters, optimizer, version, received gradients.
+
+A shard never decides what to apply. It holds the gradients workers pushed (read-only views of
+the received frames) until the coordinator's commit names the ones that make up the next
+version, then applies exactly those: g = sum(x_i g_i) / sum(x_i), summed in worker-id order so
+the bits do not depend on arrival order. Every shard therefore goes through the same versions,
+and ``log_hash`` (a digest chained over every applied commit) proves it: two shards at the same
+version with the same hash applied the same gradient sets.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import time
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
 from ps_common.config import OptimizerConfig
 from ps_server.optimizer import SGD
-from ps_server.sync import Apply, PushOutcome, PushRejected, SyncPolicy
+
+GENESIS_HASH = "0" * 16
+
+
+def next_log_hash(prev: str, version: int, iteration: int, entries: Sequence[Sequence[int]],
+                  lr_scale: float) -> str:
+    """The digest after applying one commit: chained, so equal hashes mean equal histories."""
+    text = f"{prev}|{version}|{iteration}|{[list(e) for e in entries]}|{float(lr_scale)!r}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+class GradientRejected(ValueError):
+    """A pushed gradient that must not be stored; ``code`` for the Error reply."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class MissingGradient(RuntimeError):
+    """A commit names a gradient this shard does not hold: it cannot apply it."""
+
+
+@dataclass
+class Held:
+    batch_size: int
+    grad: np.ndarray  # read-only view of the received frame
+
+
+@dataclass
+class Applied:
+    version: int
+    iteration: int
+    entries: list[list[int]]
+    samples: int
+    log_hash: str
 
 
 class ShardState:
-    """Validates pushes, hands them to the sync policy, applies the weighted updates.
-
-    Aggregation g = sum(x_i g_i) / sum(x_i) runs in preallocated float32 buffers; a gradient
-    that fails validation never reaches the policy, so parameters stay exactly as they were.
-    """
-
-    def __init__(self, shard: int, params: np.ndarray, opt_cfg: OptimizerConfig, sync: SyncPolicy,
-                 *, reject_nonfinite: bool = True, clock: Callable[[], float] = time.time,
-                 snapshot_every: int = 0, max_snapshots: int = 8) -> None:
+    def __init__(self, shard: int, params: np.ndarray, opt_cfg: OptimizerConfig, *,
+                 reject_nonfinite: bool = True, clock: Callable[[], float] = time.time,
+                 snapshot_every: int = 0, max_snapshots: int = 8, max_held_per_worker: int = 4) -> None:
         if params.dtype != np.float32 or params.ndim != 1:
             raise ValueError("shard parameters must be a flat float32 vector")
         self.shard = shard
         self.params = params
         self.size = params.size
         self.optimizer = SGD(opt_cfg, self.size)
-        self.sync = sync
         self.reject_nonfinite = reject_nonfinite
         self.clock = clock
         self.version = 0
+        self.log_hash = GENESIS_HASH
         self.version_time = clock()
+        self.samples_applied = 0
+        self.max_held_per_worker = max_held_per_worker
+        self.held: dict[tuple[int, int], Held] = {}
+        self._held_per_worker: dict[int, int] = {}
+        self.dropped = 0
         self._acc = np.zeros(self.size, dtype=np.float32)
         self._scratch = np.empty(self.size, dtype=np.float32)
-        self.rejected: dict[str, int] = {}
-        self.dropped = 0
-        self.samples_applied = 0
-        self.lr_factors: dict[int, float] = {}  # iteration -> elastic learning-rate factor
         # Parameters at every ``snapshot_every``-th version, so the evaluator measures exactly
         # those versions even when it falls behind. Updates are out of place, so a snapshot is
         # a reference, not a copy; at most ``max_snapshots`` are kept.
@@ -47,21 +87,101 @@ class ShardState:
         self.snapshots: dict[int, tuple[np.ndarray, float, int]] = {}
         self._snapshot()
 
+    # ----- receiving ------------------------------------------------------------------------
+    def receive(self, worker: int, iteration: int, batch_size: int, grad: np.ndarray) -> None:
+        """Hold a validated gradient until a commit applies or drops it."""
+        if grad.dtype != np.float32 or grad.shape != (self.size,):
+            raise GradientRejected("bad_shape", f"shard {self.shard} expects float32[{self.size}], got "
+                                                f"{grad.dtype}{list(grad.shape)}")
+        if self.reject_nonfinite and not np.isfinite(np.sum(grad, dtype=np.float64)):
+            raise GradientRejected("nonfinite", f"gradient from worker {worker} has NaN or Inf")
+        key = (worker, iteration)
+        if key in self.held:
+            raise GradientRejected("duplicate", f"worker {worker} already pushed iteration {iteration}")
+        if self._held_per_worker.get(worker, 0) >= self.max_held_per_worker:
+            raise GradientRejected("busy", f"worker {worker} has {self.max_held_per_worker} "
+                                           "uncommitted gradients here")
+        self.held[key] = Held(batch_size, grad)
+        self._held_per_worker[worker] = self._held_per_worker.get(worker, 0) + 1
+
+    def holds(self) -> list[list[int]]:
+        return [[w, t, h.batch_size] for (w, t), h in self.held.items()]
+
+    def drop(self, keys: Iterable[Sequence[int]]) -> int:
+        n = 0
+        for w, t in keys:
+            if self._forget((int(w), int(t))):
+                n += 1
+        self.dropped += n
+        return n
+
+    def drop_through(self, iteration: int) -> int:
+        """Round modes: gradients of iterations up to ``iteration`` can never be applied now."""
+        return self.drop([k for k in self.held if k[1] <= iteration])
+
+    def _forget(self, key: tuple[int, int]) -> bool:
+        if self.held.pop(key, None) is None:
+            return False
+        left = self._held_per_worker[key[0]] - 1
+        if left:
+            self._held_per_worker[key[0]] = left
+        else:
+            del self._held_per_worker[key[0]]
+        return True
+
+    # ----- applying ---------------------------------------------------------------------------
+    def apply(self, iteration: int, entries: Sequence[Sequence[int]], lr_scale: float) -> Applied:
+        """Apply one commit: version + 1. Raises MissingGradient (state unchanged) when a named
+        gradient is not held here with that batch size."""
+        grads = []
+        for w, x in entries:
+            h = self.held.get((int(w), iteration))
+            if h is None or h.batch_size != x:
+                raise MissingGradient(f"shard {self.shard} does not hold worker {w}'s gradient of "
+                                      f"iteration {iteration} (batch size {x})")
+            grads.append(h)
+        acc, scratch = self._acc, self._scratch
+        acc.fill(0.0)
+        total = 0
+        for h in grads:
+            np.multiply(h.grad, np.float32(h.batch_size), out=scratch)
+            acc += scratch
+            total += h.batch_size
+        if total > 0:
+            acc /= np.float32(total)
+            self.params = self.optimizer.step(self.params, acc, lr_scale=lr_scale)
+        for w, _ in entries:
+            self._forget((int(w), iteration))
+        self.samples_applied += total
+        self.version += 1
+        entries = [[int(w), int(x)] for w, x in entries]
+        self.log_hash = next_log_hash(self.log_hash, self.version, iteration, entries, lr_scale)
+        self.version_time = self.clock()
+        self._snapshot()
+        return Applied(self.version, iteration, entries, total, self.log_hash)
+
     def _snapshot(self) -> None:
         if self.snapshot_every and self.version % self.snapshot_every == 0:
             self.snapshots[self.version] = (self.params, self.version_time, self.samples_applied)
             while len(self.snapshots) > self.max_snapshots:
                 del self.snapshots[next(iter(self.snapshots))]
 
+    # ----- checkpoints ------------------------------------------------------------------------
     def state_arrays(self) -> dict[str, np.ndarray]:
-        return {"params": self.params, **self.optimizer.state_arrays()}
+        """Arrays of this version. Parameters are replaced, never mutated; the momentum buffer
+        is copied because the next step updates it in place (a background writer may still be
+        saving it)."""
+        arrays = {"params": self.params}
+        for k, v in self.optimizer.state_arrays().items():
+            arrays[k] = v.copy()
+        return arrays
 
-    def state_meta(self) -> dict[str, float | int]:
+    def state_meta(self) -> dict[str, float | int | str]:
         return {"version": self.version, "samples_applied": self.samples_applied,
-                "version_time": self.version_time}
+                "version_time": self.version_time, "log_hash": self.log_hash}
 
     def restore(self, arrays: dict[str, np.ndarray], meta: dict) -> None:
-        """Back to a checkpoint: parameters, optimizer state, version; pending work is dropped."""
+        """Back to a checkpoint: parameters, optimizer state, version; held gradients dropped."""
         params = arrays["params"]
         if params.dtype != np.float32 or params.shape != (self.size,):
             raise ValueError(f"checkpoint holds {params.dtype}{list(params.shape)}, shard has float32[{self.size}]")
@@ -69,59 +189,8 @@ class ShardState:
         self.optimizer.load_state_arrays(arrays)
         self.version = int(meta["version"])
         self.samples_applied = int(meta["samples_applied"])
+        self.log_hash = str(meta.get("log_hash", GENESIS_HASH))
         self.version_time = self.clock()
-        self.sync.reset()
-        self.lr_factors = {}
+        self.held, self._held_per_worker = {}, {}
         self.snapshots = {}
-        self._snapshot()
-
-    def push(self, worker_id: int, iteration: int, batch_size: int, expected_workers: int,
-             global_batch: int, grad: np.ndarray, lr_scale: float = 1.0) -> list[Apply]:
-        """Record a gradient; return the updates it completed (already applied)."""
-        try:
-            if not (np.isfinite(lr_scale) and 0 < lr_scale <= 64):
-                raise PushRejected("bad_plan", f"lr_scale {lr_scale} out of (0, 64]")
-            known = self.lr_factors.get(iteration)
-            if self.sync.kind == "round" and known is not None and known != lr_scale:
-                raise PushRejected("bad_plan", f"lr_scale {lr_scale} differs from {known} for iteration {iteration}")
-            if grad.dtype != np.float32 or grad.shape != (self.size,):
-                raise PushRejected(
-                    "bad_shape", f"shard {self.shard} expects float32[{self.size}], got "
-                    f"{grad.dtype}{list(grad.shape)}")
-            if self.reject_nonfinite and not np.isfinite(np.sum(grad, dtype=np.float64)):
-                raise PushRejected("nonfinite", f"gradient from worker {worker_id} has NaN or Inf")
-            outcome = self.sync.on_push(self.version, worker_id, iteration, batch_size,
-                                        expected_workers, global_batch, grad)
-            if self.sync.kind == "round" and iteration >= self.version:
-                self.lr_factors[iteration] = lr_scale
-        except PushRejected as exc:
-            self.rejected[exc.code] = self.rejected.get(exc.code, 0) + 1
-            raise
-        return self._carry_out(outcome)
-
-    def commit(self, iteration: int, accepted: dict[int, int], global_batch: int) -> list[Apply]:
-        """The coordinator fixed which gradients make up ``iteration``."""
-        return self._carry_out(self.sync.on_commit(self.version, iteration, accepted, global_batch))
-
-    def _carry_out(self, outcome: PushOutcome) -> list[Apply]:
-        self.dropped += outcome.dropped
-        for a in outcome.applies:
-            self._apply(a)
-        return outcome.applies
-
-    def _apply(self, a: Apply) -> None:
-        acc, scratch = self._acc, self._scratch
-        acc.fill(0.0)
-        total = 0
-        for g in a.gradients:
-            np.multiply(g.grad, np.float32(g.batch_size), out=scratch)
-            acc += scratch
-            total += g.batch_size
-        acc /= np.float32(total)
-        factor = self.lr_factors.pop(a.iteration, 1.0) if self.sync.kind == "round" else 1.0
-        self.lr_factors = {t: f for t, f in self.lr_factors.items() if t > a.iteration}
-        self.params = self.optimizer.step(self.params, acc, lr_scale=a.lr_scale * factor)
-        self.samples_applied += total
-        self.version += 1
-        self.version_time = self.clock()
         self._snapshot()

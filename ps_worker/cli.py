@@ -6,7 +6,7 @@ import argparse
 import signal
 import sys
 
-from ps_common.cli_util import add_common_args, load_cli_config, setup_logging
+from ps_common.cli_util import add_common_args, load_cli_config, setup_logging, watch_parent
 from ps_common.config import ConfigError
 from ps_common.datasets import DatasetUnavailable
 from ps_common.transport import RemoteError, TransportTimeout
@@ -27,16 +27,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="which scenario.workers entry applies to this worker (default: its worker id)")
     args = ap.parse_args(argv)
     setup_logging(args.log_level)
+    watch_parent()
     try:
         overrides = list(args.set)
         if args.device:
             overrides.append(f"worker.device={args.device}")
-        cfg = load_cli_config(args.config, overrides)
+        cfg = load_cli_config(args.config, overrides, args.secret_file)
         from ps_worker.worker import Worker
 
         worker = Worker(cfg, args.server, name=args.name, run_dir=args.run_dir,
                         scenario_index=args.scenario_index)
         signal.signal(signal.SIGTERM, _raise_interrupt)
+        signal.signal(signal.SIGHUP, _raise_interrupt)
         worker.run(max_iterations=args.max_iterations)
         return 0
     except KeyboardInterrupt:

@@ -1,8 +1,14 @@
-"""The worker side of the protocol: join through shard 0, push slices, pull all shards."""
+"""The worker side of the protocol: join through shard 0, push slices, get parameters back.
+
+One round trip per iteration: each shard gets its slice of the gradient in a ``Push`` that
+asks for the parameters (``pull``), and answers once it has applied the iteration the push
+belonged to. Shard 0's answer carries the next assignment.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -11,6 +17,7 @@ import numpy as np
 import zmq
 
 from ps_common import protocol as P
+from ps_common.faults import fault
 from ps_common.security import SecurityConfig
 from ps_common.transport import Connection, RemoteError, TransportTimeout
 
@@ -30,14 +37,17 @@ class PullResult:
     wait_s: float  # until the first shard answered (the barrier)
     pull_s: float  # from the first answer until every slice was in place
     samples: int = 0  # shard 0's count of samples applied up to this version
+    send_s: float = 0.0  # handing the push to ZeroMQ (push_pull only)
 
 
 class ShardClients:
-    """One DEALER per shard; shard 0 (the coordinator) is reached at the address given."""
+    """One DEALER per shard, authenticated as ``role``; shard 0 is reached at the address given."""
 
     def __init__(self, ctx: zmq.Context, server: str, *, timeout_s: float, connect_timeout_s: float,
-                 security: SecurityConfig | None = None) -> None:
+                 security: SecurityConfig | None = None, role: str = "worker", hwm: int = 100) -> None:
         self.security = security
+        self.role = role
+        self.hwm = hwm
         self.ctx = ctx
         self.server = server
         self.timeout_s = timeout_s
@@ -46,17 +56,27 @@ class ShardClients:
         self.ranges: list[tuple[int, int]] = []
         self.welcome: P.Welcome | None = None
         self.token = ""
+        self.instance = os.urandom(8).hex()  # one identity per process: a second join replaces the first
+        self.name = ""
         # Heterogeneity lab: an added delay per push and per pull (a slower link); no-op by default.
         self.comm_delay: Callable[[int], float] = lambda nbytes: 0.0
 
-    def join(self, name: str, job_digest: str, device: str, role: str = "worker") -> P.Welcome:
+    def _connection(self, endpoint: str, max_array_bytes: int = 1 << 32) -> Connection:
+        return Connection(self.ctx, endpoint, role=self.role, timeout_s=self.timeout_s,
+                          max_array_bytes=max_array_bytes, security=self.security, hwm=self.hwm)
+
+    def join(self, name: str, job_digest: str, device: str) -> P.Welcome:
         """Join the job; waits (up to connect_timeout_s) for the coordinator and all shards."""
-        c0 = Connection(self.ctx, self.server, timeout_s=self.timeout_s, security=self.security)
+        self.close()
+        self.name = name
+        c0 = self._connection(self.server)
         try:
-            welcome = c0.request(P.Join(name=name, job_digest=job_digest, device=device, role=role),
-                                 P.Welcome, timeout_s=self.connect_timeout_s)
-        except TransportTimeout:
+            welcome = c0.request(P.Join(name=name, instance=self.instance, job_digest=job_digest,
+                                        device=device), P.Welcome, timeout_s=self.connect_timeout_s)
+        except TransportTimeout as exc:
             c0.close()
+            if "refused" in str(exc) or "handshake" in str(exc):
+                raise
             raise TransportTimeout(
                 f"coordinator at {self.server} did not answer the join within "
                 f"{self.connect_timeout_s:.0f}s (is ps-server --shard 0 running there, and have "
@@ -68,43 +88,53 @@ class ShardClients:
         self.welcome = welcome
         self.token = welcome.token
         self.ranges = [(int(a), int(b)) for a, b in welcome.shard_ranges]
-        self.conns = [c0] + [
-            Connection(self.ctx, ep, timeout_s=self.timeout_s,
-                       max_array_bytes=(b - a) * 4, security=self.security)
-            for ep, (a, b) in zip(welcome.shard_endpoints[1:], self.ranges[1:])
-        ]
+        self.conns = [c0] + [self._connection(ep, (b - a) * 4)
+                             for ep, (a, b) in zip(welcome.shard_endpoints[1:], self.ranges[1:])]
         c0.max_array_bytes = (self.ranges[0][1] - self.ranges[0][0]) * 4
         return welcome
 
-    def push(self, grads: np.ndarray, *, worker_id: int, assignment: P.Assignment, loss: float,
-             telemetry: dict[str, float]) -> None:
-        """Send each shard its slice of the flat gradient, zero-copy.
-
-        ``grads`` must not be modified until the following pull has been answered by every
-        shard: an answer proves the shard has read the push that preceded it on the same pipe.
-        """
+    def push_pull(self, grads: np.ndarray, params: np.ndarray, *, worker_id: int,
+                  assignment: P.Assignment, loss: float, telemetry: dict[str, float],
+                  consistent: bool = True, abort: Callable[[], str | None] | None = None) -> PullResult:
+        """Send each shard its slice of the flat gradient (zero-copy) and wait for the
+        parameters that include it. ``grads`` must not change until this returns."""
         self.comm_delay(grads.nbytes)
+        kill = fault("kill_in_push")
+        armed = (kill is not None and kill.get("worker") == self.name
+                 and int(kill.get("iteration", -1)) == assignment.iteration)
+        t0 = time.perf_counter()
         for k, (conn, (a, b)) in enumerate(zip(self.conns, self.ranges)):
-            conn.send(P.Push(worker_id=worker_id, iteration=assignment.iteration,
-                             batch_size=assignment.batch_size,
-                             expected_workers=assignment.expected_workers,
-                             global_batch=assignment.global_batch, loss=loss, token=self.token,
-                             lr_scale=assignment.lr_scale,
+            if armed and k not in kill["shards"]:
+                continue
+            conn.send(P.Push(worker_id=worker_id, token=self.token, iteration=assignment.iteration,
+                             batch_size=assignment.batch_size, loss=loss, pull=True,
                              telemetry=telemetry if k == 0 else {}, arrays=[grads[a:b]]))
+        if armed:
+            _die(kill)
+        sent = time.perf_counter()
+        res = self._collect(params, worker_id=worker_id, min_version=assignment.iteration + 1, t0=sent,
+                            consistent=consistent, abort=abort, honor_stop=True, exact=False)
+        res.send_s = sent - t0
+        return res
 
     def pull(self, params: np.ndarray, *, worker_id: int, min_version: int,
              honor_stop: bool = True, exact: bool = False, consistent: bool = True,
              abort: Callable[[], str | None] | None = None) -> PullResult:
-        """Pull every shard's slice into ``params`` once its version reaches ``min_version``.
-
-        Shard 0's answer carries the assignment. With ``consistent`` (round modes): shards can
-        answer at different versions (a worker joining mid-run, an observer racing an update),
-        so any shard behind the newest version seen is asked again for exactly that one and the
-        result is one consistent version. Async modes take each shard's latest slice.
-        """
+        """Pull every shard's slice into ``params`` once its version reaches ``min_version``."""
         t0 = time.perf_counter()
         for conn in self.conns:
-            conn.send(P.Pull(worker_id=worker_id, min_version=min_version, exact=exact))
+            conn.send(P.Pull(worker_id=worker_id, token=self.token, min_version=min_version, exact=exact))
+        return self._collect(params, worker_id=worker_id, min_version=min_version, t0=t0,
+                             consistent=consistent, abort=abort, honor_stop=honor_stop, exact=exact)
+
+    def _collect(self, params: np.ndarray, *, worker_id: int, min_version: int, t0: float,
+                 consistent: bool, abort: Callable[[], str | None] | None, honor_stop: bool,
+                 exact: bool) -> PullResult:
+        """Gather one answer per shard. With ``consistent`` (round modes) the shards can answer at
+        different versions (a backup worker whose iteration was committed without it, an
+        observer racing an update), so a shard behind the newest version seen is asked again
+        for exactly that one; the result is one version, and its history (log hash) must be
+        the same on every shard. Async modes take each shard's latest slice."""
         first: float | None = None
         replies: dict[int, P.Params] = {}
         poller = zmq.Poller()
@@ -116,11 +146,16 @@ class ShardClients:
         while waiting:
             left = deadline - time.monotonic()
             if left <= 0:
+                for k in sorted(waiting):
+                    self.conns[k].check_auth()
                 eps = [self.conns[k].endpoint for k in sorted(waiting)]
                 raise TransportTimeout(f"no parameters from {eps} within {self.timeout_s:.0f}s")
             events = dict(poller.poll(int(min(left, 0.5) * 1000)))
-            if not events and abort is not None and (reason := abort()):
-                raise PullAborted(reason)
+            if not events:
+                for k in sorted(waiting):
+                    self.conns[k].check_auth()
+                if abort is not None and (reason := abort()):
+                    raise PullAborted(reason)
             for k in sorted(waiting):
                 conn = self.conns[k]
                 if conn.sock not in events:
@@ -129,7 +164,7 @@ class ShardClients:
                     reply = conn.recv(0)
                 except RemoteError as exc:
                     # Keep draining the other shards' answers, so none is left queued to be
-                    # mistaken for the answer to a later pull.
+                    # mistaken for the answer to a later request.
                     error = error or exc
                     waiting.discard(k)
                     continue
@@ -137,6 +172,7 @@ class ShardClients:
                     raise P.ProtocolError(f"{conn.endpoint}: expected params, got {reply.TYPE}")
                 first = first or time.perf_counter()
                 if k == 0 and reply.stop and honor_stop:
+                    self._drain(waiting - {0}, 0.2)
                     return PullResult(reply.version, reply.version_time, True, None,
                                       first - t0, time.perf_counter() - first)
                 replies[k] = reply
@@ -150,14 +186,28 @@ class ShardClients:
                 if r.version < target:
                     del replies[k]
                     waiting.add(k)
-                    self.conns[k].send(P.Pull(worker_id=worker_id, min_version=target))
+                    self.conns[k].send(P.Pull(worker_id=worker_id, token=self.token, min_version=target))
         if error is not None:
             raise error
         self.comm_delay(params.nbytes)
+        if consistent and not exact:
+            hashes = {r.log_hash for r in replies.values()}
+            if len(hashes) > 1:
+                raise P.ProtocolError(f"shards at version {replies[0].version} report different "
+                                      f"histories {sorted(hashes)}: refusing mixed parameters")
         r0 = replies[0]
         assert first is not None
         return PullResult(r0.version, max(r.version_time for r in replies.values()), r0.stop,
                           r0.assignment, first - t0, time.perf_counter() - first, r0.samples)
+
+    def _drain(self, shards: set[int], timeout_s: float) -> None:
+        """After a stop, read the other shards' answers so nothing stale stays queued."""
+        deadline = time.monotonic() + timeout_s
+        for k in sorted(shards):
+            try:
+                self.conns[k].recv(max(0.0, deadline - time.monotonic()))
+            except (TransportTimeout, RemoteError, P.ProtocolError):
+                pass
 
     def send_to_coordinator(self, msg: P.Message, expect: type[P.Message]) -> P.Message:
         return self.conns[0].request(msg, expect)
@@ -166,3 +216,12 @@ class ShardClients:
         for c in self.conns:
             c.close()
         self.conns = []
+
+
+def _die(kill: dict) -> None:
+    """Fault injection: let the frames already sent leave, then die without a goodbye."""
+    import signal
+
+    time.sleep(float(kill.get("delay_s", 0.5)))
+    log.warning("fault injection: SIGKILL in the middle of a push")
+    os.kill(os.getpid(), signal.SIGKILL)

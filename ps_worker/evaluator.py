@@ -53,7 +53,10 @@ class Evaluator:
         self.ctx = ctx or zmq.Context.instance()
         self.client = ShardClients(self.ctx, server, timeout_s=cfg.transport.timeout_s,
                                    connect_timeout_s=cfg.transport.connect_timeout_s,
-                                   security=cfg.security)
+                                   security=cfg.security, role="evaluator", hwm=cfg.transport.hwm)
+        from ps_server.sync import get_sync_policy
+
+        self.consistent = get_sync_policy(cfg.mode.sync, **cfg.sync_args()).consistent_pulls
         self.data = dataset or dataset_from_config(cfg.data, cfg.run.seed)
         self.model = build_model(cfg.model.name, seed=cfg.run.seed)
         self.flat = FlatParameters(self.model)
@@ -69,7 +72,7 @@ class Evaluator:
         If the evaluator falls so far behind that a snapshot was dropped, it skips ahead to
         the newest multiple of k and counts the skip.
         """
-        self.client.join("evaluator", self.cfg.job_digest(), "cpu", role="observer")
+        self.client.join("evaluator", self.cfg.job_digest(), "cpu")
         every = self.cfg.evaluator.every_iterations
         next_version = 0
         last_done = -1
@@ -91,8 +94,10 @@ class Evaluator:
                         next_version = newest
                     continue
                 if status.stop:
+                    # The final version, exactly: every shard holds it once the stop is known.
                     if status.version != last_done:
-                        self._measure(status.version, report=False, exact=False)
+                        self._measure(status.version, report=False, exact=True)
+                    self._report(self.results[-1] if self.results else None, final=True)
                     return self.results
                 time.sleep(self.poll_s)
         finally:
@@ -101,7 +106,7 @@ class Evaluator:
 
     def _measure(self, version: int, *, report: bool, exact: bool) -> int:
         res = self.client.pull(self.params, worker_id=-1, min_version=version, honor_stop=False,
-                               exact=exact, consistent=self.cfg.mode.sync in ("bsp", "backup"))
+                               exact=exact, consistent=self.consistent)
         self.flat.load_(self.params)
         t0 = time.perf_counter()
         acc, loss = evaluate(self.model, self.data, limit=self.cfg.evaluator.test_samples,
@@ -113,6 +118,18 @@ class Evaluator:
         self.metrics.write(**rec)
         log.info("version %d: test accuracy %.4f loss %.4f", res.version, acc, loss)
         if report:
-            self.client.send_to_coordinator(
-                P.EvalReport(job_digest=self.cfg.job_digest(), version=res.version, samples=rec["samples"], accuracy=acc, loss=loss), P.Ack)
+            self._report(rec, final=False)
         return res.version
+
+    def _report(self, rec: dict | None, *, final: bool) -> None:
+        if rec is None:
+            msg = P.EvalReport(final=final)
+        else:
+            msg = P.EvalReport(version=int(rec["version"]), samples=int(rec["samples"]),
+                               accuracy=float(rec["accuracy"]), loss=float(rec["loss"]), final=final)
+        try:
+            self.client.send_to_coordinator(msg, P.Ack)
+        except Exception as exc:  # after the stop shard 0 may already be gone: nothing to tell
+            if not final:
+                raise
+            log.info("final report not delivered: %s", exc)

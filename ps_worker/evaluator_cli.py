@@ -6,7 +6,7 @@ import argparse
 import signal
 import sys
 
-from ps_common.cli_util import add_common_args, load_cli_config, setup_logging
+from ps_common.cli_util import add_common_args, load_cli_config, setup_logging, watch_parent
 from ps_common.config import ConfigError
 from ps_common.datasets import DatasetUnavailable
 from ps_common.transport import RemoteError, TransportTimeout
@@ -22,11 +22,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server", required=True, help="shard 0 (coordinator) endpoint")
     args = ap.parse_args(argv)
     setup_logging(args.log_level)
+    watch_parent()
     try:
-        cfg = load_cli_config(args.config, args.set)
+        cfg = load_cli_config(args.config, args.set, args.secret_file)
         from ps_worker.evaluator import Evaluator
 
         signal.signal(signal.SIGTERM, _raise_interrupt)
+        signal.signal(signal.SIGHUP, _raise_interrupt)
         Evaluator(cfg, args.server, run_dir=args.run_dir).run()
         return 0
     except KeyboardInterrupt:

@@ -52,7 +52,7 @@ class Heartbeat:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDTIMEO, int(self.interval_s * 1000))
-        secure_client_socket(sock, self.security)
+        secure_client_socket(sock, self.security, "worker")
         sock.connect(self.endpoint)
         try:
             while not self._stop.is_set():

@@ -19,13 +19,17 @@ from ps_common.metrics import MetricsWriter
 from ps_common.models import FlatParameters, build_model
 from ps_common.protocol import Assignment
 from ps_common import protocol as P
-from ps_common.transport import RemoteError, TransportTimeout
+from ps_common.transport import AuthenticationFailed, RemoteError, TransportTimeout
 from ps_worker.client import PullAborted, ShardClients
 from ps_worker.contention import CommDelay, ContentionDriver, EmulatedSlowdown
 from ps_worker.heartbeat import Heartbeat
 from ps_worker.telemetry import ResourceProbe
 
 log = logging.getLogger(__name__)
+
+#: Refusals after which a worker joins again: dropped as lost, the job rolled back to a
+#: checkpoint, or a restarted coordinator that no longer knows this worker's token.
+REJOIN_CODES = ("unknown_worker", "rolled_back", "unauthorized")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -68,7 +72,7 @@ class Worker:
         self.ctx = ctx or zmq.Context.instance()
         self.client = ShardClients(self.ctx, server, timeout_s=cfg.transport.timeout_s,
                                    connect_timeout_s=cfg.transport.connect_timeout_s,
-                                   security=cfg.security)
+                                   security=cfg.security, role="worker", hwm=cfg.transport.hwm)
         self.data = dataset or dataset_from_config(cfg.data, cfg.run.seed)
         self.model = build_model(cfg.model.name, seed=cfg.run.seed).to(self.device)
         self.flat = FlatParameters(self.model)
@@ -90,7 +94,9 @@ class Worker:
         self.contention: ContentionDriver | None = None
         # Round modes need one consistent version from every shard; async modes take each
         # shard's latest slice as it is.
-        self.consistent = cfg.mode.sync in ("bsp", "backup")
+        from ps_server.sync import get_sync_policy
+
+        self.consistent = get_sync_policy(cfg.mode.sync, **cfg.sync_args()).consistent_pulls
 
     def run(self, max_iterations: int | None = None) -> int:
         """Train until the coordinator says stop; returns the number of iterations done.
@@ -111,9 +117,11 @@ class Worker:
                 except KeyboardInterrupt:
                     self._leave("interrupted")
                     raise
+                except AuthenticationFailed:
+                    raise
                 except (PullAborted, RemoteError, TransportTimeout) as exc:
                     code = getattr(exc, "code", "")
-                    if isinstance(exc, RemoteError) and code not in ("unknown_worker",):
+                    if isinstance(exc, RemoteError) and code not in REJOIN_CODES:
                         raise
                     log.warning("worker %d: %s; joining again in %.2fs", self.worker_id, exc, backoff)
                     outcome = "rejoin"
@@ -166,7 +174,9 @@ class Worker:
             return "the coordinator no longer counts this worker as a member"
         if hb.restarted:
             return "the coordinator restarted"
-        if hb.coordinator_silent_s() > self.cfg.heartbeat.timeout_s:
+        # A slow coordinator is not a reason to leave (it may be writing a checkpoint, or
+        # stalled): only one silent for the whole transport timeout is taken as gone.
+        if hb.coordinator_silent_s() > self.cfg.transport.timeout_s:
             return f"no heartbeat reply for {hb.coordinator_silent_s():.1f}s"
         return None
 
@@ -203,16 +213,15 @@ class Worker:
                    "samples_per_s": a.batch_size / max(t2 - t1, 1e-9),
                    **{f"prev_{k}": v for k, v in prev.items()}, **resources}
             tel["iteration_s"] = prev["iteration_s"]
-            self.client.push(self.host_grads, worker_id=self.worker_id, assignment=a, loss=loss,
-                             telemetry=tel)
-            t3 = time.perf_counter()
-            res = self.client.pull(self.host_params, worker_id=self.worker_id,
-                                   min_version=a.iteration + 1, consistent=self.consistent,
-                                   abort=abort)
+            res = self.client.push_pull(self.host_grads, self.host_params, worker_id=self.worker_id,
+                                        assignment=a, loss=loss, telemetry=tel,
+                                        consistent=self.consistent, abort=abort)
             if not res.stop:
                 self._load_params()
             t4 = time.perf_counter()
-            prev = {"push_s": t3 - t2, "wait_s": res.wait_s, "pull_s": res.pull_s,
+            push_s = res.send_s
+            t3 = t2 + push_s
+            prev = {"push_s": push_s, "wait_s": res.wait_s, "pull_s": res.pull_s,
                     "iteration_s": t4 - t0}
             self.iterations_done += 1
             assert self.metrics is not None

@@ -11,33 +11,58 @@ import zmq
 
 from ps_common import protocol as P
 from ps_common.config import JobConfig, load_config
+from ps_common.credentials import generate_master
+from ps_common.metrics import read_jsonl
 from ps_common.transport import Connection
 from ps_launcher.processes import ProcessGroup
 from ps_worker.client import ShardClients
 
 
 def write_config(tmp_path: Path, data: dict) -> tuple[Path, JobConfig]:
+    """The job's YAML, with a job secret (a master every test process may use) unless the
+    test configured credentials itself."""
+    data = {**data}
+    sec = dict(data.get("security") or {})
+    if not sec.get("curve") and not sec.get("secret_file"):
+        secret = tmp_path / "job.secret"
+        if not secret.exists():
+            generate_master(secret)
+        sec["secret_file"] = str(secret)
+    data["security"] = sec
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(data))
     return path, load_config(path, env={})
 
 
-def start_servers(procs: ProcessGroup, cfg_path: Path, num_shards: int, run_dir: Path) -> list[str]:
+_CFG: dict[str, JobConfig] = {}
+
+
+def _security_for(endpoint: str):
+    cfg = _CFG.get(endpoint)
+    return cfg.security if cfg is not None else None
+
+
+def start_servers(procs: ProcessGroup, cfg_path: Path, num_shards: int, run_dir: Path,
+                  env: dict[str, str] | None = None) -> list[str]:
     common = ["--config", str(cfg_path), "--run-dir", str(run_dir), "--port", "0"]
-    s0 = procs.start("shard-0", "ps_server.cli", [*common, "--shard", "0"])
+    s0 = procs.start("shard-0", "ps_server.cli", [*common, "--shard", "0"], env=env)
     ep0 = procs.wait_endpoint(s0, 60)
     eps = [ep0]
     for k in range(1, num_shards):
-        ch = procs.start(f"shard-{k}", "ps_server.cli", [*common, "--shard", str(k), "--coordinator", ep0])
+        ch = procs.start(f"shard-{k}", "ps_server.cli", [*common, "--shard", str(k), "--coordinator", ep0],
+                         env=env)
         eps.append(procs.wait_endpoint(ch, 60))
+    cfg = load_config(cfg_path, env={})
+    for ep in eps:
+        _CFG[ep] = cfg
     return eps
 
 
 def start_workers(procs: ProcessGroup, cfg_path: Path, endpoint: str, n: int, run_dir: Path,
-                  extra: list[str] = ()) -> list:
+                  extra: list[str] = (), env: dict[str, str] | None = None) -> list:
     return [procs.start(f"worker-{i}", "ps_worker.cli",
                         ["--config", str(cfg_path), "--server", endpoint, "--run-dir", str(run_dir),
-                         "--name", f"worker-{i}", *extra]) for i in range(n)]
+                         "--name", f"worker-{i}", *extra], env=env) for i in range(n)]
 
 
 def wait_exit(children: list, timeout_s: float) -> None:
@@ -47,8 +72,9 @@ def wait_exit(children: list, timeout_s: float) -> None:
         assert ch.proc.returncode == 0, f"{ch.role} exited with {ch.proc.returncode}:\n{ch.tail()}"
 
 
-def status(endpoint: str) -> P.Status:
-    conn = Connection(zmq.Context.instance(), endpoint, timeout_s=10)
+def status(endpoint: str, timeout_s: float = 10) -> P.Status:
+    conn = Connection(zmq.Context.instance(), endpoint, role="operator", timeout_s=timeout_s,
+                      security=_security_for(endpoint))
     try:
         st = conn.request(P.StatusRequest(), P.Status)
         assert isinstance(st, P.Status)
@@ -57,14 +83,60 @@ def status(endpoint: str) -> P.Status:
         conn.close()
 
 
+def final_params(run_dir: Path) -> tuple[np.ndarray, list[dict]]:
+    """The final parameters every shard saved at the end of the job, and each shard's metadata
+    (version, log hash). The shards must agree on both."""
+    from ps_server.checkpoint import list_checkpoints, load_checkpoint
+
+    parts, metas = [], []
+    k = 0
+    while True:
+        found = list_checkpoints(run_dir / "final", k)
+        if not found:
+            break
+        arrays, meta = load_checkpoint(found[-1][1])
+        parts.append(arrays["params"])
+        metas.append(meta)
+        k += 1
+    assert parts, f"no final parameters in {run_dir / 'final'}"
+    return np.concatenate(parts), metas
+
+
 def pull_params(cfg: JobConfig, endpoint: str) -> tuple[np.ndarray, int]:
     """The servers' current parameters (one consistent version) and that version."""
-    client = ShardClients(zmq.Context.instance(), endpoint, timeout_s=30, connect_timeout_s=30)
+    client = ShardClients(zmq.Context.instance(), endpoint, timeout_s=30, connect_timeout_s=30,
+                          security=cfg.security, role="evaluator")
     try:
-        welcome = client.join("test-observer", cfg.job_digest(), "cpu", role="observer")
+        welcome = client.join("test-observer", cfg.job_digest(), "cpu")
         params = np.empty(welcome.num_params, dtype=np.float32)
         st = client.send_to_coordinator(P.StatusRequest(), P.Status)
         res = client.pull(params, worker_id=-1, min_version=st.version, honor_stop=False)
         return params, res.version
     finally:
         client.close()
+
+
+def applied_log(run_dir: Path, shard: int) -> list[tuple[int, int, tuple]]:
+    """(version, iteration, ((worker, batch size), ...)) of every commit shard ``shard`` applied,
+    from the last restore on (a rollback replays what follows it)."""
+    out: list[tuple[int, int, tuple]] = []
+    for r in read_jsonl(run_dir / "metrics" / f"shard-{shard}.jsonl"):
+        if r.get("event") == "restored":
+            out = [e for e in out if e[0] <= r["version"]]
+        elif "entries" in r and "event" not in r:
+            out.append((r["version"], r["iteration"], tuple(tuple(e) for e in r["entries"])))
+    return out
+
+
+def consistent_end(run_dir: Path, num_shards: int) -> tuple[np.ndarray, int]:
+    """Check that every shard ended at the same version with the same history (log hash and
+    applied log); return the final parameters and that version."""
+    params, metas = final_params(run_dir)
+    assert len(metas) == num_shards, f"{len(metas)} of {num_shards} shards saved final parameters"
+    versions = {m["version"] for m in metas}
+    hashes = {m["log_hash"] for m in metas}
+    assert len(versions) == 1 and len(hashes) == 1, f"shards ended apart: {versions} {hashes}"
+    logs = [applied_log(run_dir, k) for k in range(num_shards)]
+    for k in range(1, num_shards):
+        assert logs[k] == logs[0], f"shard {k} applied other gradient sets than shard 0"
+    return params, versions.pop()

@@ -1,0 +1,43 @@
+"""Fault injection for tests and chaos runs: off unless ``LBBSP_FAULTS`` is set.
+
+``LBBSP_FAULTS`` holds a JSON object; each key arms one fault point:
+
+- ``"kill_in_push": {"worker": NAME, "iteration": T, "shards": [K, ...], "delay_s": 0.5}``:
+  worker NAME, at iteration T, pushes its gradient to the listed shards only, waits
+  ``delay_s`` (so the frames leave the machine), then SIGKILLs itself: a death between two
+  sends of one push.
+- ``"coordinator_stall": {"version": V, "seconds": S}``: shard 0's message loop sleeps S
+  seconds once, when it reaches version V (a refit burst, a slow disk).
+
+Unknown keys are an error, so a typo cannot silently disarm a test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from functools import lru_cache
+from typing import Any
+
+ENV = "LBBSP_FAULTS"
+_KNOWN = {"kill_in_push", "coordinator_stall"}
+
+
+@lru_cache(maxsize=1)
+def _armed(raw: str) -> dict[str, dict[str, Any]]:
+    if not raw:
+        return {}
+    try:
+        faults = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{ENV} is not valid JSON: {exc}") from None
+    if not isinstance(faults, dict) or not set(faults) <= _KNOWN:
+        raise ValueError(f"{ENV}: expected an object with keys among {sorted(_KNOWN)}, got {raw!r}")
+    return faults
+
+
+def fault(name: str) -> dict[str, Any] | None:
+    """The arguments of fault point ``name`` if armed, else None."""
+    if name not in _KNOWN:
+        raise KeyError(name)
+    return _armed(os.environ.get(ENV, "")).get(name)

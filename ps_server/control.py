@@ -1,0 +1,155 @@
+"""The control plane between the coordinator (shard 0) and the follower shards.
+
+Each follower keeps one DEALER connection to the coordinator, authenticated as the ``shard``
+role. Up it go RegisterShard, Have (gradients that arrived whole) and a ShardSync every second;
+down the same connection, in order, come Commit (with the next plan), Plan, Stop, Rollback and
+Finish. Nothing here is lost for good: the coordinator keeps its recent commits, and a
+follower that misses one (a dropped connection, a full pipe) sends a ShardSync and is sent
+what it lacks. A follower that cannot be caught up, or whose history differs (``log_hash``),
+is rolled back to a checkpoint or stops; it never applies anything the coordinator did not
+commit.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import zmq
+
+from ps_common import protocol as P
+from ps_common.security import SecurityConfig
+from ps_common.transport import Connection, TransportTimeout
+
+log = logging.getLogger(__name__)
+
+#: Commits the coordinator keeps to catch a follower up without a rollback.
+COMMIT_LOG = 1024
+
+
+# ----- follower side ------------------------------------------------------------------------
+class CoordinatorLink:
+    """A follower's connection to the coordinator (shard 0)."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, *, security: SecurityConfig | None,
+                 hwm: int, timeout_s: float) -> None:
+        self.ctx = ctx
+        self.endpoint = endpoint
+        self.security = security
+        self.hwm = hwm
+        self.timeout_s = timeout_s
+        self.conn = self._connect()
+        self.last_heard = time.monotonic()
+
+    def _connect(self) -> Connection:
+        return Connection(self.ctx, self.endpoint, role="shard", security=self.security,
+                          timeout_s=self.timeout_s, hwm=self.hwm)
+
+    @property
+    def sock(self) -> zmq.Socket:
+        return self.conn.sock
+
+    def register(self, msg: P.RegisterShard, deadline_s: float) -> P.Registered:
+        """Register, retrying until ``deadline_s`` (the coordinator may start after us)."""
+        deadline = time.monotonic() + deadline_s
+        while True:
+            try:
+                reply = self.conn.request(msg, P.Registered, timeout_s=2.0)
+                assert isinstance(reply, P.Registered)
+                self.last_heard = time.monotonic()
+                return reply
+            except TransportTimeout:
+                self.conn.check_auth()
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"coordinator {self.endpoint} did not answer within "
+                                       f"{deadline_s:.0f}s") from None
+                self.conn.close()
+                self.conn = self._connect()
+
+    def send(self, msg: P.Message) -> bool:
+        try:
+            self.conn.send(msg)
+            return True
+        except TransportTimeout as exc:
+            log.warning("%s to the coordinator not sent: %s", msg.TYPE, exc)
+            return False
+
+    def receive(self) -> list[P.Message]:
+        """Everything the coordinator sent that is queued now (without waiting)."""
+        out = []
+        while True:
+            try:
+                frames = self.conn.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return out
+            try:
+                out.append(P.decode(frames))
+                self.last_heard = time.monotonic()
+            except P.ProtocolError as exc:
+                log.error("malformed message from the coordinator: %s", exc)
+
+    def silent_s(self) -> float:
+        return time.monotonic() - self.last_heard
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+# ----- coordinator side -----------------------------------------------------------------------
+@dataclass
+class Follower:
+    shard: int
+    ident: bytes
+    endpoint: str
+    version: int = 0
+    last_seen: float = 0.0
+
+
+class Followers:
+    """The coordinator's view of the follower shards and the recent commits it sent them."""
+
+    def __init__(self, send: Callable[[bytes, P.Message], bool]) -> None:
+        self._send = send
+        self.peers: dict[int, Follower] = {}
+        self.log: deque[P.Commit] = deque(maxlen=COMMIT_LOG)
+        self.undelivered = 0
+
+    def register(self, shard: int, ident: bytes, endpoint: str, version: int) -> None:
+        self.peers[shard] = Follower(shard, ident, endpoint, version, time.monotonic())
+
+    def seen(self, shard: int, ident: bytes, version: int | None = None) -> Follower | None:
+        """A message from follower ``shard`` arrived on ``ident`` (its connection may be new)."""
+        peer = self.peers.get(shard)
+        if peer is None:
+            return None
+        peer.ident = ident
+        peer.last_seen = time.monotonic()
+        if version is not None:
+            peer.version = version
+        return peer
+
+    def broadcast(self, msg: P.Message) -> None:
+        if isinstance(msg, P.Commit):
+            self.log.append(msg)
+        for peer in self.peers.values():
+            if not self._send(peer.ident, msg):
+                self.undelivered += 1  # the follower's next ShardSync repairs it
+
+    def send(self, shard: int, msg: P.Message) -> None:
+        peer = self.peers.get(shard)
+        if peer is not None and not self._send(peer.ident, msg):
+            self.undelivered += 1
+
+    def commits_after(self, version: int) -> list[P.Commit] | None:
+        """The logged commits after ``version`` in order; None when the log no longer has them."""
+        if not self.log or version >= self.log[-1].version:
+            return []
+        if self.log[0].version > version + 1:
+            return None
+        return [c for c in self.log if c.version > version]
+
+    def clear_log(self) -> None:
+        self.log.clear()

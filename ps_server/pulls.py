@@ -1,0 +1,63 @@
+"""Pulls waiting for a version: bounded per peer and overall, scanned only when state changes."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, TypeVar
+
+from ps_server.router import Refused
+
+R = TypeVar("R")
+
+
+@dataclass
+class PendingPull:
+    ident: bytes
+    worker_id: int
+    min_version: int
+    exact: bool = False
+
+
+class PendingPulls:
+    """A legitimate peer waits on one pull at a time (two while a re-pull crosses an answer);
+    ``per_peer`` and ``total`` bound what a misbehaving one can make the server hold."""
+
+    def __init__(self, per_peer: int, total: int) -> None:
+        self.per_peer = per_peer
+        self.total = total
+        self._pulls: list[PendingPull] = []
+        self._per_ident: Counter[bytes] = Counter()
+
+    def __len__(self) -> int:
+        return len(self._pulls)
+
+    def add(self, pull: PendingPull) -> None:
+        if self._per_ident[pull.ident] >= self.per_peer:
+            raise Refused("too_many_pulls", f"at most {self.per_peer} pulls may wait per connection")
+        if len(self._pulls) >= self.total:
+            raise Refused("too_many_pulls", f"the server holds {self.total} waiting pulls already")
+        self._pulls.append(pull)
+        self._per_ident[pull.ident] += 1
+
+    def take_ready(self, answer: Callable[[PendingPull], R | None]) -> list[tuple[PendingPull, R]]:
+        """Remove and return the pulls that ``answer`` can answer now, with their answers."""
+        if not self._pulls:
+            return []
+        out, still = [], []
+        for p in self._pulls:
+            reply = answer(p)
+            if reply is None:
+                still.append(p)
+            else:
+                out.append((p, reply))
+                self._per_ident[p.ident] -= 1
+                if not self._per_ident[p.ident]:
+                    del self._per_ident[p.ident]
+        self._pulls = still
+        return out
+
+    def clear(self) -> list[PendingPull]:
+        out, self._pulls = self._pulls, []
+        self._per_ident.clear()
+        return out

@@ -1,0 +1,158 @@
+"""The ROUTER loop both servers share (shard server, ps-bsm): receive, check, dispatch, reply.
+
+It only moves messages. Each one is decoded and validated (``protocol.decode``), its sender's
+role (the ``User-Id`` the ZAP handler set in the handshake) is checked against the message
+type's allowed roles, and it goes to the handler for its type. A handler returns the reply, or
+None when the reply comes later (a pull waiting for a version), or raises :class:`Refused`,
+which becomes an ``Error`` reply. Nothing a peer sends raises out of here.
+
+Replies never block: a peer that does not read its replies fills its pipe up to the high-water
+mark and further replies to it are dropped and counted, so one stuck or hostile peer cannot
+stall the loop. Every refusal is counted by its code.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import zmq
+
+from ps_common import protocol as P
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[bytes, str, Any], "P.Message | None"]
+
+
+class Refused(Exception):
+    """A request answered with ``Error(code, message)``; state is left unchanged."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds on what one message may make a server hold (transport config)."""
+
+    max_frames: int = 4
+    max_array_bytes: int = 0
+
+
+class RouterLoop:
+    """Dispatch for one ROUTER socket. ``permissions`` maps a message type to the roles that
+    may send it; None (ps-bsm without credentials) lets every type through."""
+
+    def __init__(self, sock: zmq.Socket, handlers: Mapping[type, Handler], *, server: str,
+                 limits: Limits, permissions: Mapping[type, frozenset[str]] | None = None) -> None:
+        self.sock = sock
+        self.handlers = dict(handlers)
+        self.server = server
+        self.limits = limits
+        self.permissions = permissions
+        self.counters: Counter[str] = Counter()
+        self._refusals_logged = 0
+
+    # ----- receive --------------------------------------------------------------------------
+    def poll(self, timeout_ms: int, *, budget: int = 256) -> int:
+        """Wait up to ``timeout_ms`` for input, then handle what is queued (at most ``budget``
+        messages, so timers still run under a flood). Returns the number handled."""
+        if not self.sock.poll(timeout_ms, zmq.POLLIN):
+            return 0
+        done = 0
+        while done < budget:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            self.handle(frames)
+            done += 1
+        return done
+
+    def pending(self) -> bool:
+        """Is input queued right now? (Liveness is judged only when nothing is.)"""
+        return bool(self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+
+    def handle(self, frames: list[zmq.Frame]) -> None:
+        self.counters["received"] += 1
+        if len(frames) < 2:
+            self.counters["malformed"] += 1
+            return
+        ident = frames[0].bytes
+        if len(frames) - 1 > self.limits.max_frames:
+            self.counters["malformed"] += 1
+            self.reply(ident, P.Error(code="too_many_frames",
+                                      message=f"{len(frames) - 1} frames, at most {self.limits.max_frames}"))
+            return
+        role = _role(frames[1])
+        try:
+            msg = P.decode(frames[1:], max_array_bytes=self.limits.max_array_bytes)
+        except P.ProtocolError as exc:
+            self.counters["malformed"] += 1
+            self._log_refusal("malformed message: %s", exc)
+            self.reply(ident, P.error_for(exc, "malformed"))
+            return
+        kind = type(msg)
+        handler = self.handlers.get(kind)
+        if handler is None:
+            self._refuse(ident, kind, Refused("unsupported", f"{self.server} does not accept {msg.TYPE}"))
+            return
+        if self.permissions is not None:
+            allowed = self.permissions.get(kind, frozenset())
+            if role not in allowed:
+                self._refuse(ident, kind, Refused(
+                    "forbidden", f"role {role or 'anonymous'!r} may not send {msg.TYPE} "
+                                 f"(allowed: {', '.join(sorted(allowed)) or 'nobody'})"))
+                return
+        try:
+            reply = handler(ident, role, msg)
+        except Refused as exc:
+            self._refuse(ident, kind, exc)
+            return
+        self.counters[f"ok.{msg.TYPE}"] += 1
+        if reply is not None:
+            self.reply(ident, reply)
+
+    def _refuse(self, ident: bytes, kind: type, exc: Refused) -> None:
+        self.counters[f"refused.{exc.code}"] += 1
+        self._log_refusal("%s refused [%s]: %s", getattr(kind, "TYPE", "?"), exc.code, exc)
+        self.reply(ident, P.Error(code=exc.code, message=str(exc)[:2000]))
+
+    def _log_refusal(self, fmt: str, *args: Any) -> None:
+        # A flood of forgeries must not become a flood of log lines: the first 50, then one per
+        # thousand (the counters keep the exact numbers).
+        self._refusals_logged += 1
+        n = self._refusals_logged
+        if n <= 50 or n % 1000 == 0:
+            log.warning(fmt + (" (%d refusals so far)" % n if n > 50 else ""), *args)
+
+    # ----- send -----------------------------------------------------------------------------
+    def reply(self, ident: bytes, msg: P.Message) -> bool:
+        """Send without blocking; False (and counted) when the peer is gone or not reading."""
+        try:
+            frames = P.encode(msg)
+        except Exception as exc:  # e.g. state that msgpack cannot carry: a server bug, not a crash
+            log.exception("cannot encode a %s reply", msg.TYPE)
+            frames = P.encode(P.error_for(exc, "internal"))
+        if isinstance(msg, P.Error):
+            self.counters["errors_sent"] += 1
+        try:
+            self.sock.send_multipart([ident, *frames], zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            self.counters["replies_dropped.hwm"] += 1
+        except zmq.ZMQError:  # EHOSTUNREACH (ROUTER_MANDATORY): the peer vanished
+            self.counters["replies_dropped.gone"] += 1
+        return False
+
+
+def _role(frame: zmq.Frame) -> str:
+    try:
+        return frame.get("User-Id") or ""
+    except zmq.ZMQError:  # no metadata: an unauthenticated (NULL mechanism) socket
+        return ""
+
