@@ -34,19 +34,20 @@ class BatchSizeClient:
     """Request/reply access to one ``ps-bsm`` service."""
 
     def __init__(self, endpoint: str, timeout_s: float = 10.0, security: SecurityConfig | None = None,
-                 *, ctx: zmq.Context | None = None) -> None:
+                 *, ctx: zmq.Context | None = None, role: str = "worker") -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.endpoint = endpoint
         self.timeout_s = float(timeout_s)
         self.security = security
+        self.role = role
         self.ctx = ctx or zmq.Context.instance()
         self.last_decision_s = math.nan  #: the manager's decision time of the last assign()
         self._conn: Connection | None = self._connect()
 
     def _connect(self) -> Connection:
-        return Connection(self.ctx, self.endpoint, timeout_s=self.timeout_s, max_array_bytes=0,
-                          security=self.security)
+        return Connection(self.ctx, self.endpoint, role=self.role, timeout_s=self.timeout_s,
+                          max_array_bytes=0, security=self.security)
 
     def _request(self, msg: P.Message, expect: type[P.Message]) -> Any:
         if self._conn is None:

@@ -2,10 +2,10 @@
 
 ``LBBSP_FAULTS`` holds a JSON object; each key arms one fault point:
 
-- ``"kill_in_push": {"worker": NAME, "iteration": T, "shards": [K, ...], "delay_s": 0.5}``:
-  worker NAME, at iteration T, pushes its gradient to the listed shards only, waits
-  ``delay_s`` (so the frames leave the machine), then SIGKILLs itself: a death between two
-  sends of one push.
+- ``"kill_in_push": {"worker": NAME, "iteration": T, "shards": [K, ...], "delay_s": 0.5}``
+  (or a list of such): worker NAME, at iteration T, pushes its gradient to the listed shards
+  only, waits ``delay_s`` (the frames leave, or stay in flight on a slow link), then SIGKILLs
+  itself: a death between two sends of one push.
 - ``"coordinator_stall": {"version": V, "seconds": S}``: shard 0's message loop sleeps S
   seconds once, when it reaches version V (a refit burst, a slow disk).
 
@@ -36,8 +36,17 @@ def _armed(raw: str) -> dict[str, dict[str, Any]]:
     return faults
 
 
-def fault(name: str) -> dict[str, Any] | None:
+def fault(name: str) -> Any:
     """The arguments of fault point ``name`` if armed, else None."""
     if name not in _KNOWN:
         raise KeyError(name)
     return _armed(os.environ.get(ENV, "")).get(name)
+
+
+def kill_in_push(worker: str, iteration: int) -> dict[str, Any] | None:
+    """The armed ``kill_in_push`` entry for this worker and iteration, if any."""
+    spec = fault("kill_in_push")
+    for entry in spec if isinstance(spec, list) else [spec] if spec else []:
+        if entry.get("worker") == worker and int(entry.get("iteration", -1)) == iteration:
+            return entry
+    return None

@@ -95,3 +95,35 @@ def train_reference(
             opt.step()
             log.debug("reference iteration %d loss %.6f", it, loss.item())
         return flat_parameters(model)
+
+
+def train_reference_batches(
+    model_name: str,
+    model_seed: int,
+    dataset: ArrayDataset,
+    batches: list[np.ndarray],
+    lr: float,
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+    lr_scales: list[float] | None = None,
+) -> np.ndarray:
+    """One SGD step per batch of sample indices (e.g. the samples each commit applied).
+
+    A commit's update is sum(x_i g_i) / sum(x_i), the mean gradient over the union of its
+    workers' samples, so one step on that union is the ground truth for it.
+    """
+    with _torch_threads(1):
+        model = build_model(model_name, seed=model_seed, num_classes=dataset.num_classes)
+        opt = torch.optim.SGD(
+            model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov
+        )
+        for i, idx in enumerate(batches):
+            if lr_scales is not None:
+                for group in opt.param_groups:
+                    group["lr"] = lr * lr_scales[i]
+            x, y = dataset.train_batch(np.asarray(idx))
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        return flat_parameters(model)

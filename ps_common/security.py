@@ -183,6 +183,8 @@ class SecurityConfig(_Strict):
         and single-host setups) the server pair. The servers map the key to a role; a key
         whose role is not ``role`` gets this process's messages refused.
         """
+        if role == "shard" and self.server_secret_key:
+            return _load_pair(self.server_secret_key, "security.server_secret_key")
         if self.client_secret_key:
             return _load_pair(self.client_secret_key, "security.client_secret_key")
         if self.client_keys_dir:

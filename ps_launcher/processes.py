@@ -34,12 +34,15 @@ class ProcessGroup:
     log_dir: Path
     children: list[Child] = field(default_factory=list)
 
-    def start(self, role: str, module: str, args: list[str], env: dict[str, str] | None = None) -> Child:
+    def start(self, role: str, module: str, args: list[str], env: dict[str, str] | None = None,
+              prefix: list[str] | None = None) -> Child:
+        """Start ``python -m module args`` in a session of its own (``prefix``, such as
+        ``ip netns exec NS``, runs it elsewhere; it must exec the command, not fork it)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{role}.log"
         fh = open(log_path, "w")
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=fh,
+        proc = subprocess.Popen([*(prefix or []), sys.executable, "-m", module, *args], stdout=fh,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env,
                                 start_new_session=True)
         fh.close()

@@ -85,7 +85,7 @@ class BatchSizeService:
             anyone = frozenset({"worker", "operator"})
             perms = {kind: anyone for kind in self.handlers}
         self.router = RouterLoop(self.sock, {k: self._dispatch for k in self.handlers}, server="ps-bsm",
-                                 limits=Limits(max_frames=1, max_array_bytes=0), permissions=perms)
+                                 limits=Limits(max_frames=4, max_array_bytes=0), permissions=perms)
 
     @property
     def requests(self) -> int:

@@ -17,6 +17,7 @@ class PendingPull:
     worker_id: int
     min_version: int
     exact: bool = False
+    after_push: bool = False  # rides on a push: async modes answer once that push is settled
 
 
 class PendingPulls:

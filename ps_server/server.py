@@ -319,10 +319,14 @@ class ShardServer:
                         stop=coord.stop, stop_reason=coord.stop_reason, started=coord.started,
                         elapsed=coord.elapsed(), last_accuracy=coord.last_accuracy, **base)
 
-    def _on_shutdown(self, ident: bytes, role: str, msg: P.Shutdown) -> P.Message:
+    def _on_shutdown(self, ident: bytes, role: str, msg: P.Shutdown) -> P.Message | None:
+        """The operator ends the job: on shard 0 by the normal stop (every shard ends at the
+        same final version, saved); on a follower, this process only, at once."""
         log.info("shutdown requested by the operator: %s", msg.reason)
-        if self.followers is not None:
-            self.followers.broadcast(P.Finish(reason=f"operator shutdown: {msg.reason}"))
+        if self.coord is not None and not self.finished:
+            self.coord.request_stop(f"operator shutdown: {msg.reason}")
+            self._advance()
+            return P.Ack(what="shutdown")
         self.router.reply(ident, P.Ack(what="shutdown"))
         self.stop_event.set()
         return None
@@ -350,7 +354,7 @@ class ShardServer:
             else:
                 self._haves.append([msg.worker_id, msg.iteration, msg.batch_size])
         if msg.pull:
-            self.pulls.add(PendingPull(ident, msg.worker_id, msg.iteration + 1))
+            self.pulls.add(PendingPull(ident, msg.worker_id, msg.iteration + 1, after_push=not late))
             self._dirty = True
         return None
 
@@ -447,6 +451,8 @@ class ShardServer:
         assignment = None
         if not stop:
             if self.policy.round_based and st.version < p.min_version:
+                return None
+            if p.after_push and not self.policy.round_based and st.settled.get(p.worker_id, 0) < p.min_version:
                 return None
             coord = self.coord
             if coord is not None and p.worker_id >= 0:
@@ -598,7 +604,7 @@ class ShardServer:
             accepted=rec.accepted, batch_sizes={str(k): v for k, v in rec.batch_sizes.items()},
             ranges={str(k): v for k, v in rec.ranges.items()},
             workers={str(r.worker_id): dict(r.telemetry) for r in rec.reports},
-            dropped=self.state.dropped, stop=coord.stop, stop_reason=coord.stop_reason,
+            dropped=self.state.dropped, drops=d.drops, stop=coord.stop, stop_reason=coord.stop_reason,
             decision_s=coord.manager.last_decision_s)
 
     def _announce_plan(self, plan: P.Plan | None) -> None:

@@ -76,6 +76,10 @@ class ShardState:
         self.max_held_per_worker = max_held_per_worker
         self.held: dict[tuple[int, int], Held] = {}
         self._held_per_worker: dict[int, int] = {}
+        # worker -> 1 + the highest iteration of its gradients applied or dropped here: an async
+        # worker's next parameters wait until its previous gradient is settled (it reads its own
+        # writes, as it would on one server).
+        self.settled: dict[int, int] = {}
         self.dropped = 0
         self._acc = np.zeros(self.size, dtype=np.float32)
         self._scratch = np.empty(self.size, dtype=np.float32)
@@ -110,10 +114,15 @@ class ShardState:
     def drop(self, keys: Iterable[Sequence[int]]) -> int:
         n = 0
         for w, t in keys:
+            self._settle(int(w), int(t))
             if self._forget((int(w), int(t))):
                 n += 1
         self.dropped += n
         return n
+
+    def _settle(self, worker: int, iteration: int) -> None:
+        if self.settled.get(worker, 0) <= iteration:
+            self.settled[worker] = iteration + 1
 
     def drop_through(self, iteration: int) -> int:
         """Round modes: gradients of iterations up to ``iteration`` can never be applied now."""
@@ -152,6 +161,7 @@ class ShardState:
             self.params = self.optimizer.step(self.params, acc, lr_scale=lr_scale)
         for w, _ in entries:
             self._forget((int(w), iteration))
+            self._settle(int(w), iteration)
         self.samples_applied += total
         self.version += 1
         entries = [[int(w), int(x)] for w, x in entries]
@@ -191,6 +201,6 @@ class ShardState:
         self.samples_applied = int(meta["samples_applied"])
         self.log_hash = str(meta.get("log_hash", GENESIS_HASH))
         self.version_time = self.clock()
-        self.held, self._held_per_worker = {}, {}
+        self.held, self._held_per_worker, self.settled = {}, {}, {}
         self.snapshots = {}
         self._snapshot()

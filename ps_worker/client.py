@@ -17,7 +17,7 @@ import numpy as np
 import zmq
 
 from ps_common import protocol as P
-from ps_common.faults import fault
+from ps_common.faults import kill_in_push
 from ps_common.security import SecurityConfig
 from ps_common.transport import Connection, RemoteError, TransportTimeout
 
@@ -99,17 +99,15 @@ class ShardClients:
         """Send each shard its slice of the flat gradient (zero-copy) and wait for the
         parameters that include it. ``grads`` must not change until this returns."""
         self.comm_delay(grads.nbytes)
-        kill = fault("kill_in_push")
-        armed = (kill is not None and kill.get("worker") == self.name
-                 and int(kill.get("iteration", -1)) == assignment.iteration)
+        kill = kill_in_push(self.name, assignment.iteration)
         t0 = time.perf_counter()
         for k, (conn, (a, b)) in enumerate(zip(self.conns, self.ranges)):
-            if armed and k not in kill["shards"]:
+            if kill is not None and k not in kill["shards"]:
                 continue
             conn.send(P.Push(worker_id=worker_id, token=self.token, iteration=assignment.iteration,
                              batch_size=assignment.batch_size, loss=loss, pull=True,
                              telemetry=telemetry if k == 0 else {}, arrays=[grads[a:b]]))
-        if armed:
+        if kill is not None:
             _die(kill)
         sent = time.perf_counter()
         res = self._collect(params, worker_id=worker_id, min_version=assignment.iteration + 1, t0=sent,

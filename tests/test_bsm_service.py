@@ -131,7 +131,7 @@ def test_bad_input_gets_errors_and_the_service_keeps_working(service):
             (P.encode(P.BsmJoin(worker_id="x")), "malformed"),          # type from the schema
             (P.encode(P.BsmReport(worker_id=0, compute_s="fast")), "malformed"),
             ([*P.encode(P.BsmAssign()), b"extra frame"], "malformed"),  # no arrays allowed
-            (P.encode(P.Hello(role="probe")), "unsupported"),           # valid, not for us
+            (P.encode(P.Hello(name="probe")), "unsupported"),           # valid, not for us
             (P.encode(P.Error(code="x")), "unsupported"),
         ]
         for frames, code in hostile:

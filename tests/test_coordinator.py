@@ -1,5 +1,6 @@
-"""Coordinator decisions with no sockets: elastic global batch and its learning-rate rule,
-removal of a worker mid-iteration, checkpoint state."""
+"""The coordinator's commit rule with no sockets: a gradient counts only once every shard holds
+it, whatever process dies between which two sends; samples of what is not applied go back to
+the cursor exactly once. Also the elastic learning-rate rule, rejoin, stop and checkpoints."""
 
 from __future__ import annotations
 
@@ -8,71 +9,206 @@ import pytest
 from batchsize_manager.manager import BatchSizeManager
 from ps_common.config import validate
 from ps_server.coordinator import Coordinator
+from ps_server.sync import get_sync_policy
+
+S = 3  # shards
 
 
-def coordinator(**sections):
-    cfg = validate({"training": {"global_batch": 60, "max_iterations": 100}, "cluster": {"num_workers": 3},
-                    **sections})
-    c = Coordinator(cfg, 1000, BatchSizeManager("uniform", 60))
-    for i in range(3):
-        c.join(f"w{i}")
-    assert c.try_start()
+def coordinator(sync="bsp", workers=3, start=True, **sections):
+    mode = {"sync": sync, **({"backup_workers": 1} if sync == "backup" else {})}
+    cfg = validate({"training": {"global_batch": 60, "max_iterations": 100}, "cluster": {"num_workers": workers},
+                    "mode": mode, **sections})
+    c = Coordinator(cfg, 1000, BatchSizeManager("uniform", 60), get_sync_policy(sync, **cfg.sync_args()),
+                    num_shards=S)
+    for i in range(workers):
+        c.join(f"w{i}", f"instance-{i}")
+    if start:
+        c.try_start()
     return c
 
 
-def step(c):
-    c.on_update(c.iteration, list(c.plan), sum(a.batch_size for a in c.plan.values()))
+def push(c, w, shards=range(S), it=None):
+    it = c.iteration if it is None else it
+    for k in shards:
+        c.on_gradient(k, w, it, c.expected(w, it))
 
 
-def test_keep_global_batch_resplits_and_keeps_lr():
+def sizes(c):
+    return {w: a.batch_size for w, a in c.plan.items()}
+
+
+def samples_of(ranges):
+    return sum(b - a for _, a, b in ranges)
+
+
+def test_bsp_commits_only_when_every_member_is_on_every_shard():
     c = coordinator()
-    step(c)
-    reduced = c.leave(2)
-    assert reduced == {0: 20, 1: 20}, "the in-flight iteration completes without the lost worker"
-    step(c)
-    assert {w: a.batch_size for w, a in c.plan.items()} == {0: 30, 1: 30}
-    assert all(a.lr_scale == 1.0 for a in c.plan.values())
-    assert c.drain_events() == []
+    push(c, 0)
+    push(c, 1)
+    push(c, 2, shards=[0, 1])
+    assert c.decide() == [], "worker 2's gradient is not on shard 2 yet"
+    push(c, 2, shards=[2])
+    (d,) = c.decide()
+    assert d.version == 1 and d.iteration == 0 and d.entries == [[0, 20], [1, 20], [2, 20]]
+    assert d.lr_scale == 1.0 and d.next_plan is not None and d.next_plan.iteration == 1
+    assert d.next_plan.workers == [0, 1, 2] and d.next_plan.batch_sizes == [20, 20, 20]
+
+
+@pytest.mark.parametrize("reached", [[0], [1], [1, 2], [0, 2]],
+                         ids=["shard0-only", "follower-only", "followers-only", "between-followers"])
+def test_a_gradient_that_reached_some_shards_is_applied_nowhere_and_its_samples_return_once(reached):
+    c = coordinator()
+    lost_ranges = c.plan[2].ranges
+    served = c.cursor.state.samples_served
+    push(c, 0)
+    push(c, 1)
+    push(c, 2, shards=reached)
+    assert c.decide() == []
+    c.leave(2, "lost")
+    assert c.cursor.state.samples_served == served - 20, "the lost share goes back exactly once"
+    (d,) = c.decide()
+    assert d.entries == [[0, 20], [1, 20]], "iteration 0 is what survivors completed"
+    assert [2, 0] in d.drops, "every shard drops what it holds of worker 2"
+    assert d.next_plan.workers == [0, 1] and d.next_plan.batch_sizes == [30, 30]
+    taken = [r for w in (0, 1) for r in c.plan[w].ranges]
+    assert lost_ranges[0] in taken, "the lost worker's samples are served again first"
+    # A Have that arrives late for the lost gradient changes nothing.
+    c.on_gradient(2, 2, 0, 20)
+    assert c.decide() == []
+
+
+def test_a_worker_lost_after_pushing_everywhere_still_counts():
+    c = coordinator()
+    push(c, 0)
+    push(c, 2)
+    served = c.cursor.state.samples_served
+    c.leave(2, "lost")
+    assert c.cursor.state.samples_served == served, "a complete gradient keeps its samples"
+    push(c, 1)
+    (d,) = c.decide()
+    assert d.entries == [[0, 20], [1, 20], [2, 20]]
+    assert d.next_plan.workers == [0, 1]
+
+
+def test_every_member_lost_replans_for_whoever_joins():
+    c = coordinator(workers=1)
+    push(c, 0, shards=[0])
+    c.leave(0, "lost")
+    assert c.decide() == [] and c.plan == {}
+    wid = c.join("new", "instance-new")
+    plan = c.try_start()
+    assert plan is not None and plan.iteration == 0 and plan.workers == [wid] and plan.batch_sizes == [60]
+
+
+def test_backup_commits_the_first_n_complete_and_serves_the_late_share_again():
+    c = coordinator("backup", workers=3)  # N = 2 of 3
+    assert sizes(c) == {0: 30, 1: 30, 2: 30}
+    late_ranges = c.plan[1].ranges
+    push(c, 2)
+    push(c, 1, shards=[0, 1])  # worker 1 arrived second on shard 0 but is not complete
+    push(c, 0)
+    (d,) = c.decide()
+    assert d.entries == [[0, 30], [2, 30]]
+    assert [1, 0] in d.drops
+    taken = [r for a in c.plan.values() for r in a.ranges]
+    assert late_ranges[0] in taken
+
+
+def test_async_commits_each_complete_gradient_that_matches_its_assignment():
+    c = coordinator("asp", workers=2)
+    a0 = c.assignment(0, 0)
+    a1 = c.assignment(1, 0)
+    assert a0.batch_size == a1.batch_size == 30
+    push(c, 1, it=0)
+    push(c, 0, it=0, shards=[0, 1])
+    (d,) = c.decide()
+    assert d.entries == [[1, 30]] and d.lr_scale == pytest.approx(30 / 60) and d.version == 1
+    push(c, 0, it=0, shards=[2])
+    (d,) = c.decide()
+    assert d.entries == [[0, 30]] and d.version == 2
+    # A report for a batch size other than assigned is never committed.
+    c.assignment(0, 1)
+    for k in range(S):
+        c.on_gradient(k, 0, 1, 7)
+    assert c.decide() == [] and c.counters["have.unexpected"] >= 1
+
+
+def test_async_assignments_are_bounded_and_ssp_waits_for_the_slowest():
+    c = coordinator("ssp", workers=2, mode={"sync": "ssp", "staleness": 1})
+    for clock in range(2):
+        assert c.assignment(0, clock) is not None
+        push(c, 0, it=clock)
+        c.decide()
+    assert c.workers[0].clock == 2
+    assert c.assignment(0, 2) is None, "clock 2 is s + 1 ahead of worker 1 (clock 0)"
+    c.assignment(1, 0)
+    push(c, 1, it=0)
+    c.decide()
+    assert c.assignment(0, 2) is not None
+    d = coordinator("asp", workers=1)
+    for clock in range(3):
+        assert d.assignment(0, clock) is not None
+    assert d.assignment(0, 3) is None, "three uncommitted assignments: back-pressure"
+
+
+def test_a_second_join_from_the_same_process_replaces_the_first():
+    c = coordinator(workers=2, start=False)
+    assert len(c.workers) == 2
+    again = c.join("w0", "instance-0")
+    assert len(c.workers) == 2 and again not in (0,) and 0 not in c.workers
+    assert c.try_start() is not None, "two processes, two members: the job starts"
 
 
 def test_keep_worker_batch_scales_lr_linearly_with_a_ramp():
     c = coordinator(elastic={"keep": "worker_batch", "ramp_iterations": 4})
-    step(c)
+    for w in range(3):
+        push(c, w)
+    c.decide()
     c.leave(2)
     factors = []
     for _ in range(6):
-        step(c)
-        (a, b) = c.plan.values()
-        assert a.batch_size == b.batch_size == 20 and a.global_batch == 40
-        factors.append(round(a.lr_scale, 4))
-    assert factors == [0.9167, 0.8333, 0.75, 0.6667, 0.6667, 0.6667]
+        assert sizes(c) in ({0: 20, 1: 20},)
+        for w in list(c.plan):
+            push(c, w)
+        (d,) = c.decide()
+        factors.append(round(d.lr_scale, 4))
+    assert factors == [1.0, 0.9167, 0.8333, 0.75, 0.6667, 0.6667]
     (ev,) = c.drain_events()
     assert ev["event"] == "global_batch_changed" and (ev["from"], ev["to"]) == (60, 40)
-    c.join("w3")
-    step(c)
-    assert c.plan[3].batch_size == 20 and c.plan[3].global_batch == 60
-    assert c.plan[3].lr_scale == pytest.approx(0.6667 + (1 - 0.6667) / 4, abs=1e-3)
 
 
-def test_lost_samples_return_to_the_cursor():
+def test_stop_gives_the_in_flight_samples_back_and_commits_nothing_more():
     c = coordinator()
     served = c.cursor.state.samples_served
-    c.leave(1)
-    assert c.cursor.state.samples_served == served - 20
-    step(c)
-    taken = [r for a in c.plan.values() for r in a.ranges]
-    assert [0, 20, 40] in taken, "the lost worker's range is served again first"
+    push(c, 0)
+    c.request_stop("operator")
+    assert c.stop_version == 0 and c.cursor.state.samples_served == served - 60
+    push(c, 1)
+    push(c, 2)
+    assert c.decide() == []
+
+
+def test_max_iterations_stops_at_that_version():
+    c = coordinator(training={"global_batch": 60, "max_iterations": 2})
+    for _ in range(2):
+        for w in range(3):
+            push(c, w)
+        (d,) = c.decide()
+    assert c.stop and c.stop_version == 2 and d.next_plan is None
 
 
 def test_state_dict_round_trip_resumes_at_the_next_iteration():
     c = coordinator()
     for _ in range(5):
-        step(c)
+        for w in range(3):
+            push(c, w)
+        c.decide()
     state = c.state_dict()
-    d = coordinator()
+    d = coordinator(start=False)
     d.load_state_dict(state)
-    assert not d.started and d.iteration == 5 and d.updates == 5
+    assert not d.started and d.iteration == 5 and d.updates == 5 and d.version == 5
     for i in range(3):
-        d.join(f"again{i}")
-    assert d.try_start() and d.iteration == 5
+        d.join(f"again{i}", f"again-{i}")
+    assert d.try_start() is not None and d.iteration == 5
     assert [a.ranges for a in d.plan.values()] == [a.ranges for a in c.plan.values()]
+    assert d.member_key != c.member_key, "tokens of the old incarnation are void"

@@ -37,17 +37,21 @@ def test_array_roundtrip_dtypes_shapes(dtype, shape):
 )
 def test_push_roundtrip_property(worker, it, bs, loss, tel, values):
     g = np.array(values, dtype=np.float32)
-    msg = P.Push(worker_id=worker, iteration=it, batch_size=bs, expected_workers=3, global_batch=bs * 3,
-                 loss=loss, telemetry=tel, arrays=[g])
+    msg = P.Push(worker_id=worker, token="t" * 32, iteration=it, batch_size=bs, loss=loss, telemetry=tel,
+                 pull=True, arrays=[g])
     out = roundtrip(msg)
     assert out == msg  # arrays are excluded from ==, compared below
     np.testing.assert_array_equal(out.arrays[0], g)
 
 
 def test_nested_assignment_roundtrip():
-    a = P.Assignment(iteration=3, batch_size=10, ranges=[[0, 50, 55], [1, 0, 5]], expected_workers=2, global_batch=20)
+    a = P.Assignment(iteration=3, batch_size=10, ranges=[[0, 50, 55], [1, 0, 5]], global_batch=20)
     out = roundtrip(P.Params(assignment=a, arrays=[np.zeros(2, np.float32)]))
     assert out.assignment == a
+    plan = P.Plan(iteration=4, workers=[0, 2], batch_sizes=[7, 13])
+    commit = P.Commit(version=5, iteration=4, entries=[[0, 7], [2, 13]], lr_scale=0.5, drops=[[1, 4]],
+                      next_plan=plan, log_hash="ab" * 8, checkpoint=True)
+    assert roundtrip(commit) == commit
 
 
 def test_every_message_type_roundtrips_with_defaults():
@@ -70,7 +74,7 @@ def header(body: dict, prefix: bytes = P.HEADER_PREFIX) -> bytes:
         ([P.HEADER_PREFIX + b"\xc1\xc1"], "not valid msgpack"),
         ([header([1, 2])], "must be a map"),
         ([header({"t": "nope"})], "unknown message type"),
-        ([header({"t": "hello", "role": 5})], r"hello\.role: expected str"),
+        ([header({"t": "hello", "name": 5})], r"hello\.name: expected str"),
         ([header({"t": "hello", "bogus": 1})], "unknown field"),
         ([header({"t": "pull", "worker_id": True})], "expected int"),
         ([header({"t": "pull", "min_version": 2**63})], "out of range"),

@@ -1,4 +1,6 @@
-"""CURVE security: key files, the allow-list, and real ROUTER/DEALER pairs on loopback."""
+"""Credentials: CURVE key files and the allow-list (each key's file name is its role), the job
+secret (PLAIN, one secret per role), and real ROUTER/DEALER pairs on loopback that show what
+the server learns of each client (its role, in every message's User-Id)."""
 
 from __future__ import annotations
 
@@ -26,9 +28,11 @@ def keys(tmp_path_factory):
     """Server pair, an allowed client, a stranger; allowed/ holds only the allowed client."""
     d = tmp_path_factory.mktemp("keys")
     cfg = S.init_local_keys(d)
-    _, stranger = S.generate_keypair(d, "stranger")
+    _, stranger = S.generate_keypair(d, "worker-stranger")
     _, impostor = S.generate_keypair(d, "impostor-server")
-    return {"dir": d, "cfg": cfg, "stranger": str(stranger), "impostor": str(impostor)}
+    _, unnamed = S.generate_keypair(d, "laptop")
+    return {"dir": d, "cfg": cfg, "stranger": str(stranger), "impostor": str(impostor),
+            "worker": str(d / "worker.key_secret"), "unnamed": str(unnamed)}
 
 
 _OPEN: dict[int, list[zmq.Socket]] = {}  # id(context) -> sockets the test made
@@ -54,18 +58,18 @@ def _router(ctx, cfg: SecurityConfig) -> tuple[zmq.Socket, str]:
     return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
-def _dealer(ctx, endpoint: str, cfg: SecurityConfig | None) -> zmq.Socket:
+def _dealer(ctx, endpoint: str, cfg: SecurityConfig | None, role: str = "worker") -> zmq.Socket:
     sock = ctx.socket(zmq.DEALER)
     _OPEN[id(ctx)].append(sock)
     sock.setsockopt(zmq.LINGER, 0)
-    S.secure_client_socket(sock, cfg)
+    S.secure_client_socket(sock, cfg, role)
     sock.connect(endpoint)
     return sock
 
 
 def _client_cfg(keys, **changes) -> SecurityConfig:
     c = keys["cfg"]
-    base = dict(curve=True, server_public_key=c.server_public_key, client_secret_key=c.client_secret_key)
+    base = dict(curve=True, server_public_key=c.server_public_key, client_keys_dir=c.client_keys_dir)
     base.update(changes)
     return SecurityConfig(**base)
 
@@ -125,10 +129,24 @@ def test_allowed_client_round_trip(ctx, keys):
     assert router.getsockopt(zmq.CURVE_SERVER) == 1
     assert router.getsockopt_string(zmq.ZAP_DOMAIN) == S.ZAP_DOMAIN
     assert S.authenticator_running(ctx)
-    dealer = _dealer(ctx, ep, _client_cfg(keys))
-    body = _round_trip(router, dealer)
-    # ZAP tells the server who the client is: its public key
-    assert body.get("User-Id") == S.load_public_key(keys["cfg"].client_secret_key).decode()
+    for role in ("worker", "evaluator", "operator"):
+        body = _round_trip(router, _dealer(ctx, ep, _client_cfg(keys), role))
+        # ZAP tells the server who the client is: the role its key's file name grants
+        assert body.get("User-Id") == role
+    body = _round_trip(router, _dealer(ctx, ep, _server_cfg(keys), "shard"))
+    assert body.get("User-Id") == "shard", "the servers' own key is the shard role"
+
+
+def test_a_key_whose_file_name_names_no_role_is_refused(ctx, keys, tmp_path):
+    allowed = tmp_path / "allowed"
+    shutil.copytree(keys["cfg"].allowed_clients_dir, allowed)
+    shutil.copyfile(keys["dir"] / "laptop.key", allowed / "laptop.key")
+    server = _server_cfg(keys).model_copy(update={"allowed_clients_dir": str(allowed)})
+    router, ep = _router(ctx, server)
+    _refused(router, _dealer(ctx, ep, _client_cfg(keys, client_secret_key=keys["unnamed"])))
+    assert S.role_of_key_file("worker-hostA.key") == "worker"
+    assert S.role_of_key_file("operator.key") == "operator"
+    assert S.role_of_key_file("workers.key") is None and S.role_of_key_file("laptop.key") is None
 
 
 def test_client_not_in_allowed_dir_is_refused_until_its_key_is_added(ctx, keys, tmp_path):
@@ -140,7 +158,7 @@ def test_client_not_in_allowed_dir_is_refused_until_its_key_is_added(ctx, keys, 
     _refused(router, dealer)
     # the allow-list is re-read when the directory changes: no server restart needed. (libzmq
     # does not retry a handshake the authenticator refused, so the client dials again.)
-    shutil.copyfile(keys["dir"] / "stranger.key", allowed / "stranger.key")
+    shutil.copyfile(keys["dir"] / "worker-stranger.key", allowed / "worker-stranger.key")
     _round_trip(router, _dealer(ctx, ep, _client_cfg(keys, client_secret_key=keys["stranger"])))
 
 
@@ -157,9 +175,9 @@ def test_client_with_wrong_server_key_is_refused(ctx, keys):
 def test_shard_dials_with_the_server_pair(ctx, keys):
     """A shard config (server keys only) works as a client of another shard."""
     shard_cfg = _server_cfg(keys)
-    shard_cfg.require_client()
+    shard_cfg.require_client("shard")
     router, ep = _router(ctx, shard_cfg)
-    _round_trip(router, _dealer(ctx, ep, shard_cfg))
+    _round_trip(router, _dealer(ctx, ep, shard_cfg, "shard"))
 
 
 def test_one_authenticator_per_context_refcounted_and_fail_closed(ctx, keys, tmp_path):
@@ -168,7 +186,7 @@ def test_one_authenticator_per_context_refcounted_and_fail_closed(ctx, keys, tmp
     r2, ep2 = _router(ctx, server)  # same context: the authenticator is shared
     _round_trip(r2, _dealer(ctx, ep2, _client_cfg(keys)))
     other = server.model_copy(update={"allowed_clients_dir": str(tmp_path)})
-    with pytest.raises(SecurityError, match="one allow-list"):
+    with pytest.raises(SecurityError, match="one set of credentials"):
         S.secure_server_socket(ctx.socket(zmq.ROUTER), other, ctx)
     S.close_socket(r2)
     assert S.authenticator_running(ctx), "released while r1 still uses it"
@@ -214,8 +232,8 @@ def test_validation_errors_name_the_key(keys, tmp_path):
         SecurityConfig(curve=True, server_secret_key=c.server_secret_key,
                        allowed_clients_dir=str(tmp_path / "nope")).require_server()
     with pytest.raises(SecurityError, match=r"security\.server_public_key is required"):
-        SecurityConfig(curve=True, client_secret_key=c.client_secret_key).require_client()
-    with pytest.raises(SecurityError, match=r"security\.client_secret_key is required"):
+        SecurityConfig(curve=True, client_keys_dir=c.client_keys_dir).require_client()
+    with pytest.raises(SecurityError, match=r"security\.client_secret_key \(or client_keys_dir\) is required"):
         SecurityConfig(curve=True, server_public_key=c.server_public_key).require_client()
     with pytest.raises(SecurityError, match=r"security\.client_secret_key: .* holds no secret key"):
         _client_cfg(keys, client_secret_key=c.server_public_key).require_client()
@@ -225,10 +243,12 @@ def test_validation_errors_name_the_key(keys, tmp_path):
     bad.write_text('curve\n    public-key = "tooshort"\n')
     with pytest.raises(SecurityError, match=r"security\.server_public_key: .* malformed key"):
         _client_cfg(keys, server_public_key=str(bad)).require_client()
+    with pytest.raises(SecurityError, match=r"security\.client_keys_dir: .*evaluator\.key_secret: no such file"):
+        _client_cfg(keys, client_keys_dir=str(tmp_path)).require_client("evaluator")
     # the helpers validate too, before touching the socket
     with zmq.Context() as c2:
         s = c2.socket(zmq.DEALER)
-        with pytest.raises(SecurityError, match="client_secret_key is required"):
+        with pytest.raises(SecurityError, match="client_secret_key .or client_keys_dir. is required"):
             S.secure_client_socket(s, SecurityConfig(curve=True, server_public_key=c.server_public_key))
         s.close(linger=0)
     with pytest.raises(ValidationError):
@@ -236,3 +256,76 @@ def test_validation_errors_name_the_key(keys, tmp_path):
     with pytest.raises(ValidationError):
         c.curve = False  # frozen
     assert "allowed_clients_dir" in S.timeout_hint(c)
+
+
+# ----- the job secret (PLAIN) -----------------------------------------------------------------
+@pytest.fixture
+def secrets(tmp_path):
+    from ps_common import credentials as C
+
+    master = C.generate_master(tmp_path / "job.secret")
+    files = {"master": str(tmp_path / "job.secret")}
+    for role in ("worker", "evaluator", "operator"):
+        C.write_role_secret(tmp_path / f"{role}.secret", master, role)
+        files[role] = str(tmp_path / f"{role}.secret")
+    C.generate_master(tmp_path / "other.secret")
+    files["other"] = str(tmp_path / "other.secret")
+    return files
+
+
+def test_job_secret_authenticates_each_role(ctx, secrets):
+    server = SecurityConfig(secret_file=secrets["master"])
+    assert server.mechanism == "plain"
+    router, ep = _router(ctx, server)
+    assert router.getsockopt(zmq.PLAIN_SERVER) == 1
+    for role in ("worker", "evaluator", "operator"):
+        body = _round_trip(router, _dealer(ctx, ep, SecurityConfig(secret_file=secrets[role]), role))
+        assert body.get("User-Id") == role
+    body = _round_trip(router, _dealer(ctx, ep, server, "shard"))
+    assert body.get("User-Id") == "shard", "the master acts as any role"
+
+
+def test_wrong_or_missing_secrets_cannot_connect(ctx, secrets):
+    router, ep = _router(ctx, SecurityConfig(secret_file=secrets["master"]))
+    _refused(router, _dealer(ctx, ep, None))  # anonymous (NULL mechanism)
+    _refused(router, _dealer(ctx, ep, SecurityConfig(secret_file=secrets["other"]), "worker"))
+    # a worker's file claims another role: its password is the worker's, so it fails
+    forged = ctx.socket(zmq.DEALER)
+    _OPEN[id(ctx)].append(forged)
+    forged.setsockopt(zmq.LINGER, 0)
+    forged.setsockopt(zmq.PLAIN_USERNAME, b"operator")
+    from ps_common.credentials import load_secret
+
+    forged.setsockopt(zmq.PLAIN_PASSWORD, load_secret(secrets["worker"]).secret_for("worker").encode())
+    forged.connect(ep)
+    _refused(router, forged)
+
+
+def test_a_role_file_grants_that_role_only(secrets):
+    from ps_common.credentials import CredentialError, load_secret
+
+    worker = load_secret(secrets["worker"])
+    assert worker.roles == ("worker",)
+    with pytest.raises(CredentialError, match="holds the worker secret only"):
+        worker.secret_for("operator")
+    with pytest.raises(CredentialError, match="servers need the job's master"):
+        SecurityConfig(secret_file=secrets["worker"]).require_server()
+    SecurityConfig(secret_file=secrets["worker"]).require_client("worker")
+
+
+def test_secret_files_cli_and_errors(tmp_path, capsys):
+    from ps_common.credentials import CredentialError, load_secret
+
+    assert S.main(["secret", str(tmp_path / "m.secret")]) == 0
+    assert stat.S_IMODE((tmp_path / "m.secret").stat().st_mode) == 0o600
+    assert S.main(["secret", str(tmp_path / "w.secret"), "--role", "worker", "--from", str(tmp_path / "m.secret")]) == 0
+    assert load_secret(tmp_path / "w.secret").secret_for("worker") == load_secret(tmp_path / "m.secret").secret_for("worker")
+    capsys.readouterr()
+    assert S.main(["secret", str(tmp_path / "m.secret")]) == 2
+    assert "refusing to overwrite" in capsys.readouterr().err
+    assert S.main(["secret", str(tmp_path / "x.secret"), "--role", "worker"]) == 2
+    (tmp_path / "junk").write_text("hello")
+    with pytest.raises(CredentialError, match="not an lbbsp secret file"):
+        load_secret(tmp_path / "junk")
+    with pytest.raises(CredentialError, match="no such file"):
+        load_secret(tmp_path / "missing")

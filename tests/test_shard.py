@@ -1,4 +1,5 @@
-"""Shard state, BSP policy and optimizer: pure logic, no sockets."""
+"""Shard state and optimizer: pure logic, no sockets. A shard holds gradients and applies
+exactly the commits it is given; its log hash chains every commit it applied."""
 
 from __future__ import annotations
 
@@ -8,13 +9,13 @@ import torch
 
 from ps_common.config import OptimizerConfig
 from ps_server.optimizer import SGD
-from ps_server.shard import ShardState
-from ps_server.sync import BSP, PushRejected, get_sync_policy
+from ps_server.shard import GENESIS_HASH, GradientRejected, MissingGradient, ShardState, next_log_hash
+from ps_server.sync import get_sync_policy
 
 
 def make_shard(size=6, **opt):
     cfg = OptimizerConfig(**{"lr": 0.1, "momentum": 0.0, **opt})
-    return ShardState(0, np.arange(size, dtype=np.float32), cfg, BSP())
+    return ShardState(0, np.arange(size, dtype=np.float32), cfg)
 
 
 def g(values):
@@ -23,16 +24,18 @@ def g(values):
     return a
 
 
-def test_bsp_applies_weighted_mean_once_all_pushed():
+def test_a_commit_applies_the_weighted_mean_of_the_named_gradients_only():
     s = make_shard(2)
-    assert s.push(0, 0, 1, 2, 4, g([4.0, 0.0])) == []
+    s.receive(0, 0, 1, g([4.0, 0.0]))
+    s.receive(1, 0, 3, g([0.0, 4.0]))
+    s.receive(2, 0, 5, g([100.0, 100.0]))  # held here, but not in the commit
     assert s.version == 0
-    np.testing.assert_array_equal(s.params, [0, 1])
-    (a,) = s.push(1, 0, 3, 2, 4, g([0.0, 4.0]))
-    assert (a.iteration, a.workers, a.samples, a.lr_scale) == (0, [0, 1], 4, 1.0)
+    a = s.apply(0, [[0, 1], [1, 3]], 1.0)
+    assert (a.version, a.iteration, a.samples) == (1, 0, 4)
     # g = (1*[4,0] + 3*[0,4]) / 4 = [1, 3]; w -= 0.1 g
     np.testing.assert_allclose(s.params, [-0.1, 0.7], rtol=1e-6)
-    assert s.version == 1
+    assert s.holds() == [[2, 0, 5]], "gradients not named stay held until dropped"
+    assert s.drop_through(0) == 1 and s.holds() == []
 
 
 def test_aggregation_does_not_depend_on_arrival_order():
@@ -43,51 +46,72 @@ def test_aggregation_does_not_depend_on_arrival_order():
     for order in ([0, 1, 2, 3], [3, 1, 0, 2]):
         s = make_shard(1000)
         for w in order:
-            s.push(w, 0, sizes[w], 4, sum(sizes), grads[w])
+            s.receive(w, 0, sizes[w], grads[w])
+        s.apply(0, [[w, sizes[w]] for w in range(4)], 1.0)
         outs.append(s.params)
     np.testing.assert_array_equal(outs[0], outs[1])
 
 
-@pytest.mark.parametrize(
-    "push, code",
-    [
-        (dict(worker=0, it=1, bs=2, exp=2, X=4), "future"),
-        (dict(worker=0, it=0, bs=2, exp=3, X=4), "bad_plan"),
-        (dict(worker=1, it=0, bs=2, exp=2, X=5), "bad_plan"),
-        (dict(worker=1, it=0, bs=3, exp=2, X=4), "bad_plan"),
-        (dict(worker=1, it=0, bs=0, exp=2, X=4), "bad_plan"),
-    ],
-)
-def test_rejected_pushes_leave_state_untouched(push, code):
+def test_a_commit_naming_a_missing_gradient_changes_nothing():
     s = make_shard(2)
-    s.push(2, 0, 2, 2, 4, g([1, 1]))  # worker 2 set the plan: 2 workers, global batch 4
+    s.receive(0, 0, 2, g([1, 1]))
     before = s.params.copy()
-    with pytest.raises(PushRejected) as exc:
-        s.push(push["worker"], push["it"], push["bs"], push["exp"], push["X"], g([9, 9]))
-    assert exc.value.code == code
+    for entries in ([[0, 2], [1, 2]], [[0, 3]]):  # worker 1 never pushed; wrong batch size
+        with pytest.raises(MissingGradient):
+            s.apply(0, entries, 1.0)
     np.testing.assert_array_equal(s.params, before)
-    assert s.version == 0 and s.rejected[code] == 1
+    assert s.version == 0 and s.log_hash == GENESIS_HASH and s.holds() == [[0, 0, 2]]
 
 
-def test_duplicate_stale_nonfinite_and_shape():
+def test_rejected_gradients_are_not_held():
+    s = make_shard(2, )
+    s.receive(0, 0, 2, g([1, 1]))
+    cases = [((0, 0, 2, g([1, 1])), "duplicate"), ((1, 0, 2, g([np.nan, 0])), "nonfinite"),
+             ((1, 0, 2, g([0, np.inf])), "nonfinite"), ((1, 0, 2, g([1, 1, 1])), "bad_shape")]
+    for args, code in cases:
+        with pytest.raises(GradientRejected) as exc:
+            s.receive(*args)
+        assert exc.value.code == code
+    assert s.holds() == [[0, 0, 2]]
+
+
+def test_a_worker_can_hold_only_a_few_uncommitted_gradients():
+    s = ShardState(0, np.zeros(2, np.float32), OptimizerConfig(lr=0.1), max_held_per_worker=2)
+    s.receive(7, 0, 1, g([1, 1]))
+    s.receive(7, 1, 1, g([1, 1]))
+    with pytest.raises(GradientRejected) as exc:
+        s.receive(7, 2, 1, g([1, 1]))
+    assert exc.value.code == "busy"
+    s.apply(0, [[7, 1]], 0.5)
+    s.receive(7, 2, 1, g([1, 1]))  # room again once one is committed
+
+
+def test_equal_log_hashes_mean_equal_histories():
+    def history(commits):
+        s = make_shard(3)
+        for it, entries, lr in commits:
+            for w, x in entries:
+                s.receive(w, it, x, g([1, 2, 3]))
+            s.apply(it, entries, lr)
+        return s.version, s.log_hash
+
+    a = history([(0, [[0, 2], [1, 2]], 1.0), (1, [[0, 2], [1, 2]], 1.0)])
+    assert a == history([(0, [[0, 2], [1, 2]], 1.0), (1, [[0, 2], [1, 2]], 1.0)])
+    assert a != history([(0, [[0, 2], [1, 2]], 1.0), (1, [[0, 2]], 1.0)])
+    assert a != history([(0, [[0, 2], [1, 2]], 1.0), (1, [[0, 2], [1, 2]], 0.5)])
+    assert next_log_hash(GENESIS_HASH, 1, 0, [[0, 1]], 1.0) != next_log_hash(GENESIS_HASH, 1, 1, [[0, 1]], 1.0)
+
+
+def test_restore_drops_held_gradients_and_keeps_the_hash():
     s = make_shard(2)
-    s.push(0, 0, 2, 2, 4, g([1, 1]))
-    with pytest.raises(PushRejected, match="already pushed") as e:
-        s.push(0, 0, 2, 2, 4, g([1, 1]))
-    assert e.value.code == "duplicate"
-    for bad in ([np.nan, 0], [0, np.inf]):
-        with pytest.raises(PushRejected) as e:
-            s.push(1, 0, 2, 2, 4, g(bad))
-        assert e.value.code == "nonfinite"
-    with pytest.raises(PushRejected) as e:
-        s.push(1, 0, 2, 2, 4, g([1, 1, 1]))
-    assert e.value.code == "bad_shape"
-    s.push(1, 0, 2, 2, 4, g([1, 1]))
-    assert s.version == 1
-    before = s.params.copy()
-    assert s.push(1, 0, 2, 2, 4, g([5, 5])) == [], "a late push is dropped, not applied"
-    assert s.dropped == 1
-    np.testing.assert_array_equal(s.params, before)
+    s.receive(0, 0, 2, g([1, 1]))
+    s.apply(0, [[0, 2]], 1.0)
+    arrays, meta = s.state_arrays(), s.state_meta()
+    s.receive(0, 1, 2, g([1, 1]))
+    s.apply(1, [[0, 2]], 1.0)
+    s.receive(0, 2, 2, g([1, 1]))
+    s.restore(arrays, meta)
+    assert s.version == 1 and s.log_hash == meta["log_hash"] and s.holds() == []
 
 
 @pytest.mark.parametrize("momentum, wd, nesterov", [(0.0, 0.0, False), (0.9, 0.0, False),
@@ -117,9 +141,22 @@ def test_unknown_sync_policy():
 
 def test_snapshots_at_multiples_are_bounded_references():
     cfg = OptimizerConfig(lr=0.1, momentum=0.0)
-    s = ShardState(0, np.zeros(3, np.float32), cfg, BSP(), snapshot_every=2, max_snapshots=3)
+    s = ShardState(0, np.zeros(3, np.float32), cfg, snapshot_every=2, max_snapshots=3)
     for it in range(8):
-        s.push(0, it, 4, 1, 4, g([1, 1, 1]))
+        s.receive(0, it, 4, g([1, 1, 1]))
+        s.apply(it, [[0, 4]], 1.0)
     assert s.version == 8 and sorted(s.snapshots) == [4, 6, 8]
     np.testing.assert_allclose(s.snapshots[4][0], [-0.4] * 3, rtol=1e-6)
     assert s.snapshots[8][0] is s.params, "a snapshot is a reference, not a copy"
+
+
+def test_checkpoint_arrays_do_not_change_with_later_steps():
+    s = ShardState(0, np.zeros(3, np.float32), OptimizerConfig(lr=0.1, momentum=0.9))
+    s.receive(0, 0, 1, g([1, 1, 1]))
+    s.apply(0, [[0, 1]], 1.0)
+    saved = s.state_arrays()
+    copy = {k: v.copy() for k, v in saved.items()}
+    s.receive(0, 1, 1, g([5, 5, 5]))
+    s.apply(1, [[0, 1]], 1.0)
+    for k in saved:
+        np.testing.assert_array_equal(saved[k], copy[k])

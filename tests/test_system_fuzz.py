@@ -1,17 +1,25 @@
-"""Hostile input during a real run: thousands of malformed and random messages to every shard.
+"""Hostile clients during a real, deterministic BSP run: the run ends by its own stop rule with
+parameters bit-identical to a control run.
 
-The servers must keep serving, and because BSP here is deterministic (fixed seeds, gradients
-summed in worker-id order), the fuzzed run must end with exactly the parameters of a control
-run with the same seed and no fuzzing. Forged messages with valid credentials (a real worker's
-id and token, a shard's control token) are CURVE's job, not validation's; the fuzzer only
-uses identities it could guess.
+Three kinds of attacker, all during the run, all at once:
+
+- **anonymous** clients and clients holding **another job's secret**: whatever they send,
+  nothing reaches a handler (the handshake is refused), so nothing they could learn without a
+  credential authorizes anything;
+- an **insider with a worker's credential** but not the membership of any worker (a compromised
+  or buggy worker host): a seeded generator sends well-formed forgeries of every message type
+  (Hello then Shutdown and EvalReport, RegisterShard/Have/ShardSync posing as a shard, Join with
+  an empty or wrong digest, right-sized finite pushes to every shard with the ids of the real
+  workers and huge batch sizes, pulls with and without worker ids, floods of pulls) plus
+  malformed frames: at least 100,000 messages, every one refused by role, token, plan or
+  bound checks, and answered.
 """
 
 from __future__ import annotations
 
 import random
 import threading
-
+from collections import Counter
 
 import msgpack
 import numpy as np
@@ -19,89 +27,135 @@ import pytest
 import zmq
 
 from ps_common import protocol as P
-from tests.cluster_util import pull_params, start_servers, start_workers, status, wait_exit, write_config
+from ps_common.credentials import generate_master
+from ps_common.security import SecurityConfig, secure_client_socket
+from tests.cluster_util import consistent_end, start_servers, start_workers, wait_exit, write_config
 
 pytestmark = pytest.mark.system
 
+INSIDER_MESSAGES = 100_000
 JOB = {
     "run": {"name": "fuzz", "seed": 9},
     "model": {"name": "mlp"},
     "data": {"dataset": "synthetic", "synthetic_train": 512, "synthetic_test": 128},
-    "training": {"global_batch": 64, "max_iterations": 300},
+    "training": {"global_batch": 64, "max_iterations": 4000, "finish_timeout_s": 10},
     "optimizer": {"lr": 0.05, "momentum": 0.9},
     "cluster": {"num_shards": 2, "num_workers": 2},
     "evaluator": {"enabled": False},
+    # Generous: liveness must not depend on how fast forgeries are refused.
+    "heartbeat": {"interval_s": 0.2, "timeout_s": 10.0},
 }
 
 
-def hostile_messages(rng: random.Random, sizes: list[int]):
-    """A seeded stream of malformed, random and invalid-but-well-formed messages."""
+def forgeries(rng: random.Random, sizes: list[int], digest: str):
+    """A seeded stream of (kind, frames, shard) with well-formed forgeries of every type."""
     hdr = P.HEADER_PREFIX
+    token = lambda: rng.randbytes(16).hex()  # noqa: E731
     while True:
-        kind = rng.randrange(12)
-        n = rng.choice(sizes)
-        if kind == 0:
-            yield [rng.randbytes(rng.randrange(0, 64)) for _ in range(rng.randrange(1, 4))]
-        elif kind == 1:
-            yield [hdr + rng.randbytes(rng.randrange(0, 40))]
-        elif kind == 2:
-            yield [b"LBPS" + bytes([rng.randrange(2, 255)]) + msgpack.packb({"t": "pull"})]
-        elif kind == 3:
-            t = rng.choice(list(P.MESSAGE_TYPES))
-            yield [hdr + msgpack.packb({"t": t, rng.choice(["worker_id", "iteration", "x"]): rng.choice(
-                ["str", -1.5, [1, 2], {"a": 1}, None, True, 2**63, -(2**63)])}, use_bin_type=True)]
-        elif kind == 4:  # push with a wrong size
-            g = np.ones(n + rng.choice([-1, 1, 7]), np.float32)
-            yield P.encode(P.Push(worker_id=1000 + rng.randrange(100), batch_size=8, expected_workers=2,
-                                  global_batch=64, arrays=[g]))
-        elif kind == 5:  # NaN / Inf gradient from an unknown worker
-            g = np.full(n, rng.choice([np.nan, np.inf, -np.inf]), np.float32)
-            yield P.encode(P.Push(worker_id=1000 + rng.randrange(100), batch_size=8, expected_workers=2,
-                                  global_batch=64, arrays=[g]))
-        elif kind == 6:  # array frame missing / header lies about arrays
-            yield [hdr + msgpack.packb({"t": "push", "arrays": [["<f4", [n]]]})]
-        elif kind == 7:  # forged control messages without the shard's token
-            yield P.encode(rng.choice([P.Commit(iteration=rng.randrange(100), workers=[1000], batch_sizes=[64]),
-                                       P.Rollback(version=0), P.CheckpointAt(version=3)]))
-        elif kind == 8:  # shutdown / eval report / leave / heartbeat without credentials
-            yield P.encode(rng.choice([P.Shutdown(reason="x"), P.EvalReport(accuracy=1.0),
-                                       P.Leave(worker_id=rng.randrange(4)),
-                                       P.Heartbeat(worker_id=rng.randrange(4))]))
-        elif kind == 9:  # join with a wrong config digest
-            yield P.encode(P.Join(name="intruder", job_digest="0" * 16))
-        elif kind == 10:  # oversized array spec
-            yield [hdr + msgpack.packb({"t": "push", "arrays": [["<f4", [2**40]]]}), b"\0" * 16]
-        else:  # a harmless observer pull and a status request: must be answered normally
-            yield P.encode(rng.choice([P.StatusRequest(), P.Hello(role="fuzz")]))
+        k = rng.randrange(len(sizes))
+        n = sizes[k]
+        kind = rng.choice(KINDS)
+        if kind == "shutdown":
+            msg = P.Shutdown(reason="pwned")
+        elif kind == "eval_report":
+            msg = P.EvalReport(version=rng.randrange(1000), accuracy=1.0, final=rng.random() < 0.5)
+        elif kind == "register_shard":
+            msg = P.RegisterShard(shard=rng.choice([0, 1, 5]), endpoint="tcp://10.0.0.66:1",
+                                  job_digest=rng.choice(["", digest]), version=rng.randrange(5),
+                                  resumed=rng.random() < 0.5)
+        elif kind == "have":
+            msg = P.Have(shard=1, entries=[[rng.randrange(3), rng.randrange(400), 32]])
+        elif kind == "shard_sync":
+            msg = P.ShardSync(shard=1, version=rng.randrange(400), entries=[[0, 1, 32]])
+        elif kind == "rollback":
+            msg = P.Rollback(version=0, coordinator="tcp://10.0.0.66:1")
+        elif kind == "join":
+            msg = P.Join(name="intruder", instance=token(), job_digest=rng.choice(["", "0" * 16, digest[:-1] + "x"]))
+        elif kind == "push":  # right size, finite, a real worker's id, a guessed token
+            msg = P.Push(worker_id=rng.randrange(3), token=rng.choice(["", token()]),
+                         iteration=rng.randrange(400), batch_size=rng.choice([1, 32, 10**9]),
+                         loss=0.0, pull=rng.random() < 0.5,
+                         telemetry={"compute_s": 0.01}, arrays=[np.full(n, 0.5, np.float32)])
+        elif kind == "pull":
+            msg = P.Pull(worker_id=rng.choice([-1, 0, 1]), token=rng.choice(["", token()]),
+                         min_version=rng.choice([0] + [10**9] * 9), exact=rng.random() < 0.3)
+        elif kind == "heartbeat":
+            msg = rng.choice([P.Heartbeat(worker_id=rng.randrange(3), token=token()),
+                              P.Leave(worker_id=rng.randrange(3), token=token())])
+        elif kind == "hello_status":
+            msg = rng.choice([P.Hello(name="probe"), P.StatusRequest()])
+        elif kind == "malformed":
+            yield kind, rng.choice([
+                [rng.randbytes(rng.randrange(0, 64))],
+                [hdr + rng.randbytes(rng.randrange(0, 40))],
+                [b"LBPS" + bytes([rng.randrange(3, 255)]) + msgpack.packb({"t": "pull"})],
+                [hdr + msgpack.packb({"t": "push", "arrays": [["<f4", [2**40]]]}), b"\0" * 16],
+                [hdr + msgpack.packb({"t": "push", "arrays": [["<f4", [n]]]})],
+                [*P.encode(P.Hello()), b"x", b"y", b"z", b"w"],
+                P.encode(P.Push(worker_id=0, arrays=[np.full(n + 1, np.nan, np.float32)])),
+            ]), k
+            continue
+        yield kind, P.encode(msg), k
 
 
-def fuzz(endpoints: list[str], sizes: list[int], count: int, stop: threading.Event, stats: dict) -> None:
+KINDS = ["shutdown", "eval_report", "register_shard", "have", "shard_sync", "rollback", "join", "push",
+         "pull", "heartbeat", "hello_status", "malformed"]
+
+
+def _dealer(ctx, endpoint: str, security: SecurityConfig | None, role: str = "worker") -> zmq.Socket:
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.SNDHWM, 1000)
+    secure_client_socket(s, security, role)
+    s.connect(endpoint)
+    return s
+
+
+def attack(endpoints: list[str], sizes: list[int], digest: str, insider: SecurityConfig,
+           stranger: SecurityConfig, stop: threading.Event, stats: dict, alive) -> None:
     ctx = zmq.Context.instance()
-    socks = []
-    for ep in endpoints:
-        s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.SNDTIMEO, 1000)
-        s.connect(ep)
-        socks.append(s)
-    gen = hostile_messages(random.Random(1234), sizes)
+    inside = [_dealer(ctx, ep, insider) for ep in endpoints for _ in range(2)]
+    outside = ([_dealer(ctx, ep, None) for ep in endpoints]
+               + [_dealer(ctx, ep, stranger, role) for ep in endpoints for role in ("operator", "shard")])
+    gen = forgeries(random.Random(1234), sizes, digest)
+    sent: Counter[str] = stats["sent"]
+    codes: Counter[str] = stats["codes"]
     try:
-        for i in range(count):
-            if stop.is_set():
-                break
-            sock = socks[i % len(socks)]
-            sock.send_multipart(next(gen))
-            stats["sent"] += 1
-            while sock.poll(0):
-                sock.recv_multipart()
-                stats["replies"] += 1
-            stop.wait(0.001)  # spread the attack over the whole run
+        i = 0
+        while not stop.is_set() and (sum(sent.values()) < INSIDER_MESSAGES or i < INSIDER_MESSAGES):
+            kind, frames, k = next(gen)
+            sock = inside[2 * k + (i & 1)]
+            try:
+                sock.send_multipart(frames, zmq.NOBLOCK)
+                sent[kind] += 1
+            except zmq.Again:
+                stats["insider_backpressure"] += 1
+            if i % 10 == 0:  # the outsiders try the same messages; nothing can get through
+                o = outside[i % len(outside)]
+                try:
+                    o.send_multipart(frames, zmq.NOBLOCK)
+                    stats["outsider_queued"] += 1
+                except zmq.Again:
+                    stats["outsider_blocked"] += 1
+            for s in inside:
+                while s.poll(0):
+                    reply = P.decode(s.recv_multipart())
+                    codes[reply.code if isinstance(reply, P.Error) else reply.TYPE] += 1
+            for s in outside:
+                while s.poll(0):
+                    s.recv_multipart()
+                    stats["outsider_answered"] += 1
+            i += 1
+            if i % 2000 == 0:
+                if not alive():
+                    break  # the job ended first: the test then fails on the count
+                stop.wait(0.01)  # let the real workers breathe now and then
     finally:
-        for s in socks:
+        for s in inside + outside:
             s.close(linger=0)
 
 
-def run_job(procs, tmp_path, name, fuzz_count):
+def run_job(procs, tmp_path, name: str, hostile: bool):
     (tmp_path / name).mkdir()
     cfg_path, cfg = write_config(tmp_path / name, JOB)
     run = tmp_path / name / "run"
@@ -110,26 +164,49 @@ def run_job(procs, tmp_path, name, fuzz_count):
     from ps_server.server import initial_parameters
 
     sizes = [b - a for a, b in partition(initial_parameters(cfg).size, 2)]
-    stats = {"sent": 0, "replies": 0}
+    stats = {"sent": Counter(), "codes": Counter(), "insider_backpressure": 0, "outsider_queued": 0,
+             "outsider_blocked": 0, "outsider_answered": 0}
     stop = threading.Event()
-    fuzzer = threading.Thread(target=fuzz, args=(eps, sizes, fuzz_count, stop, stats))
-    if fuzz_count:
-        fuzzer.start()
-    wait_exit(start_workers(procs, cfg_path, eps[0], 2, run), timeout_s=300)
+    if hostile:
+        # The insider holds a worker's role file of this job; the stranger another job's master.
+        from ps_common.credentials import load_secret, write_role_secret
+
+        write_role_secret(tmp_path / name / "insider.secret", load_secret(cfg.security.secret_file), "worker")
+        generate_master(tmp_path / name / "stranger.secret")
+        insider = SecurityConfig(secret_file=str(tmp_path / name / "insider.secret"))
+        stranger = SecurityConfig(secret_file=str(tmp_path / name / "stranger.secret"))
+        shard0 = [c for c in procs.children if c.role == "shard-0"][-1]  # this run's
+        t = threading.Thread(target=attack, args=(eps, sizes, cfg.job_digest(), insider, stranger, stop, stats,
+                                                  lambda: shard0.proc.poll() is None))
+        t.start()
+    workers = start_workers(procs, cfg_path, eps[0], 2, run)
+    if hostile:
+        t.join(600)
+    wait_exit(workers, timeout_s=600)
     stop.set()
-    if fuzz_count:
-        fuzzer.join(30)
-    st = status(eps[0])
-    params, version = pull_params(cfg, eps[0])
-    return params, version, st, stats
+    wait_exit([c for c in procs.children if c.role.startswith("shard")], timeout_s=60)
+    params, version = consistent_end(run, 2)
+    return params, version, stats
 
 
-def test_fuzzed_run_matches_control_run(procs, tmp_path):
-    control, v0, _, _ = run_job(procs, tmp_path, "control", 0)
-    fuzzed, v1, st, stats = run_job(procs, tmp_path, "fuzzed", 4000)
-    assert stats["sent"] >= 2000, stats
-    assert stats["replies"] > 0
-    assert v0 == v1 == 300 and st.stop
+@pytest.mark.timeout(900)
+def test_hostile_clients_change_nothing(procs, tmp_path):
+    control, v0, _ = run_job(procs, tmp_path, "control", False)
+    fuzzed, v1, stats = run_job(procs, tmp_path, "hostile", True)
+    sent = stats["sent"]
+    total = sum(sent.values())
+    print(f"\ninsider (worker credential) messages by type: {dict(sorted(sent.items()))} = {total}")
+    print(f"answers by code: {dict(sorted(stats['codes'].items()))}")
+    print(f"outsiders: {stats['outsider_queued']} queued, {stats['outsider_blocked']} blocked, "
+          f"{stats['outsider_answered']} answered")
+    assert total >= INSIDER_MESSAGES, stats
+    assert set(sent) == set(KINDS)
+    assert v0 == v1 == JOB["training"]["max_iterations"]
     assert np.array_equal(control, fuzzed), (
-        f"fuzzing changed the parameters: max diff {np.abs(control - fuzzed).max():.3e}")
-    print(f"fuzz: sent {stats['sent']} hostile messages, {stats['replies']} error/normal replies")
+        f"hostile clients changed the parameters: max diff {np.abs(control - fuzzed).max():.3e}")
+    assert stats["outsider_answered"] == 0, "a client without this job's credentials got an answer"
+    codes = stats["codes"]
+    assert codes["forbidden"] > 0 and codes["unauthorized"] > 0 and codes["config_mismatch"] > 0
+    assert codes["malformed"] > 0 and codes["hello_reply"] + codes["status"] > 0
+    assert "ack" not in codes, "no forged Shutdown, EvalReport, Leave or Rollback may be acknowledged"
+    assert "welcome" not in codes and "registered" not in codes

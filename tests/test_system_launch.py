@@ -49,7 +49,7 @@ def test_server_survives_malformed_messages(procs, tmp_path):
         "training": {"global_batch": 8, "max_iterations": 5}, "cluster": {"num_shards": 1, "num_workers": 1}})
     (ep,) = start_servers(procs, cfg_path, 1, tmp_path / "run")
     ctx = zmq.Context.instance()
-    conn = Connection(ctx, ep, timeout_s=10)
+    conn = Connection(ctx, ep, role="worker", timeout_s=10, security=cfg.security)
     try:
         junk = [[b"garbage"], [P.HEADER_PREFIX + b"\xff"], [b"LBPS\x07"],
                 [P.encode(P.Hello())[0], b"extra frame"]]
@@ -59,7 +59,7 @@ def test_server_survives_malformed_messages(procs, tmp_path):
             assert isinstance(reply, P.Error) and reply.code == "malformed"
         conn.send(P.Push(worker_id=99, arrays=[__import__("numpy").zeros(3, "float32")]))
         reply = P.decode(conn.sock.recv_multipart())
-        assert isinstance(reply, P.Error) and reply.code == "unknown_worker"
+        assert isinstance(reply, P.Error) and reply.code == "unauthorized"
     finally:
         conn.close()
     assert status(ep).version == 0

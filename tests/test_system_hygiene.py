@@ -1,0 +1,111 @@
+"""Process hygiene: nothing of a run outlives its launcher, and a job ends by itself.
+
+- SIGTERM (what Slurm, Kubernetes and systemd send) or SIGHUP to ``ps-launch`` mid-run: every
+  child is stopped; 10 s later no process of the run is left.
+- SIGKILL to ``ps-launch`` mid-run (no chance to clean up): the children notice their launcher
+  is gone (parent-death signal, watchdog) and end; 10 s later nothing is left.
+- Hand-started shards and workers with nobody to send Shutdown: they all exit by themselves
+  once the stop rule is reached, the shards after saving the final version.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.cluster_util import consistent_end, start_servers, start_workers, wait_exit, write_config
+
+pytestmark = pytest.mark.system
+
+CONFIG = [
+    "--set", "data.dataset=synthetic", "--set", "model.name=mlp", "--set", "training.max_iterations=100000",
+    "--set", "training.max_seconds=300", "--set", "cluster.num_shards=2", "--set", "cluster.num_workers=2",
+    "--set", "evaluator.every_iterations=200",
+]
+
+
+def launch(tmp_path: Path) -> tuple[subprocess.Popen, list[psutil.Process]]:
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "ps_launcher.cli", "configs/quick_synthetic.yaml",
+                             "--run-dir", str(run), "--no-progress", *CONFIG],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 120
+    coord = run / "metrics" / "coordinator.jsonl"
+    while time.monotonic() < deadline:  # training has started: the first commits are logged
+        if coord.exists() and sum(1 for line in coord.read_text().splitlines() if '"iteration"' in line) > 20:
+            break
+        assert proc.poll() is None, proc.stdout.read().decode()
+        time.sleep(0.2)
+    else:
+        proc.kill()
+        pytest.fail("the run did not start")
+    children = psutil.Process(proc.pid).children(recursive=True)
+    assert len(children) >= 5, f"expected shards, workers and the evaluator, got {children}"
+    return proc, children
+
+
+def left_alive(procs: list[psutil.Process], within_s: float) -> list[psutil.Process]:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        alive = [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return []
+        time.sleep(0.2)
+    return alive
+
+
+def kill_all(procs: list[psutil.Process]) -> None:
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["sigterm", "sighup"])
+def test_signal_to_the_launcher_stops_every_child(tmp_path, sig):
+    proc, children = launch(tmp_path)
+    try:
+        proc.send_signal(sig)
+        rc = proc.wait(timeout=30)
+        assert rc == 130, f"ps-launch exited {rc}"
+        alive = left_alive(children, 10.0)
+        assert not alive, f"left running 10 s after {sig.name}: {alive}"
+        out = proc.stdout.read().decode()
+        assert "interrupted" in out, out[-2000:]
+    finally:
+        kill_all(children)
+        proc.kill()
+
+
+@pytest.mark.timeout(240)
+def test_a_job_whose_launcher_was_sigkilled_ends_by_itself(tmp_path):
+    proc, children = launch(tmp_path)
+    try:
+        proc.kill()
+        proc.wait(timeout=10)
+        alive = left_alive(children, 10.0)
+        assert not alive, f"orphans left running 10 s after the launcher was SIGKILLed: {alive}"
+    finally:
+        kill_all(children)
+
+
+@pytest.mark.timeout(180)
+def test_hand_started_processes_exit_at_the_stop_rule_without_shutdown(procs, tmp_path):
+    cfg_path, cfg = write_config(tmp_path, {
+        "model": {"name": "mlp"}, "data": {"dataset": "synthetic", "synthetic_train": 512},
+        "training": {"global_batch": 32, "max_iterations": 40, "finish_timeout_s": 5},
+        "cluster": {"num_shards": 3, "num_workers": 2}, "evaluator": {"enabled": False}})
+    run = tmp_path / "run"
+    eps = start_servers(procs, cfg_path, 3, run)
+    wait_exit(start_workers(procs, cfg_path, eps[0], 2, run), 120)
+    wait_exit([c for c in procs.children if c.role.startswith("shard")], timeout_s=30)
+    _, version = consistent_end(run, 3)
+    assert version == 40
