@@ -391,7 +391,8 @@ class Coordinator:
         self.heard_from(report.worker_id)
 
     def decide(self) -> list[CommitDecision]:
-        """The commits due now, in order (usually none or one)."""
+        """The next commit due now (a list of at most one); call again until it is empty. One at
+        a time, so that each is carried out (and checkpointed) before the next is decided."""
         if not self.started or self.stop:
             return []
         if self.round_based:
@@ -427,9 +428,10 @@ class Coordinator:
         return CommitDecision(self.version, t, entries, lr, drops, next_plan, record)
 
     def _decide_async(self) -> list[CommitDecision]:
-        out = []
-        completed, self._completed = self._completed, []
-        for key in completed:
+        """At most one commit per call, so the caller applies (and may checkpoint) each before the
+        next is decided: the coordinator's state always matches the version being written."""
+        while self._completed:
+            key = self._completed.pop(0)
             w, c = key
             g = self.ledger.pop(key, None)
             a = self.outstanding.get(w, {}).get(c)
@@ -445,15 +447,10 @@ class Coordinator:
                 info.clock = max(info.clock, c + 1)
             drops, self._pending_drops = self._pending_drops, []
             record = self._record(c, {w: a}, [w])
-            out.append(CommitDecision(self.version, c, [[w, a.batch_size]], a.batch_size / a.global_batch,
-                                      drops, None, record))
-            self._check_stop(self.clock())
-            if self.stop:
-                break
-        if self.stop:  # what completed after the final version is never applied
-            for key in self._completed + [k for k in self.ledger]:
-                self._pending_drops.append(list(key))
-        return out
+            self._check_stop(self.clock())  # a stop here drops everything not yet committed
+            return [CommitDecision(self.version, c, [[w, a.batch_size]], a.batch_size / a.global_batch,
+                                   drops, None, record)]
+        return []
 
     def _record(self, iteration: int, plan: dict[int, Assignment], accepted: list[int]) -> UpdateRecord:
         now = self.clock()

@@ -1,0 +1,243 @@
+"""A follower shard's part of the server: hold what workers push, apply what shard 0 commits.
+
+A follower decides nothing. It checks each push against the plan the coordinator committed
+(worker, membership token, iteration, batch size), holds the gradient and reports it (``Have``).
+Down its link to the coordinator come the commits, in order; it applies each one, checks that
+its history (log hash) is the coordinator's, and answers the workers waiting for that version.
+A gap in versions, or a second without news, makes it send a ``ShardSync`` so nothing lost on
+the way stays lost.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from ps_common import protocol as P
+from ps_server.checkpoint import CheckpointError
+from ps_server.control import CoordinatorLink
+from ps_server.coordinator import member_token
+from ps_server.pulls import PendingPull
+from ps_server.router import Refused
+from ps_server.shard import MissingGradient
+
+if TYPE_CHECKING:
+    from ps_server.server import ShardServer
+
+log = logging.getLogger(__name__)
+
+
+class Follow:
+    """The role of shard k > 0."""
+
+    assigns = False  # only shard 0 hands out assignments
+
+    def __init__(self, server: "ShardServer", coordinator: str) -> None:
+        self.server = server
+        self.cfg = server.cfg
+        self.coordinator_endpoint = coordinator
+        self.link: CoordinatorLink | None = None
+        self.member_key = ""
+        self.plan: P.Plan | None = None
+        self.last_iteration = -1  # round modes: the last committed iteration
+        self.stop_version = -1
+        self._stop_reason = ""
+        self.haves: list[list[int]] = []
+        self.next_sync = 0.0
+        self.relink_to: str | None = None
+
+    # ----- the hooks the server calls ---------------------------------------------------------
+    def handlers(self) -> dict[type, Any]:
+        return {P.Rollback: self._on_rollback}
+
+    def link_socket(self) -> zmq.Socket | None:
+        if self.relink_to is not None:
+            self.connect(self.relink_to)
+            self.relink_to = None
+        return self.link.sock if self.link is not None else None
+
+    def start(self) -> None:
+        self.connect(self.coordinator_endpoint)
+
+    def stopped(self) -> bool:
+        return self.stop_version >= 0 and self.server.state.version >= self.stop_version
+
+    def stop_reason(self) -> str:
+        return self._stop_reason
+
+    def _token_ok(self, worker_id: int, token: str) -> bool:
+        return bool(self.member_key) and hmac.compare_digest(member_token(self.member_key, worker_id), token)
+
+    def check_push(self, msg: P.Push) -> bool:
+        """Refuse a push this shard must not hold; True for a late one (dropped, not refused)."""
+        w, t, x = msg.worker_id, msg.iteration, msg.batch_size
+        if not self._token_ok(w, msg.token):
+            raise Refused("unauthorized", f"push for worker {w} without its membership token")
+        if self.stopped():
+            return True
+        largest = self.server.largest_batch()
+        if not 1 <= x <= largest:
+            raise Refused("bad_batch", f"batch size {x} outside 1..{largest}")
+        if not self.server.policy.round_based:
+            return False  # async: the coordinator commits only what matches its assignment
+        if t <= self.last_iteration:
+            return True
+        plan = self.plan
+        if plan is None or plan.iteration != t:
+            raise Refused("not_planned", f"no plan for iteration {t} here "
+                                         f"(collecting {plan.iteration if plan else 'nothing'})")
+        try:
+            planned = plan.batch_sizes[plan.workers.index(w)]
+        except ValueError:
+            raise Refused("not_planned", f"worker {w} is not in iteration {t}'s plan") from None
+        if planned != x:
+            raise Refused("bad_batch", f"worker {w} was planned {planned} samples for iteration {t}, "
+                                       f"the push says {x}")
+        return False
+
+    def accepted_push(self, msg: P.Push) -> None:
+        self.haves.append([msg.worker_id, msg.iteration, msg.batch_size])
+
+    def check_pull_token(self, worker_id: int, token: str) -> None:
+        if not self._token_ok(worker_id, token):
+            raise Refused("unauthorized", f"pull for worker {worker_id} without its membership token")
+
+    def answered(self, p: PendingPull, reply: P.Message) -> None:
+        pass
+
+    def status(self) -> dict[str, Any]:
+        return dict(stop=self.stopped(), stop_reason=self._stop_reason)
+
+    def shutdown(self, reason: str) -> None:
+        return None  # an operator's Shutdown to a follower stops this process only
+
+    def after_messages(self) -> None:
+        if self.haves and self.link is not None:
+            self.link.send(P.Have(shard=self.server.shard_id, entries=self.haves))
+            self.haves = []
+
+    def tick(self, now: float) -> None:
+        if self.link is None:
+            return
+        if now >= self.next_sync:
+            self._send_sync()
+        if self.stop_version >= 0 and self.link.silent_s() > self.cfg.transport.timeout_s:
+            log.warning("the coordinator is gone after the stop: finishing")
+            self.server.finish("coordinator gone after the stop")
+
+    def finishing(self, reason: str) -> None:
+        pass
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        return {}
+
+    def restored(self, meta: dict) -> None:
+        self.plan, self.last_iteration = None, -1
+        self.stop_version, self._stop_reason = -1, ""
+
+    def resumed(self, meta: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        if self.link is not None:
+            self.link.close()
+
+    # ----- the link -----------------------------------------------------------------------------
+    def connect(self, endpoint: str) -> None:
+        """(Re)register with the coordinator at ``endpoint``; blocks until it answers."""
+        server = self.server
+        if self.link is not None:
+            self.link.close()
+        self.link = CoordinatorLink(server.ctx, endpoint, security=self.cfg.security, hwm=self.cfg.transport.hwm,
+                                    timeout_s=self.cfg.transport.timeout_s)
+        reg = self.link.register(P.RegisterShard(
+            shard=server.shard_id, endpoint=server.endpoint, job_digest=server.job_digest,
+            version=server.state.version, log_hash=server.state.log_hash, resumed=server.resumed),
+            self.cfg.transport.connect_timeout_s)
+        self.member_key = reg.member_key
+        self.stop_version = reg.stop_version
+        self._set_plan(reg.plan)
+        self.next_sync = time.monotonic() + self.cfg.transport.shard_sync_s
+
+    def on_link_messages(self) -> None:
+        assert self.link is not None
+        for msg in self.link.receive():
+            if isinstance(msg, P.Commit):
+                self._apply_commit(msg)
+            elif isinstance(msg, P.PlanMessage):
+                self._set_plan(msg.plan)
+            elif isinstance(msg, P.Stop):
+                self.stop_version, self._stop_reason = msg.version, msg.reason
+                self.server.pulls_changed()
+            elif isinstance(msg, P.Rollback):
+                self._rollback(msg.version)
+            elif isinstance(msg, P.Finish):
+                self.server.finish(msg.reason)
+            elif isinstance(msg, P.Error):
+                log.error("the coordinator refused: [%s] %s", msg.code, msg.message)
+        st = self.server.state
+        if self.stopped() and st.held:
+            st.drop([k[:2] for k in st.holds()])
+
+    def _send_sync(self) -> None:
+        assert self.link is not None
+        st = self.server.state
+        self.link.send(P.ShardSync(shard=self.server.shard_id, version=st.version, log_hash=st.log_hash,
+                                   entries=st.holds()[:4096]))
+        self.next_sync = time.monotonic() + self.cfg.transport.shard_sync_s
+
+    def _set_plan(self, plan: P.Plan | None) -> None:
+        if plan is not None and plan.iteration > self.last_iteration and (
+                self.plan is None or plan.iteration >= self.plan.iteration):
+            self.plan = plan
+            self.server.pulls_changed()
+
+    def _apply_commit(self, msg: P.Commit) -> None:
+        server = self.server
+        st = server.state
+        if msg.version <= st.version:
+            return  # a repeat sent while catching up
+        if msg.version != st.version + 1:
+            log.warning("commit %d while at version %d: asking to catch up", msg.version, st.version)
+            self._send_sync()
+            return
+        try:
+            applied = st.apply(msg.iteration, msg.entries, msg.lr_scale)
+        except MissingGradient as exc:
+            server.fail(f"{exc}; stopping this shard rather than diverge")
+            return
+        if applied.log_hash != msg.log_hash:
+            server.fail(f"history differs from the coordinator's at version {applied.version} "
+                        f"({applied.log_hash} vs {msg.log_hash}): stopping")
+            return
+        st.drop(msg.drops)
+        if server.policy.round_based:
+            self.last_iteration = msg.iteration
+            st.drop_through(msg.iteration)
+            if self.plan is not None and self.plan.iteration <= msg.iteration:
+                self.plan = None
+            self._set_plan(msg.next_plan)
+        server.pulls_changed()
+        server.serve_pulls()  # answer the workers first
+        ck = self.cfg.checkpoint
+        if msg.checkpoint or (ck.every_iterations and st.version % ck.every_iterations == 0):
+            server.write_checkpoint()
+        server.metrics.write(version=applied.version, iteration=applied.iteration, entries=applied.entries,
+                             lr_scale=msg.lr_scale, samples=applied.samples, log_hash=applied.log_hash)
+
+    def _rollback(self, version: int) -> None:
+        try:
+            self.server.restore(version)
+        except CheckpointError as exc:
+            self.server.fail(f"cannot roll back: {exc}; stopping this shard to avoid inconsistent parameters")
+
+    def _on_rollback(self, ident: bytes, role: str, msg: P.Rollback) -> P.Message:
+        """A restarted shard 0 (``--resume``) moves this follower back and to its new address."""
+        self._rollback(msg.version)
+        self.relink_to = msg.coordinator or self.coordinator_endpoint
+        self.coordinator_endpoint = self.relink_to
+        return P.Ack(what="rollback")

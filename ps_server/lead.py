@@ -1,0 +1,423 @@
+"""Shard 0's part of the server: it runs the coordinator and leads the followers.
+
+What comes in: joins, heartbeats, leaves and evaluator reports; pushes (shard 0's own slice and
+the worker's telemetry); the followers' registrations, ``Have`` reports and ``ShardSync`` beats.
+What goes out: ``Commit``/``Plan``/``Stop``/``Rollback``/``Finish`` down each follower's link,
+and the pull answers that carry assignments. The decisions themselves are the coordinator's
+(:mod:`ps_server.coordinator`); this module carries them out in the order that keeps every
+shard in step: commit to the followers first, apply locally, answer the waiting workers, and
+only then write anything down.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from batchsize_manager import WorkerReport
+from batchsize_manager.manager import BatchSizeManager
+from ps_common import protocol as P
+from ps_common.datasets import dataset_from_config
+from ps_common.faults import fault
+from ps_common.metrics import MetricsWriter
+from ps_server.checkpoint import list_checkpoints
+from ps_server.control import Followers
+from ps_server.coordinator import CommitDecision, Coordinator
+from ps_server.pulls import PendingPull
+from ps_server.router import Refused
+from ps_server.shard import next_log_hash
+
+if TYPE_CHECKING:
+    from ps_server.server import ShardServer
+
+log = logging.getLogger(__name__)
+
+MAX_PENDING_JOINS = 1024
+
+
+class Lead:
+    """The coordinator's role in a shard server (shard 0)."""
+
+    assigns = True  # its pull answers carry the workers' assignments
+
+    def __init__(self, server: "ShardServer") -> None:
+        self.server = server
+        cfg = server.cfg
+        self.cfg = cfg
+        data = dataset_from_config(cfg.data, cfg.run.seed)
+        manager = BatchSizeManager(cfg.mode.batch_policy, cfg.training.global_batch,
+                                   min_batch=cfg.training.min_batch, max_batch=cfg.training.max_batch,
+                                   policy_args=cfg.mode.batch_policy_args)
+        self.coord = Coordinator(cfg, data.num_train, manager, server.policy, num_shards=cfg.cluster.num_shards)
+        self.followers = Followers(server.router_reply)
+        self.shard_endpoints: dict[int, str] = {0: server.endpoint}
+        self.pending_joins: list[tuple[bytes, str, P.Join]] = []
+        self.metrics = MetricsWriter(server.run_dir / "metrics" / "coordinator.jsonl" if server.run_dir else None)
+        self.stop_announced = False
+        self.stop_time = 0.0
+        self.checkpoint_next_commit = False
+        self._stall_done = False
+
+    # ----- the hooks the server calls ---------------------------------------------------------
+    def handlers(self) -> dict[type, Any]:
+        return {P.Join: self._on_join, P.Heartbeat: self._on_heartbeat, P.Leave: self._on_leave,
+                P.EvalReport: self._on_eval, P.RegisterShard: self._on_register_shard,
+                P.Have: self._on_have, P.ShardSync: self._on_shard_sync}
+
+    def link_socket(self):
+        return None
+
+    def start(self) -> None:
+        pass
+
+    def stopped(self) -> bool:
+        return self.coord.stop
+
+    def stop_reason(self) -> str:
+        return self.coord.stop_reason
+
+    def check_push(self, msg: P.Push) -> bool:
+        """Refuse a push that is not due; True for a late one (dropped, not refused)."""
+        coord = self.coord
+        w, t, x = msg.worker_id, msg.iteration, msg.batch_size
+        if not coord.token_ok(w, msg.token):
+            raise Refused("unauthorized", f"push for worker {w} without its membership token")
+        if coord.stop:
+            return True
+        expected = coord.expected(w, t)
+        if expected is None:
+            if self.server.policy.round_based and t < coord.iteration:
+                return True
+            raise Refused("not_planned", f"no assignment of worker {w} for iteration {t}")
+        if expected != x:
+            raise Refused("bad_batch", f"worker {w} was assigned {expected} samples for "
+                                       f"iteration {t}, the push says {x}")
+        return False
+
+    def accepted_push(self, msg: P.Push) -> None:
+        tel = msg.telemetry
+        self.coord.on_gradient(0, msg.worker_id, msg.iteration, msg.batch_size)
+        self.coord.record_report(WorkerReport(
+            worker_id=msg.worker_id, iteration=msg.iteration, batch_size=msg.batch_size,
+            compute_s=float(tel.get("compute_s", 0.0)), iteration_s=float(tel.get("iteration_s", 0.0)),
+            telemetry=dict(tel)), msg.loss)
+
+    def check_pull_token(self, worker_id: int, token: str) -> None:
+        self._member(worker_id, token)
+
+    def assignment(self, p: PendingPull) -> P.Error | P.Assignment | None:
+        """What a worker's answered pull carries: its assignment, an Error, or None to wait."""
+        coord = self.coord
+        if p.worker_id not in coord.workers:
+            return P.Error(code="unknown_worker", message=f"worker {p.worker_id} is not a member")
+        key = self.server.state.version if self.server.policy.round_based else p.min_version
+        return coord.assignment(p.worker_id, key)
+
+    def answered(self, p: PendingPull, reply: P.Message) -> None:
+        if p.worker_id >= 0 and isinstance(reply, P.Params) and reply.stop:
+            self.coord.told_stop(p.worker_id)
+
+    def status(self) -> dict[str, Any]:
+        c = self.coord
+        return dict(iterations=c.iterations_done(), epoch=c.cursor.epoch, samples=c.cursor.state.samples_served,
+                    workers=len(c.workers), stop=c.stop, stop_reason=c.stop_reason, started=c.started,
+                    elapsed=c.elapsed(), last_accuracy=c.last_accuracy)
+
+    def shutdown(self, reason: str) -> P.Message | None:
+        """The operator ends the job by the normal stop: one final version on every shard."""
+        if self.server.finished:
+            return None
+        self.coord.request_stop(f"operator shutdown: {reason}")
+        self.advance()
+        return P.Ack(what="shutdown")
+
+    def after_messages(self) -> None:
+        self.advance()
+
+    def tick(self, now: float) -> None:
+        """Liveness, the wall-clock stop, checkpoint orders, the end of the job."""
+        coord, server = self.coord, self.server
+        stall = fault("coordinator_stall")
+        if stall and not self._stall_done and server.state.version >= int(stall["version"]):
+            self._stall_done = True
+            log.warning("fault injection: coordinator loop stalls %.1fs", float(stall["seconds"]))
+            time.sleep(float(stall["seconds"]))
+            return  # heartbeats queued during the stall are read before anyone is judged
+        if coord.started and not coord.stop and not server.router.pending():
+            for w in coord.silent_workers(self.cfg.heartbeat.timeout_s):
+                self.remove_worker(w, f"lost (silent for more than {self.cfg.heartbeat.timeout_s}s)")
+        if coord.check_time():
+            self.advance()
+        ck = self.cfg.checkpoint
+        if (ck.every_seconds and coord.started and not coord.stop
+                and now - server.last_checkpoint_time >= ck.every_seconds):
+            self.checkpoint_next_commit = True
+        if coord.stop and self.stop_announced:
+            if coord.everyone_knows_stop():
+                server.finish("every worker and the evaluator have the final version")
+            elif now - self.stop_time > self.cfg.training.finish_timeout_s:
+                server.finish(f"finish_timeout_s={self.cfg.training.finish_timeout_s} passed")
+
+    def finishing(self, reason: str) -> None:
+        self.followers.broadcast(P.Finish(reason=reason))
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        return {"coordinator": self.coord.state_dict(),
+                "shard_endpoints": {str(k): ep for k, ep in self.shard_endpoints.items()}}
+
+    def restored(self, meta: dict) -> None:
+        self.coord.load_state_dict(meta["coordinator"])
+        self.server.incarnation = os.urandom(6).hex()  # workers notice and join again
+        self.stop_announced = False
+        self.followers.clear_log()
+
+    def resumed(self, meta: dict) -> None:
+        """A restarted shard 0: move the followers back to its version and to its new address."""
+        from ps_common.transport import Connection
+
+        server = self.server
+        for k, ep in meta.get("shard_endpoints", {}).items():
+            if int(k) == 0:
+                continue
+            conn = Connection(server.ctx, ep, role="shard", security=self.cfg.security, timeout_s=2.0)
+            try:
+                conn.request(P.Rollback(version=server.state.version, coordinator=server.endpoint),
+                             P.Ack, timeout_s=5.0)
+            except Exception as exc:  # a follower that is gone registers when it is back
+                log.warning("shard %s at %s not told to roll back: %s", k, ep, exc)
+            finally:
+                conn.close()
+
+    def close(self) -> None:
+        self.metrics.close()
+
+    # ----- membership -------------------------------------------------------------------------
+    def _check_digest(self, digest: str) -> None:
+        if not hmac.compare_digest(digest, self.server.job_digest):
+            raise Refused("config_mismatch",
+                          f"job config digest {digest!r} differs from the server's {self.server.job_digest}: "
+                          "start every process of a job with the same model/data/optimizer/"
+                          "training/mode settings")
+
+    def _on_join(self, ident: bytes, role: str, msg: P.Join) -> None:
+        self._check_digest(msg.job_digest)
+        if len(self.pending_joins) >= MAX_PENDING_JOINS:
+            raise Refused("busy", "too many joins are waiting for the shards to register")
+        self.pending_joins.append((ident, role, msg))
+        self._admit_joins()
+        return None
+
+    def _admit_joins(self) -> None:
+        """Answer joins once every shard has registered (a Welcome lists all endpoints)."""
+        coord, server = self.coord, self.server
+        if not self.pending_joins or len(self.shard_endpoints) < self.cfg.cluster.num_shards:
+            return
+        for ident, role, join in self.pending_joins:
+            wid = coord.join(join.name, join.instance, join.device) if role == "worker" else -1
+            start = (coord.workers[wid].clock if wid >= 0 and not server.policy.round_based
+                     else server.state.version)
+            server.router_reply(ident, P.Welcome(
+                worker_id=wid,
+                shard_endpoints=[self.shard_endpoints[k] for k in range(self.cfg.cluster.num_shards)],
+                shard_ranges=[list(r) for r in server.ranges], num_params=server.num_params,
+                version=start, job=self.cfg.job_spec(), token=coord.token(wid) if wid >= 0 else ""))
+        self.pending_joins = []
+        self._announce_plan(coord.try_start())
+
+    def _member(self, worker_id: int, token: str) -> Coordinator:
+        coord = self.coord
+        if worker_id not in coord.workers:
+            raise Refused("unknown_worker", f"worker {worker_id} is not a member (declared lost?)")
+        if not coord.token_ok(worker_id, token):
+            raise Refused("unauthorized", f"worker {worker_id}'s membership token is wrong")
+        return coord
+
+    def _on_heartbeat(self, ident: bytes, role: str, msg: P.Heartbeat) -> P.Message:
+        coord = self._member(msg.worker_id, msg.token)
+        coord.heard_from(msg.worker_id)
+        return P.HeartbeatReply(incarnation=self.server.incarnation, version=self.server.state.version,
+                                stop=coord.stop)
+
+    def _on_leave(self, ident: bytes, role: str, msg: P.Leave) -> P.Message:
+        self._member(msg.worker_id, msg.token)
+        self.remove_worker(msg.worker_id, f"left ({msg.reason or 'no reason given'})")
+        return P.Ack(what="leave")
+
+    def remove_worker(self, worker_id: int, reason: str) -> None:
+        coord = self.coord
+        coord.leave(worker_id, reason)
+        self.metrics.write(event="worker_removed", worker=worker_id, reason=reason, live=coord.live(),
+                           version=self.server.state.version)
+        self.advance()
+        self._announce_plan(coord.try_start())
+
+    def _on_eval(self, ident: bytes, role: str, msg: P.EvalReport) -> P.Message:
+        coord = self.coord
+        coord.on_eval(msg.accuracy, final=msg.final)
+        t = self.cfg.training.target_accuracy
+        if t is not None and msg.accuracy >= t:
+            coord.request_stop(f"reached target_accuracy={t} (version {msg.version})")
+        return P.Ack(what="eval_report")
+
+    # ----- commits ----------------------------------------------------------------------------
+    def advance(self) -> None:
+        """Carry out the commits the coordinator decided, then announce a stop."""
+        coord, server = self.coord, self.server
+        decided = []
+        while next_ := coord.decide():
+            decided.append(self._commit(next_[0]))
+        if coord.stop and not self.stop_announced:
+            self.stop_announced = True
+            self.stop_time = time.monotonic()
+            self.followers.broadcast(P.Stop(version=coord.stop_version, reason=coord.stop_reason))
+            server.state.drop([k[:2] for k in server.state.holds()])
+            self.metrics.write(event="stop", version=coord.stop_version, reason=coord.stop_reason)
+            server.pulls_changed()
+        if decided:
+            server.serve_pulls()  # answer the workers before writing anything down
+            for d in decided:
+                self._log_commit(d)
+        for ev in coord.drain_events():
+            self.metrics.write(**ev)
+
+    def _commit(self, d: CommitDecision) -> CommitDecision:
+        server = self.server
+        st = server.state
+        ck = self.cfg.checkpoint
+        d.checkpoint = self.checkpoint_next_commit or bool(ck.every_iterations and d.version % ck.every_iterations == 0)
+        self.checkpoint_next_commit = False
+        msg = P.Commit(version=d.version, iteration=d.iteration, entries=d.entries, lr_scale=d.lr_scale,
+                       drops=d.drops, next_plan=d.next_plan, checkpoint=d.checkpoint,
+                       log_hash=next_log_hash(st.log_hash, d.version, d.iteration, d.entries, d.lr_scale))
+        self.followers.broadcast(msg)  # first: the followers apply in parallel with us
+        applied = st.apply(d.iteration, d.entries, d.lr_scale)
+        if applied.version != d.version or applied.log_hash != msg.log_hash:
+            raise RuntimeError(f"coordinator state out of step: applied {applied.version}/{applied.log_hash}, "
+                               f"decided {d.version}/{msg.log_hash}")
+        st.drop(d.drops)
+        if server.policy.round_based:
+            st.drop_through(d.iteration)
+        if d.checkpoint:
+            server.write_checkpoint()
+        server.pulls_changed()
+        return d
+
+    def _log_commit(self, d: CommitDecision) -> None:
+        coord, server = self.coord, self.server
+        rec = d.record
+        server.metrics.write(version=d.version, iteration=d.iteration, entries=d.entries, lr_scale=d.lr_scale,
+                             samples=sum(x for _, x in d.entries))
+        self.metrics.write(
+            iteration=rec.iteration, version=rec.version, elapsed=rec.elapsed, duration=rec.duration,
+            loss=rec.loss, epoch=rec.epoch, samples=rec.samples, applied_samples=rec.applied_samples,
+            accepted=rec.accepted, batch_sizes={str(k): v for k, v in rec.batch_sizes.items()},
+            ranges={str(k): v for k, v in rec.ranges.items()},
+            workers={str(r.worker_id): dict(r.telemetry) for r in rec.reports},
+            dropped=server.state.dropped, drops=d.drops, stop=coord.stop, stop_reason=coord.stop_reason,
+            decision_s=coord.manager.last_decision_s)
+
+    def _announce_plan(self, plan: P.Plan | None) -> None:
+        if plan is not None:
+            self.followers.broadcast(P.PlanMessage(plan=plan))
+            self.server.pulls_changed()
+
+    # ----- the follower shards ----------------------------------------------------------------
+    def _on_register_shard(self, ident: bytes, role: str, msg: P.RegisterShard) -> None:
+        coord, server = self.coord, self.server
+        self._check_digest(msg.job_digest)
+        if not 0 < msg.shard < self.cfg.cluster.num_shards:
+            raise Refused("bad_shard", f"shard index {msg.shard} out of range")
+        own = server.state.version
+        if msg.version != own and not msg.resumed:
+            raise Refused("needs_resume",
+                          f"shard {msg.shard} is at version {msg.version} but the job is at {own}: "
+                          "restart a shard of a running job with --resume")
+        target = None
+        if msg.resumed:
+            # Even at the same version the restarted shard lost the gradients it held: everyone
+            # goes back to a checkpoint they all have, and the workers join again.
+            common = self._common_checkpoints(min(own, msg.version))
+            if common is None:
+                raise Refused("no_checkpoints", "the coordinator keeps no checkpoints to roll back to")
+            if not common:
+                raise Refused("no_common_checkpoint", f"shard 0 has no checkpoint at or before version {msg.version}")
+            target = common[-1]
+            self.rollback_all(target, f"shard {msg.shard} resumed from version {msg.version}")
+        self.shard_endpoints[msg.shard] = msg.endpoint
+        self.followers.register(msg.shard, ident, msg.endpoint, msg.version)
+        if target is not None and target != msg.version:
+            self.followers.send(msg.shard, P.Rollback(version=target))
+        log.info("shard %d registered at %s (version %d)", msg.shard, msg.endpoint, msg.version)
+        self.metrics.write(event="shard_registered", shard=msg.shard, endpoint=msg.endpoint,
+                           version=msg.version, resumed=msg.resumed)
+        server.router_reply(ident, P.Registered(member_key=coord.member_key, incarnation=server.incarnation,
+                                                version=server.state.version, plan=coord.current_plan(),
+                                                stop_version=coord.stop_version))
+        self._admit_joins()
+        return None
+
+    def _follower(self, ident: bytes, shard: int, version: int | None = None) -> None:
+        if self.followers.seen(shard, ident, version) is None:
+            raise Refused("unregistered", f"shard {shard} has not registered")
+
+    def _on_have(self, ident: bytes, role: str, msg: P.Have) -> None:
+        self._follower(ident, msg.shard)
+        for e in msg.entries:
+            if len(e) == 3:
+                self.coord.on_gradient(msg.shard, e[0], e[1], e[2])
+        return None
+
+    def _on_shard_sync(self, ident: bytes, role: str, msg: P.ShardSync) -> None:
+        """A follower's beat: catch it up, or roll it back when its history differs."""
+        coord, st = self.coord, self.server.state
+        self._follower(ident, msg.shard, msg.version)
+        if msg.version < st.version:
+            missing = self.followers.commits_after(msg.version)
+            if missing is None:
+                self._realign(msg.shard, msg.version, "too far behind to catch up")
+                return None
+            for c in missing:
+                self.followers.send(msg.shard, c)
+        elif msg.version > st.version:
+            self._realign(msg.shard, msg.version, "ahead of the coordinator")
+            return None
+        elif msg.log_hash != st.log_hash:
+            self._realign(msg.shard, msg.version, f"history differs ({msg.log_hash} vs {st.log_hash})")
+            return None
+        else:
+            for e in msg.entries:
+                if len(e) == 3:
+                    coord.on_gradient(msg.shard, e[0], e[1], e[2])
+        plan = coord.current_plan()
+        if plan is not None:
+            self.followers.send(msg.shard, P.PlanMessage(plan=plan))
+        if coord.stop:
+            self.followers.send(msg.shard, P.Stop(version=coord.stop_version, reason=coord.stop_reason))
+        return None
+
+    def _common_checkpoints(self, at_most: int) -> list[int] | None:
+        server = self.server
+        if server.checkpoint_dir is None:
+            return None
+        if server.checkpointer is not None:
+            server.checkpointer.flush()
+        return [v for v, _ in list_checkpoints(server.checkpoint_dir, 0) if v <= at_most]
+
+    def _realign(self, shard: int, version: int, why: str) -> None:
+        """A follower whose history cannot be replayed: everyone back to a common checkpoint."""
+        log.error("shard %d at version %d: %s", shard, version, why)
+        common = self._common_checkpoints(min(version, self.server.state.version))
+        if not common:
+            self.coord.request_stop(f"shard {shard} diverged ({why}) and no checkpoint is common")
+            self.advance()
+            return
+        self.rollback_all(common[-1], f"shard {shard} {why}")
+
+    def rollback_all(self, version: int, reason: str) -> None:
+        log.warning("rolling the job back to version %d: %s", version, reason)
+        self.server.restore(version)
+        self.metrics.write(event="rollback", version=version, reason=reason)
+        self.followers.broadcast(P.Rollback(version=version))
