@@ -85,6 +85,9 @@ def test_burner_burns_cpu_and_set_count_converges():
     try:
         assert burners.set_count(1) == 1 and burners.count == 1
         (pid,) = burners.pids
+        deadline = time.monotonic() + 5  # right after the spawn the command line can read empty
+        while not psutil.Process(pid).cmdline() and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert BURNER_TAG in " ".join(psutil.Process(pid).cmdline())
         assert burns(pid)
         burners.set_count(2)
