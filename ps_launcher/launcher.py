@@ -80,6 +80,8 @@ class LocalCluster:
         if sec.curve:
             return {}
         secrets_dir = self.run_dir / "secrets"
+        secrets_dir.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(secrets_dir, 0o700)
         if sec.secret_file:
             master = load_secret(sec.secret_file)
             if master.master is None:  # a single role file: everyone uses it (and fails if it must)

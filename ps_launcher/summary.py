@@ -42,6 +42,22 @@ def normalized_durations(coord: list[dict[str, Any]], global_batch: int) -> list
     return out
 
 
+def final_versions(run_dir: Path) -> dict[str, Any]:
+    """The version and history hash each shard saved at the end, and whether they all agree."""
+    from ps_server.checkpoint import checkpoint_meta
+
+    shards = []
+    for path in sorted((run_dir / "final").glob("shard-*-v*.npz")):
+        try:
+            meta = checkpoint_meta(path)
+        except Exception:  # a torn file of a killed run: report it as missing
+            continue
+        shards.append({"shard": meta.get("shard"), "version": meta.get("version"),
+                       "log_hash": meta.get("log_hash")})
+    agree = bool(shards) and len({(s["version"], s["log_hash"]) for s in shards}) == 1
+    return {"shards": shards, "agree": agree, "version": shards[0]["version"] if agree else None}
+
+
 def summarize(run_dir: str | Path, *, global_batch: int, target_accuracy: float | None = None,
               wall_s: float | None = None, stop_reason: str = "") -> dict[str, Any]:
     run_dir = Path(run_dir)
@@ -85,12 +101,14 @@ def summarize(run_dir: str | Path, *, global_batch: int, target_accuracy: float 
         "median_iteration_s": statistics.median(durations) if durations else None,
         "mean_iteration_s": statistics.fmean(durations) if durations else None,
         "final_accuracy": curve[-1]["accuracy"] if curve else None,
+        "final_accuracy_version": curve[-1]["version"] if curve else None,
         "best_accuracy": max((p["accuracy"] for p in curve), default=None),
         "final_loss": coord[-1]["loss"] if coord else None,
         "time_to_accuracy": {f"{t:g}": time_to_accuracy(curve, t) for t in marks},
         "accuracy_curve": curve,
         "membership_events": events,
         "workers": workers,
+        "final": final_versions(run_dir),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     (run_dir / "summary.md").write_text(summary_markdown(summary))
@@ -99,6 +117,14 @@ def summarize(run_dir: str | Path, *, global_batch: int, target_accuracy: float 
 
 def _fmt(v: Any, spec: str = ".3f") -> str:
     return "-" if v is None else format(v, spec)
+
+
+def _final_line(final: dict[str, Any] | None) -> str:
+    if not final or not final["shards"]:
+        return "not saved"
+    if final["agree"]:
+        return f"{final['version']}, history {final['shards'][0]['log_hash']}, on {len(final['shards'])} shards"
+    return "SHARDS DISAGREE: " + ", ".join(f"{s['shard']}: {s['version']}/{s['log_hash']}" for s in final["shards"])
 
 
 def summary_markdown(s: dict[str, Any]) -> str:
@@ -111,6 +137,7 @@ def summary_markdown(s: dict[str, Any]) -> str:
         f"| samples | {s['samples']} |",
         f"| median time per global batch (s) | {_fmt(s['median_iteration_s'], '.4f')} |",
         f"| final test accuracy | {_fmt(s['final_accuracy'], '.4f')} |",
+        f"| final version (every shard) | {_final_line(s.get('final'))} |",
         f"| final training loss | {_fmt(s['final_loss'], '.4f')} |",
     ]
     for t, hit in s["time_to_accuracy"].items():

@@ -72,6 +72,15 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str, 
     return arrays, meta
 
 
+def checkpoint_meta(path: str | Path) -> dict[str, Any]:
+    """Only the metadata of a checkpoint (no arrays are read)."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return json.loads(bytes(z["__meta__"]).decode())
+    except (OSError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from None
+
+
 def find_checkpoint(directory: str | Path, shard: int, version: int | None = None) -> Path:
     """The newest checkpoint of ``shard`` (or the one at ``version``)."""
     found = list_checkpoints(directory, shard)

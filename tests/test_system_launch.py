@@ -25,6 +25,9 @@ def test_launch_mnist_lenet_reaches_accuracy(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final_accuracy"] >= 0.95, summary
+    # Every shard ended at one version with one history, and that version is what was measured.
+    assert summary["final"]["agree"], summary["final"]
+    assert summary["final_accuracy_version"] == summary["final"]["version"]
     assert summary["iterations"] > 100
     for name in ("config.yaml", "summary.md", "accuracy.png", "workers.png", "metrics/coordinator.jsonl"):
         assert (run_dir / name).stat().st_size > 0, name

@@ -24,6 +24,9 @@ def test_mode_trains_to_sensible_accuracy(tmp_path, mode):
     summary = LocalCluster(cfg, tmp_path / "run", progress=False).run()
     assert summary["stop_reason"].startswith("reached max_iterations"), summary["stop_reason"]
     assert summary["final_accuracy"] >= 0.9, summary
+    # Every shard ended at one version with one history, and that version is what was measured.
+    assert summary["final"]["agree"], summary["final"]
+    assert summary["final_accuracy_version"] == summary["final"]["version"]
     coord = [r for r in read_jsonl(tmp_path / "run" / "metrics" / "coordinator.jsonl") if "event" not in r]
     applied = coord[-1]["applied_samples"]
     X = cfg.training.global_batch
