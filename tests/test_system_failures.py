@@ -145,6 +145,31 @@ def test_worker_joins_mid_run_and_gets_a_share(procs, tmp_path):
     assert_exactly_once_per_epoch(updates, 2, 600)
 
 
+def test_a_worker_that_joins_again_replaces_itself(procs, tmp_path):
+    """Two worker processes of a three-worker job wait so long for the start that their pulls time
+    out and they join again: each still counts once, so the job does not start until a third
+    process joins, and then runs with three."""
+    cfg_path, cfg = write_config(tmp_path, job(transport={"timeout_s": 1.5, "connect_timeout_s": 60},
+                                               training={"max_iterations": 30}))
+    run = tmp_path / "run"
+    eps = start_servers(procs, cfg_path, 2, run)
+    first = start_workers(procs, cfg_path, eps[0], 2, run)
+    deadline = time.monotonic() + 60
+    while "joining again" not in "".join(c.tail() for c in first):
+        assert time.monotonic() < deadline, "the workers never joined again"
+        time.sleep(0.2)
+    time.sleep(2.0)
+    st = status(eps[0])
+    assert st.workers == 2 and not st.started, f"rejoins counted twice: {st.workers} members"
+    third = procs.start("worker-2", "ps_worker.cli", ["--config", str(cfg_path), "--server", eps[0],
+                                                      "--run-dir", str(run), "--name", "worker-2"])
+    wait_exit(first + [third], timeout_s=120)
+    shards_exit(procs)
+    _, version = consistent_end(run, 2)
+    updates, _ = coordinator_records(run)
+    assert version == 30 and all(len(r["accepted"]) == 3 for r in updates)
+
+
 def test_coordinator_stall_longer_than_the_heartbeat_timeout_loses_no_worker(procs, tmp_path):
     """Shard 0's loop sleeps 3x the heartbeat timeout (a refit burst, a slow disk): the
     heartbeats queued meanwhile are read before anyone is judged, so nobody is declared lost."""

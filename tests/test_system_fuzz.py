@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from collections import Counter
 
 import msgpack
@@ -181,6 +182,23 @@ def run_job(procs, tmp_path, name: str, hostile: bool):
         t.start()
     workers = start_workers(procs, cfg_path, eps[0], 2, run)
     if hostile:
+        # Meanwhile the operator's status requests must still be answered, promptly.
+        from ps_common.transport import Connection
+
+        op = Connection(zmq.Context.instance(), eps[0], role="operator", timeout_s=10, security=cfg.security)
+        latencies = []
+        try:
+            while t.is_alive():
+                t0 = time.monotonic()
+                op.request(P.StatusRequest(), P.Status)
+                latencies.append(time.monotonic() - t0)
+                time.sleep(0.25)
+        except Exception as exc:  # the job may end between the check and the request
+            if shard0.proc.poll() is None:
+                raise AssertionError(f"shard 0 stopped answering the operator under attack: {exc}")
+        finally:
+            op.close()
+        stats["status_latency_s"] = latencies
         t.join(600)
     wait_exit(workers, timeout_s=600)
     stop.set()
@@ -205,6 +223,9 @@ def test_hostile_clients_change_nothing(procs, tmp_path):
     assert np.array_equal(control, fuzzed), (
         f"hostile clients changed the parameters: max diff {np.abs(control - fuzzed).max():.3e}")
     assert stats["outsider_answered"] == 0, "a client without this job's credentials got an answer"
+    lat = stats["status_latency_s"]
+    print(f"operator status under attack: {len(lat)} requests, max {max(lat) * 1e3:.1f} ms")
+    assert lat and max(lat) < 5.0
     codes = stats["codes"]
     assert codes["forbidden"] > 0 and codes["unauthorized"] > 0 and codes["config_mismatch"] > 0
     assert codes["malformed"] > 0 and codes["hello_reply"] + codes["status"] > 0
