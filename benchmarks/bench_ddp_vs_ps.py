@@ -79,6 +79,7 @@ class RunResult:
     stop_reason: str
     wall_s: float
     curve: list[dict[str, Any]] = field(default_factory=list)
+    profile: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 def make_config(args: argparse.Namespace) -> JobConfig:
@@ -90,8 +91,58 @@ def make_config(args: argparse.Namespace) -> JobConfig:
         f"training.global_batch={args.global_batch}",
         f"model.name={args.model}",
         f"evaluator.every_iterations={EVAL_EVERY}",
+        *args.ps_set,
     ]
     return load_config(args.config, overrides)
+
+
+# --------------------------------------------------------------------------------------------
+# Where the PS's time goes
+# --------------------------------------------------------------------------------------------
+
+WORKER_PHASES = ("data_s", "compute_s", "push_s", "wait_s", "pull_s", "iteration_s")
+
+
+def ps_profile(run_dir: Path) -> dict[str, dict[str, float]]:
+    """Per-iteration means from a PS run directory: each worker's phases (from its metrics),
+    each shard's busy time by phase (from the timings in its shutdown record), and the
+    coordinator's decision time. Seconds."""
+    from ps_common.metrics import read_jsonl
+
+    out: dict[str, dict[str, float]] = {}
+    for path in sorted((run_dir / "metrics").glob("worker-*.jsonl")):
+        recs = list(read_jsonl(path))[20:]  # start-up left out
+        if recs:
+            out[path.stem] = {k: statistics.fmean(r[k] for r in recs) for k in WORKER_PHASES if k in recs[0]}
+    coord = [r for r in read_jsonl(run_dir / "metrics" / "coordinator.jsonl") if "event" not in r]
+    updates = max(1, len(coord))
+    for path in sorted((run_dir / "metrics").glob("shard-*.jsonl")):
+        end = [r for r in read_jsonl(path) if r.get("event") == "shutdown"]
+        if not end or "timings" not in end[-1]:
+            continue
+        t = end[-1]["timings"]
+        prof = {k: v["s"] / updates for k, v in t.items()}
+        prof["busy_s"] = sum(v["s"] for v in t.values()) / updates
+        out[path.stem] = prof
+    if coord:
+        out["coordinator"] = {"decision_s": statistics.fmean(r.get("decision_s", 0.0) for r in coord)}
+    return out
+
+
+def render_profile(profiles: list[dict[str, dict[str, float]]]) -> str:
+    """Microseconds per iteration by phase, the median over repeats."""
+    names = sorted({n for p in profiles for n in p})
+    lines = ["", "Where the PS's time goes (microseconds per iteration, median over repeats; shard rows "
+             "count the shard's own loop: decode, handlers, commit, answers, send):", "",
+             "| process | phase | us per iteration |", "|---|---|---|"]
+    for n in names:
+        phases = sorted({k for p in profiles for k in p.get(n, {})},
+                        key=lambda k: -statistics.median(p.get(n, {}).get(k, 0.0) for p in profiles))
+        for k in phases:
+            v = statistics.median(p.get(n, {}).get(k, 0.0) for p in profiles)
+            if v * 1e6 >= 1:
+                lines.append(f"| {n} | {k} | {v * 1e6:.0f} |")
+    return "\n".join(lines) + "\n"
 
 
 def max_iterations(cfg: JobConfig, num_train: int) -> int:
@@ -105,14 +156,14 @@ def max_iterations(cfg: JobConfig, num_train: int) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def run_ps(cfg: JobConfig, run_dir: Path) -> RunResult:
+def run_ps(cfg: JobConfig, run_dir: Path, system: str = "PS-BSP") -> RunResult:
     """One PS run through the real launcher (shards, workers, evaluator as processes)."""
     target = cfg.training.target_accuracy
     assert target is not None
     summary = LocalCluster(cfg, run_dir, progress=False).run()
     hit = time_to_accuracy(summary["accuracy_curve"], target)
     return RunResult(
-        system="PS-BSP",
+        system=system,
         median_iteration_s=summary["median_iteration_s"],
         iterations_to_target=None if hit is None else int(hit["iterations"]),
         time_to_target_s=None if hit is None else float(hit["seconds"]),
@@ -123,6 +174,15 @@ def run_ps(cfg: JobConfig, run_dir: Path) -> RunResult:
         curve=[{"version": p["version"], "elapsed": p["elapsed"], "accuracy": p["accuracy"]}
                for p in summary["accuracy_curve"]],
     )
+
+
+def run_ps_quiet(cfg: JobConfig, run_dir: Path) -> RunResult:
+    """The PS without its evaluator, for the same number of iterations: iteration time only."""
+    summary = LocalCluster(cfg, run_dir, progress=False).run()
+    return RunResult(system="PS-BSP, no evaluator", median_iteration_s=summary["median_iteration_s"],
+                     iterations_to_target=None, time_to_target_s=None, final_accuracy=None,
+                     iterations=int(summary["iterations"]), stop_reason=summary["stop_reason"],
+                     wall_s=float(summary["wall_s"] or 0.0), profile=ps_profile(run_dir))
 
 
 # --------------------------------------------------------------------------------------------
@@ -322,7 +382,7 @@ def _show_path(path: Path) -> str:
 
 
 def render(cfg: JobConfig, args: argparse.Namespace, ps: list[RunResult], ddp: list[RunResult],
-           num_train: int, num_params: int) -> str:
+           num_train: int, num_params: int, quiet: list[RunResult] | None = None) -> str:
     """The configuration, the table and the notes, as Markdown."""
     t, o, c = cfg.training, cfg.optimizer, cfg.cluster
     n_iter = max_iterations(cfg, num_train)
@@ -351,7 +411,13 @@ def render(cfg: JobConfig, args: argparse.Namespace, ps: list[RunResult], ddp: l
         "| final accuracy |",
         "|---|---|---|---|---|",
     ]
-    for name, runs in (("PS-BSP", ps), ("DDP-gloo", ddp)):
+    rows = [("PS-BSP", ps), ("DDP-gloo", ddp)]
+    if quiet:
+        rows.insert(1, ("PS-BSP, no evaluator", quiet))
+    for name, runs in rows:
+        if runs is quiet:  # iteration time only: it has no evaluator to tell accuracy
+            lines.append(f"| {name} | {_agg([r.median_iteration_s for r in runs], ms)} | - | - | - |")
+            continue
         lines.append(
             f"| {name} | {_agg([r.median_iteration_s for r in runs], ms)} "
             f"| {_agg([r.iterations_to_target for r in runs], its)} "
@@ -359,8 +425,14 @@ def render(cfg: JobConfig, args: argparse.Namespace, ps: list[RunResult], ddp: l
             f"| {_agg([r.final_accuracy for r in runs], acc)} |")
     it_ratio = _ratio([r.median_iteration_s for r in ps], [r.median_iteration_s for r in ddp])
     tt_ratio = _ratio([r.time_to_target_s for r in ps], [r.time_to_target_s for r in ddp])
+    lines += [f"| PS / DDP | {it_ratio} | | {tt_ratio} | |"]
+    if quiet:
+        q_ratio = _ratio([r.median_iteration_s for r in quiet], [r.median_iteration_s for r in ddp])
+        e_ratio = _ratio([r.median_iteration_s for r in ps], [r.median_iteration_s for r in quiet])
+        lines += [f"| PS without evaluator / DDP | {q_ratio} | | | |",
+                  f"| PS with / without evaluator | {e_ratio} | | | |"]
     lines += [
-        f"| PS / DDP | {it_ratio} | | {tt_ratio} | |", "",
+        "",
         f"PS/DDP ratio: median iteration time {it_ratio}, time to target {tt_ratio}.", "",
         "Notes:",
         "- Same initial parameters, optimizer and sample order in both systems (iteration t = "
@@ -416,6 +488,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--global-batch", type=int, default=128, help="samples per iteration, all workers")
     p.add_argument("--out", type=Path, default=None, help="also write the Markdown here")
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="PS job config (YAML)")
+    p.add_argument("--ps-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a PS config value, e.g. cluster.transport=ipc")
+    p.add_argument("--no-evaluator-run", action="store_true",
+                   help="also run the PS without its evaluator (iteration time only), to measure what the "
+                        "evaluator costs training")
     p.add_argument("--keep-runs", type=Path, default=None,
                    help="keep the PS run directories and DDP results here (default: a temp dir, removed)")
     args = p.parse_args(argv)
@@ -446,12 +523,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         work_dir = Path(tempfile.mkdtemp(prefix="bench-ddp-vs-ps-"))
     ps_runs: list[RunResult] = []
     ddp_runs: list[RunResult] = []
+    quiet_runs: list[RunResult] = []
     try:
         for i in range(args.repeats):
             tag = f"[{i + 1}/{args.repeats}]"
             print(f"{tag} PS-BSP ...", file=sys.stderr, flush=True)
             ps_runs.append(run_ps(cfg, work_dir / f"ps-{i}"))
+            ps_runs[-1].profile = ps_profile(work_dir / f"ps-{i}")
             print(f"{tag} {_describe(ps_runs[-1])}", file=sys.stderr, flush=True)
+            if args.no_evaluator_run:
+                quiet_cfg = cfg.with_overrides(["evaluator.enabled=false", "training.target_accuracy=null"])
+                quiet_cfg = quiet_cfg.model_copy(update={"training": quiet_cfg.training.model_copy(
+                    update={"target_accuracy": None, "max_iterations": ps_runs[-1].iterations})})
+                print(f"{tag} PS-BSP without evaluator ...", file=sys.stderr, flush=True)
+                quiet_runs.append(run_ps_quiet(quiet_cfg, work_dir / f"ps-quiet-{i}"))
+                print(f"{tag} {_describe(quiet_runs[-1])}", file=sys.stderr, flush=True)
             print(f"{tag} DDP-gloo ...", file=sys.stderr, flush=True)
             ddp_runs.append(run_ddp(cfg, work_dir, i))
             print(f"{tag} {_describe(ddp_runs[-1])}", file=sys.stderr, flush=True)
@@ -462,7 +548,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             (work_dir / "results.json").write_text(json.dumps(
                 {"ps": [asdict(r) for r in ps_runs], "ddp": [asdict(r) for r in ddp_runs]},
                 indent=2))
-    report = render(cfg, args, ps_runs, ddp_runs, num_train, num_params)
+    report = render(cfg, args, ps_runs, ddp_runs, num_train, num_params, quiet_runs)
+    report += render_profile([r.profile for r in ps_runs])
     print(report, end="")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

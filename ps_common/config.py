@@ -83,6 +83,9 @@ class ClusterConfig(StrictModel):
     num_shards: int = Field(1, ge=1, le=64)
     num_workers: int = Field(2, ge=1)
     host: str = "127.0.0.1"
+    transport: Literal["tcp", "ipc"] = Field(
+        "tcp", description="ps-launch: shards listen on TCP (cluster.host) or on Unix sockets (ipc://, "
+                           "one host only, less overhead per message)")
 
 
 class ModeConfig(StrictModel):

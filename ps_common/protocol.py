@@ -18,7 +18,7 @@ import math
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Sequence, Union
+from typing import Any, Callable, ClassVar, Sequence, Union
 
 import msgpack
 import numpy as np
@@ -453,15 +453,30 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
 # ---------------------------------------------------------------------------------------------
 
 
+_SCALARS = (int, float, str, bool, type(None))
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls) if f.name != "arrays")
+    return names
+
+
 def _plain(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
+    """msgpack-ready data: message parts as maps, numpy scalars as Python numbers."""
+    t = type(value)
+    if t in _SCALARS:
+        return value
+    if t is list or t is tuple:
+        return [v if type(v) in _SCALARS else _plain(v) for v in value]
+    if t is dict:
+        return {k: v if type(v) in _SCALARS else _plain(v) for k, v in value.items()}
     if isinstance(value, np.generic):
         return value.item()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {name: _plain(getattr(value, name)) for name in _field_names(t)}
     return value
 
 
@@ -472,10 +487,8 @@ def encode(msg: Message) -> list[Any]:
     not mutate them until ZeroMQ has sent them (send with ``copy=False``).
     """
     body: dict[str, Any] = {"t": msg.TYPE}
-    for f in dataclasses.fields(msg):
-        if f.name == "arrays":
-            continue
-        body[f.name] = _plain(getattr(msg, f.name))
+    for name in _field_names(type(msg)):
+        body[name] = _plain(getattr(msg, name))
     lo, hi = msg.ARRAYS
     if not lo <= len(msg.arrays) <= hi:
         raise ProtocolError(f"{msg.TYPE}: needs {lo}..{hi} arrays, got {len(msg.arrays)}")
@@ -501,90 +514,150 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp)
 
 
-def _check(value: Any, tp: Any, where: str) -> Any:
-    """Return ``value`` converted to ``tp`` (nested dataclasses) or raise ProtocolError."""
+Validator = Callable[[Any, str], Any]
+_VALIDATORS: dict[Any, Validator] = {}
+
+
+def _validator(tp: Any) -> Validator:
+    """A function ``(value, where) -> value`` that checks (and converts) one schema type.
+
+    Built once per type from the annotations and cached: decoding interprets no type hints.
+    """
+    v = _VALIDATORS.get(tp)
+    if v is None:
+        v = _VALIDATORS[tp] = _make_validator(tp)
+    return v
+
+
+def _make_validator(tp: Any) -> Validator:
     origin = typing.get_origin(tp)
     if tp is Any:
-        return value
+        return lambda value, where: value
     if origin in (Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _check(value, arg, where)
-            except ProtocolError as exc:
-                errors.append(str(exc))
-        raise ProtocolError(errors[0] if errors else f"{where}: bad value")
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        optional = len(args) < len(typing.get_args(tp))
+        subs = [_validator(a) for a in args]
+
+        def union(value: Any, where: str) -> Any:
+            if value is None and optional:
+                return None
+            errors = []
+            for sub in subs:
+                try:
+                    return sub(value, where)
+                except ProtocolError as exc:
+                    errors.append(str(exc))
+            raise ProtocolError(errors[0] if errors else f"{where}: bad value")
+        return union
     if origin is list:
-        if not isinstance(value, list):
-            raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}")
         (arg,) = typing.get_args(tp)
-        return [_check(v, arg, f"{where}[{i}]") for i, v in enumerate(value)]
+        item = _validator(arg)
+
+        def list_of(value: Any, where: str) -> Any:
+            if not isinstance(value, list):
+                raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}")
+            return [item(x, f"{where}[{i}]") for i, x in enumerate(value)]
+        return list_of
     if origin is dict:
-        if not isinstance(value, dict):
-            raise ProtocolError(f"{where}: expected a map, got {type(value).__name__}")
         _, varg = typing.get_args(tp)
-        out = {}
-        for k, v in value.items():
-            if not isinstance(k, str):
-                raise ProtocolError(f"{where}: map keys must be strings")
-            out[k] = _check(v, varg, f"{where}.{k}")
-        return out
+        val = _validator(varg)
+        if varg is float:  # the hot case (telemetry): one pass, no per-item calls
+            def float_map(value: Any, where: str) -> Any:
+                if not isinstance(value, dict):
+                    raise ProtocolError(f"{where}: expected a map, got {type(value).__name__}")
+                out = {}
+                for k, x in value.items():
+                    if type(k) is not str:
+                        raise ProtocolError(f"{where}: map keys must be strings")
+                    tx = type(x)
+                    if tx is float:
+                        out[k] = x
+                    elif tx is int:
+                        out[k] = float(x)
+                    else:
+                        raise ProtocolError(f"{where}.{k}: expected float, got {tx.__name__}")
+                return out
+            return float_map
+
+        def map_of(value: Any, where: str) -> Any:
+            if not isinstance(value, dict):
+                raise ProtocolError(f"{where}: expected a map, got {type(value).__name__}")
+            out = {}
+            for k, x in value.items():
+                if not isinstance(k, str):
+                    raise ProtocolError(f"{where}: map keys must be strings")
+                out[k] = val(x, f"{where}.{k}")
+            return out
+        return map_of
     if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ProtocolError(f"{where}: expected a map for {tp.__name__}")
-        return _build(tp, value, where)
+        def part(value: Any, where: str) -> Any:
+            if not isinstance(value, dict):
+                raise ProtocolError(f"{where}: expected a map for {tp.__name__}")
+            return _build(tp, value, where)
+        return part
     if tp is bool:
-        if not isinstance(value, bool):
-            raise ProtocolError(f"{where}: expected bool, got {type(value).__name__}")
-        return value
+        def boolean(value: Any, where: str) -> Any:
+            if type(value) is not bool:
+                raise ProtocolError(f"{where}: expected bool, got {type(value).__name__}")
+            return value
+        return boolean
     if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ProtocolError(f"{where}: expected int, got {type(value).__name__}")
-        if not -(1 << 62) <= value <= (1 << 62):
-            raise ProtocolError(f"{where}: int out of range")
-        return value
+        lo, hi = -(1 << 62), 1 << 62
+
+        def integer(value: Any, where: str) -> Any:
+            if type(value) is not int:
+                raise ProtocolError(f"{where}: expected int, got {type(value).__name__}")
+            if not lo <= value <= hi:
+                raise ProtocolError(f"{where}: int out of range")
+            return value
+        return integer
     if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ProtocolError(f"{where}: expected float, got {type(value).__name__}")
-        return float(value)
+        def real(value: Any, where: str) -> Any:
+            t = type(value)
+            if t is float:
+                return value
+            if t is int:
+                return float(value)
+            raise ProtocolError(f"{where}: expected float, got {t.__name__}")
+        return real
     if tp is str:
-        if not isinstance(value, str):
-            raise ProtocolError(f"{where}: expected str, got {type(value).__name__}")
-        return value
-    raise ProtocolError(f"{where}: unsupported schema type {_type_name(tp)}")
+        def text(value: Any, where: str) -> Any:
+            if type(value) is not str:
+                raise ProtocolError(f"{where}: expected str, got {type(value).__name__}")
+            return value
+        return text
+    raise TypeError(f"unsupported schema type {_type_name(tp)}")
 
 
-_HINTS: dict[type, dict[str, Any]] = {}
+def _check(value: Any, tp: Any, where: str) -> Any:
+    """Return ``value`` converted to ``tp`` (nested dataclasses) or raise ProtocolError."""
+    return _validator(tp)(value, where)
 
 
-def _hints(cls: type) -> dict[str, Any]:
-    if cls not in _HINTS:
+_SCHEMAS: dict[type, tuple[dict[str, Validator], frozenset[str], frozenset[str]]] = {}
+
+
+def _schema(cls: type) -> tuple[dict[str, Validator], frozenset[str], frozenset[str]]:
+    """(validator per field, field names, required field names) of a message or part class."""
+    sch = _SCHEMAS.get(cls)
+    if sch is None:
         hints = typing.get_type_hints(cls)
-        _HINTS[cls] = {
-            f.name: hints[f.name] for f in dataclasses.fields(cls) if f.name != "arrays"
-        }
-    return _HINTS[cls]
+        fields = [f for f in dataclasses.fields(cls) if f.name != "arrays"]
+        validators = {f.name: _validator(hints[f.name]) for f in fields}
+        required = frozenset(f.name for f in fields if f.default is dataclasses.MISSING
+                             and f.default_factory is dataclasses.MISSING)
+        sch = _SCHEMAS[cls] = (validators, frozenset(validators), required)
+    return sch
 
 
 def _build(cls: type, body: dict[str, Any], where: str) -> Any:
-    hints = _hints(cls)
-    unknown = set(body) - set(hints)
-    if unknown:
-        raise ProtocolError(f"{where}: unknown field(s) {sorted(unknown)}")
-    kwargs = {}
-    for name, tp in hints.items():
-        if name in body:
-            kwargs[name] = _check(body[name], tp, f"{where}.{name}")
-        else:
-            f = next(f for f in dataclasses.fields(cls) if f.name == name)
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ProtocolError(f"{where}: missing field {name!r}")
-    return cls(**kwargs)
+    validators, names, required = _schema(cls)
+    if not names.issuperset(body):
+        raise ProtocolError(f"{where}: unknown field(s) {sorted(set(body) - names)}")
+    missing = required.difference(body)
+    if missing:
+        raise ProtocolError(f"{where}: missing field {sorted(missing)[0]!r}")
+    return cls(**{name: validators[name](value, f"{where}.{name}") for name, value in body.items()})
 
 
 def _frame_bytes(frame: Any) -> memoryview:

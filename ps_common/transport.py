@@ -28,7 +28,10 @@ class TransportTimeout(TimeoutError):
 
 
 def bind_address(host: str, port: int) -> str:
-    """A bind string; port 0 means "any free port" (the bound one is read back afterwards)."""
+    """A bind string; port 0 means "any free port" (the bound one is read back afterwards).
+    A host given as ``ipc://PATH`` binds that Unix socket (one host, no TCP stack)."""
+    if host.startswith("ipc://"):
+        return host
     return f"tcp://{host}:{'*' if port == 0 else port}"
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
@@ -48,6 +50,7 @@ class LocalCluster:
         self.finish_timeout_s = finish_timeout_s
         self.group = ProcessGroup(self.run_dir / "logs")
         self.shard_endpoints: list[str] = []
+        self.ipc_dir: Path | None = None
 
     def run(self) -> dict[str, Any]:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -65,6 +68,8 @@ class LocalCluster:
             stop_reason = "interrupted (Ctrl-C)"
         finally:
             self._shutdown()
+            if self.ipc_dir is not None:
+                shutil.rmtree(self.ipc_dir, ignore_errors=True)
         summary = summarize(self.run_dir, global_batch=self.cfg.training.global_batch,
                             target_accuracy=self.cfg.training.target_accuracy,
                             wall_s=time.monotonic() - t0, stop_reason=stop_reason)
@@ -100,18 +105,26 @@ class LocalCluster:
     def _common(self, cfg_path: Path) -> list[str]:
         return ["--config", str(cfg_path), "--run-dir", str(self.run_dir)]
 
+    def _host(self, shard: int) -> list[str]:
+        """``--host`` for shard ``shard``: a Unix socket with cluster.transport=ipc."""
+        if self.cfg.cluster.transport != "ipc":
+            return []
+        if self.ipc_dir is None:  # short: a Unix socket path has ~100 bytes at most
+            self.ipc_dir = Path(tempfile.mkdtemp(prefix="lbps-ipc-"))
+        return ["--host", f"ipc://{self.ipc_dir}/shard-{shard}"]
+
     def _start_child(self, name: str, module: str, args: list[str], role: str):
         env = {**self.role_env.get(role, {}), PARENT_ENV: str(os.getpid())}
         return self.group.start(name, module, args, env=env)
 
     def _start(self, cfg_path: Path) -> None:
         c = self.cfg
-        s0 = self._start_child("shard-0", "ps_server.cli", [*self._common(cfg_path), "--shard", "0", "--port", "0"],
-                               "shard")
+        s0 = self._start_child("shard-0", "ps_server.cli",
+                               [*self._common(cfg_path), "--shard", "0", "--port", "0", *self._host(0)], "shard")
         ep0 = self.group.wait_endpoint(s0, self.startup_timeout_s)
         self.shard_endpoints = [ep0]
         others = [self._start_child(f"shard-{k}", "ps_server.cli",
-                                    [*self._common(cfg_path), "--shard", str(k), "--port", "0",
+                                    [*self._common(cfg_path), "--shard", str(k), "--port", "0", *self._host(k),
                                      "--coordinator", ep0], "shard")
                   for k in range(1, c.cluster.num_shards)]
         self.shard_endpoints += [self.group.wait_endpoint(ch, self.startup_timeout_s) for ch in others]

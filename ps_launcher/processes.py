@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ENDPOINT_RE = re.compile(r"listening on (tcp://\S+)")
+ENDPOINT_RE = re.compile(r"listening on ((?:tcp|ipc)://\S+)")
 
 
 @dataclass

@@ -205,6 +205,8 @@ class Follow:
             log.warning("commit %d while at version %d: asking to catch up", msg.version, st.version)
             self._send_sync()
             return
+        tm = server.router.timings
+        t0 = time.perf_counter()
         try:
             applied = st.apply(msg.iteration, msg.entries, msg.lr_scale)
         except MissingGradient as exc:
@@ -222,12 +224,15 @@ class Follow:
                 self.plan = None
             self._set_plan(msg.next_plan)
         server.pulls_changed()
+        t0 = tm.since("commit", t0)
         server.serve_pulls()  # answer the workers first
+        t0 = tm.since("answer", t0)
         ck = self.cfg.checkpoint
         if msg.checkpoint or (ck.every_iterations and st.version % ck.every_iterations == 0):
             server.write_checkpoint()
         server.metrics.write(version=applied.version, iteration=applied.iteration, entries=applied.entries,
                              lr_scale=msg.lr_scale, samples=applied.samples, log_hash=applied.log_hash)
+        tm.since("write_down", t0)
 
     def _rollback(self, version: int) -> None:
         try:

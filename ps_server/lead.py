@@ -266,9 +266,13 @@ class Lead:
     def advance(self) -> None:
         """Carry out the commits the coordinator decided, then announce a stop."""
         coord, server = self.coord, self.server
+        tm = server.router.timings
         decided = []
+        t0 = time.perf_counter()
         while next_ := coord.decide():
+            t0 = tm.since("decide", t0)
             decided.append(self._commit(next_[0]))
+            t0 = tm.since("commit", t0)
         if coord.stop and not self.stop_announced:
             self.stop_announced = True
             self.stop_time = time.monotonic()
@@ -277,9 +281,12 @@ class Lead:
             self.metrics.write(event="stop", version=coord.stop_version, reason=coord.stop_reason)
             server.pulls_changed()
         if decided:
+            t0 = time.perf_counter()
             server.serve_pulls()  # answer the workers before writing anything down
+            t0 = tm.since("answer", t0)
             for d in decided:
                 self._log_commit(d)
+            tm.since("write_down", t0)
         for ev in coord.drain_events():
             self.metrics.write(**ev)
 

@@ -14,6 +14,7 @@ stall the loop. Every refusal is counted by its code.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -21,6 +22,7 @@ from typing import Any, Callable, Mapping
 import zmq
 
 from ps_common import protocol as P
+from ps_server.timings import Timings
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,7 @@ class RouterLoop:
         self.limits = limits
         self.permissions = permissions
         self.counters: Counter[str] = Counter()
+        self.timings = Timings()
         self._refusals_logged = 0
 
     # ----- receive --------------------------------------------------------------------------
@@ -89,6 +92,7 @@ class RouterLoop:
                                       message=f"{len(frames) - 1} frames, at most {self.limits.max_frames}"))
             return
         role = _role(frames[1])
+        t0 = time.perf_counter()
         try:
             msg = P.decode(frames[1:], max_array_bytes=self.limits.max_array_bytes)
         except P.ProtocolError as exc:
@@ -96,6 +100,7 @@ class RouterLoop:
             self._log_refusal("malformed message: %s", exc)
             self.reply(ident, P.error_for(exc, "malformed"))
             return
+        self.timings.since("decode", t0)
         kind = type(msg)
         handler = self.handlers.get(kind)
         if handler is None:
@@ -108,11 +113,14 @@ class RouterLoop:
                     "forbidden", f"role {role or 'anonymous'!r} may not send {msg.TYPE} "
                                  f"(allowed: {', '.join(sorted(allowed)) or 'nobody'})"))
                 return
+        t0 = time.perf_counter()
         try:
             reply = handler(ident, role, msg)
         except Refused as exc:
             self._refuse(ident, kind, exc)
             return
+        finally:
+            self.timings.since(f"handle.{msg.TYPE}", t0)
         self.counters[f"ok.{msg.TYPE}"] += 1
         if reply is not None:
             self.reply(ident, reply)
@@ -140,8 +148,10 @@ class RouterLoop:
             frames = P.encode(P.error_for(exc, "internal"))
         if isinstance(msg, P.Error):
             self.counters["errors_sent"] += 1
+        t0 = time.perf_counter()
         try:
             self.sock.send_multipart([ident, *frames], zmq.NOBLOCK, copy=False)
+            self.timings.since(f"send.{msg.TYPE}", t0)
             return True
         except zmq.Again:
             self.counters["replies_dropped.hwm"] += 1

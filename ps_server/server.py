@@ -64,6 +64,8 @@ def initial_parameters(cfg: JobConfig) -> np.ndarray:
 
 
 def _is_loopback(host: str) -> bool:
+    if host.startswith("ipc://"):
+        return True
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
@@ -179,7 +181,8 @@ class ShardServer:
             self.checkpointer.close()
         self.metrics.write(event="shutdown", version=self.state.version, log_hash=self.state.log_hash,
                            samples_applied=self.state.samples_applied, dropped=self.state.dropped,
-                           counters=dict(self.counters), finished=self.finished)
+                           counters=dict(self.counters), finished=self.finished,
+                           timings=self.router.timings.as_dict())
         self.metrics.close()
         self.role.close()
         close_socket(self.sock)

@@ -1,22 +1,57 @@
-"""Resource telemetry a worker sends with every push (psutil; GPU memory on CUDA)."""
+"""Resource telemetry a worker sends with every push (psutil; GPU memory on CUDA).
+
+Reading /proc costs about 0.3 ms, a few percent of a short iteration, so a background thread
+samples every ``period_s`` and :meth:`ResourceProbe.sample` returns the latest reading: the
+critical path pays a dictionary copy. The values are averages over the last period, which is
+what a per-iteration predictor input can use anyway.
+"""
 
 from __future__ import annotations
+
+import threading
 
 import psutil
 
 
 class ResourceProbe:
-    """Process and host CPU (% since the previous sample), memory; cheap enough per iteration."""
+    """Process and host CPU (% over the last period), memory; sampled off the critical path."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: str = "cpu", period_s: float = 0.25) -> None:
         self.proc = psutil.Process()
         self.ncpu = psutil.cpu_count() or 1
+        self.device = device
+        self.period_s = period_s
         self.proc.cpu_percent(None)
         psutil.cpu_percent(None)
+        self._latest = self._read()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
-    def sample(self, device: str = "cpu") -> dict[str, float]:
+    def start(self) -> "ResourceProbe":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="telemetry", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self._latest = self._read()
+
+    def sample(self, device: str | None = None) -> dict[str, float]:
+        """The latest reading (a fresh one if the background thread is not running)."""
+        if self._thread is None:
+            self._latest = self._read(device)
+        return dict(self._latest)
+
+    def _read(self, device: str | None = None) -> dict[str, float]:
         """proc_cpu: this process, % of one core; host_cpu: whole host, % of all cores;
         cotenant_cpu: everything else on the host, % of all cores (what steals our cycles)."""
+        device = device or self.device
         vm = psutil.virtual_memory()
         proc_cpu = float(self.proc.cpu_percent(None))
         host_cpu = float(psutil.cpu_percent(None))

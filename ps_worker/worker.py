@@ -82,7 +82,7 @@ class Worker:
         else:
             self.host_grads = self.flat.grads_numpy()
         self.indexer = SampleIndexer(cfg.run.seed, self.data.num_train)
-        self.probe = ResourceProbe()
+        self.probe = ResourceProbe(str(self.device)).start()
         self.run_dir = Path(run_dir) if run_dir else None
         self.metrics: MetricsWriter | None = None
         self.worker_id = -1
@@ -136,6 +136,7 @@ class Worker:
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
         finally:
+            self.probe.stop()
             if self.contention is not None:
                 self.contention.stop()
             if self.metrics is not None:
@@ -204,7 +205,7 @@ class Worker:
             emulated = self.slowdown.after_compute(self.iterations_done, time.monotonic() - origin,
                                                    time.perf_counter() - t1)
             t2 = time.perf_counter()
-            resources = self.probe.sample(str(self.device))
+            resources = self.probe.sample()
             resources.update(emulated_s=emulated, slowdown=self.slowdown.last_factor,
                              burners=float(self.contention.target))
             # Timings of this iteration's compute, and of the previous iteration's communication
