@@ -94,6 +94,9 @@ class ModeConfig(StrictModel):
     backup_workers: int = Field(1, ge=1, description="b for sync=backup: N + b workers run")
     batch_policy: str = "uniform"
     batch_policy_args: dict[str, Any] = Field(default_factory=dict)
+    plan_ahead: bool = Field(
+        True, description="decide the next split while the workers compute, from the reports known "
+                          "then (one iteration older), so the batch policy never delays a commit")
 
     @field_validator("batch_policy")
     @classmethod

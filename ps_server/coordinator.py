@@ -142,6 +142,8 @@ class Coordinator:
         self.counters: dict[str, int] = {}
         self._last_X: int | None = None
         self._ramp: tuple[int, float, float] | None = None
+        self._unobserved: list[WorkerReport] = []
+        self._ahead: tuple[tuple[int, ...], tuple[dict[int, int], int]] | None = None
 
     @property
     def global_batch(self) -> int:
@@ -308,6 +310,39 @@ class Coordinator:
         self.manager.global_batch = total
         return self.manager.assign(), total
 
+    def _planned_split(self, live: list[int]) -> tuple[dict[int, int], int]:
+        """The split prepared ahead for these members (plan_ahead), or one decided now."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == tuple(live):
+            return ahead[1]
+        self._observe_pending()
+        return self._split(live)
+
+    def _observe_pending(self) -> None:
+        for r in self._unobserved:
+            self.manager.observe(r)
+        self._unobserved = []
+
+    def background_work(self) -> None:
+        """What can wait until the workers have their answers: feed the reports to the batch
+        policy and, with ``mode.plan_ahead``, decide the next split now, from what is known.
+
+        The cost of planning ahead: the split of iteration t+1 is decided from the reports of
+        t-1 and earlier, one iteration older than otherwise, so LB-BSP reacts to a change of
+        speed one iteration later. In exchange no predictor fit or split ever sits between the
+        last gradient of an iteration and the answers that start the next one.
+        """
+        fresh = bool(self._unobserved)
+        self._observe_pending()
+        if not self.cfg.mode.plan_ahead or not self.started or self.stop:
+            return
+        live = self.live()
+        if not live:
+            return
+        stale = self._ahead is None or self._ahead[0] != tuple(live)
+        if stale or (fresh and not self.round_based):  # async: every assignment uses the newest split
+            self._ahead = (tuple(live), self._split(live))
+
     def _plan(self, iteration: int) -> Plan | None:
         self.iteration = iteration
         self.reports, self.losses = {}, {}
@@ -316,7 +351,7 @@ class Coordinator:
             self.plan = {}
             self.replan_pending = True
             return None
-        sizes, total = self._split(live)
+        sizes, total = self._planned_split(live)
         self.plan_lr = self._lr_factor(iteration, self.current_global_batch())
         self.plan = {w: Assignment(iteration=iteration, batch_size=x, ranges=self.cursor.take(x),
                                    global_batch=total)
@@ -340,7 +375,10 @@ class Coordinator:
         assert isinstance(policy, AsyncPolicy)
         if not policy.pull_ready({w: i.clock for w, i in self.workers.items()}, self.workers, key):
             return None
-        sizes, total = self._split(self.live())
+        live = self.live()
+        sizes, total = self._planned_split(live)
+        if self.cfg.mode.plan_ahead:
+            self._ahead = (tuple(live), (sizes, total))  # holds until background_work replans
         x = sizes[worker_id]
         a = Assignment(iteration=key, batch_size=x, ranges=self.cursor.take(x), global_batch=total)
         mine[key] = a
@@ -384,10 +422,11 @@ class Coordinator:
             self._pending_drops.append(list(key))
 
     def record_report(self, report: WorkerReport, loss: float) -> None:
-        """Telemetry from a worker's push to shard 0 (feeds the batch policy)."""
+        """Telemetry from a worker's push to shard 0; the batch policy gets it in
+        :meth:`background_work`, off the path between the last push and the answers."""
         self.reports[report.worker_id] = report
         self.losses[report.worker_id] = loss
-        self.manager.observe(report)
+        self._unobserved.append(report)
         self.heard_from(report.worker_id)
 
     def decide(self) -> list[CommitDecision]:
@@ -493,6 +532,7 @@ class Coordinator:
         self.workers.clear()
         self.plan, self.outstanding, self.ledger = {}, {}, {}
         self._completed, self._pending_drops = [], []
+        self._unobserved, self._ahead = [], None
         self.cursor.load_state_dict(d["cursor"])
         self.iteration = int(d["iteration"])
         self.version = int(d.get("version", d["updates"]))

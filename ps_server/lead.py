@@ -289,6 +289,10 @@ class Lead:
             tm.since("write_down", t0)
         for ev in coord.drain_events():
             self.metrics.write(**ev)
+        if not server.router.pending():
+            t0 = time.perf_counter()
+            coord.background_work()  # the batch policy, after the workers have their answers
+            tm.since("background", t0)
 
     def _commit(self, d: CommitDecision) -> CommitDecision:
         server = self.server

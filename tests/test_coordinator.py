@@ -212,3 +212,36 @@ def test_state_dict_round_trip_resumes_at_the_next_iteration():
     assert d.try_start() is not None and d.iteration == 5
     assert [a.ranges for a in d.plan.values()] == [a.ranges for a in c.plan.values()]
     assert d.member_key != c.member_key, "tokens of the old incarnation are void"
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_plan_ahead_decides_the_split_off_the_critical_path_one_iteration_older(ahead):
+    """With plan_ahead the split of iteration t+1 comes from reports up to t-1 (decided while t
+    computes); without it, from the reports of t, decided inside the commit."""
+    from batchsize_manager import WorkerReport
+
+    cfg = validate({"training": {"global_batch": 60, "max_iterations": 100}, "cluster": {"num_workers": 2},
+                    "mode": {"batch_policy": "lbbsp-cpu", "batch_policy_args": {"predictor": "last", "warmup": 0},
+                             "plan_ahead": ahead}})
+    c = Coordinator(cfg, 1000, BatchSizeManager("lbbsp-cpu", 60, policy_args={"predictor": "last", "warmup": 0}),
+                    get_sync_policy("bsp"), num_shards=1)
+    c.join("fast", "a")
+    c.join("slow", "b")
+    c.try_start()
+    c.background_work()
+    plans = [sizes(c)]
+    for it in range(3):
+        for w, speed in ((0, 3000.0), (1, 1000.0)):  # samples per second
+            x = c.plan[w].batch_size
+            c.record_report(WorkerReport(worker_id=w, iteration=it, batch_size=x, compute_s=x / speed,
+                                         iteration_s=x / speed), 0.0)
+            c.on_gradient(0, w, it, x)
+        (d,) = c.decide()
+        plans.append(sizes(c))
+        c.background_work()
+    assert plans[0] == {0: 30, 1: 30}
+    if ahead:
+        assert plans[1] == {0: 30, 1: 30}, "plan 1 was decided before iteration 0's reports"
+        assert plans[2][0] > plans[2][1]
+    else:
+        assert plans[1][0] > plans[1][1], "plan 1 already uses iteration 0's reports"
