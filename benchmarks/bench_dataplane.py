@@ -1,11 +1,13 @@
 """Data-plane throughput: push + pull of a 10M-float32 model through the parameter server,
-against raw pyzmq zero-copy round trips of the same bytes, measured side by side in one run.
+against raw pyzmq zero-copy round trips of the same bytes on the same connections, side by side
+in one run.
 
 Every configuration runs real processes over loopback TCP: ps-server shards (1 or 2) and
-1 or 2 client processes that each do BSP iterations of "push the whole gradient, pull the whole
-model" with no compute in between. The raw baseline is a ROUTER echo process that receives the
-same 40 MB and sends 40 MB back (copy=False on both sides), with the same number of clients.
-Throughput counts the bytes each client moves up and down.
+1 or 2 client processes that each do BSP iterations of "push the whole gradient, get the whole
+model back" (one Push with pull per shard) with no compute in between. The raw baseline has as
+many ROUTER echo processes as there are shards; each client sends every echo its slice of the
+same 40 MB and receives as much back (copy=False on both sides), so PS and raw use the same
+number of connections. Throughput counts the bytes each client moves up and down.
 
     python benchmarks/bench_dataplane.py [--iters 15] [--warmup 3]
 """
@@ -33,7 +35,14 @@ MODEL = "mlp10m"
 
 
 def job(num_shards: int, num_workers: int, iterations: int):
+    import tempfile
+
+    from ps_common.credentials import generate_master
+
+    secret = Path(tempfile.mkdtemp(prefix="lbps-bench-")) / "job.secret"
+    generate_master(secret)
     return validate({
+        "security": {"secret_file": str(secret)},
         "model": {"name": MODEL}, "data": {"dataset": "synthetic", "synthetic_train": 256},
         "training": {"global_batch": 64, "max_iterations": iterations},
         "optimizer": {"lr": 0.01, "momentum": 0.9},
@@ -54,7 +63,8 @@ def _serve(cfg, shard: int, coordinator: str | None, q) -> None:
 def _ps_client(cfg, endpoint: str, iters: int, warmup: int, q) -> None:
     from ps_worker.client import ShardClients
 
-    c = ShardClients(zmq.Context.instance(), endpoint, timeout_s=120, connect_timeout_s=60)
+    c = ShardClients(zmq.Context.instance(), endpoint, timeout_s=120, connect_timeout_s=60,
+                     security=cfg.security, role="worker")
     w = c.join("bench", cfg.job_digest(), "cpu")
     params = np.empty(w.num_params, dtype=np.float32)
     grads = np.random.default_rng(0).normal(scale=1e-3, size=w.num_params).astype(np.float32)
@@ -62,8 +72,8 @@ def _ps_client(cfg, endpoint: str, iters: int, warmup: int, q) -> None:
     times = []
     while not res.stop:
         t0 = time.perf_counter()
-        c.push(grads, worker_id=w.worker_id, assignment=res.assignment, loss=0.0, telemetry={})
-        res = c.pull(params, worker_id=w.worker_id, min_version=res.assignment.iteration + 1)
+        res = c.push_pull(grads, params, worker_id=w.worker_id, assignment=res.assignment, loss=0.0,
+                          telemetry={})
         times.append(time.perf_counter() - t0)
     c.close()
     q.put(times[warmup:iters + warmup])
@@ -110,37 +120,48 @@ def _echo(nbytes: int, clients: int, rounds: int, q) -> None:
     ctx.term()
 
 
-def _raw_client(endpoint: str, nbytes: int, iters: int, warmup: int, q) -> None:
+def _raw_client(endpoints: list[str], nbytes: int, iters: int, warmup: int, q) -> None:
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
+    socks = []
+    for ep in endpoints:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(ep)
+        socks.append(sock)
     payload = np.zeros(nbytes // 4, dtype=np.float32)
     out = np.empty_like(payload)
+    bounds = np.linspace(0, payload.size, len(socks) + 1).astype(int)
     times = []
     for _ in range(iters + warmup):
         t0 = time.perf_counter()
-        sock.send(payload, copy=False)
-        frame = sock.recv(copy=False)
-        out[:] = np.frombuffer(frame.buffer, dtype=np.float32)  # the worker copies into its model
+        for sock, a, b in zip(socks, bounds, bounds[1:]):
+            sock.send(payload[a:b], copy=False)
+        for sock, a, b in zip(socks, bounds, bounds[1:]):
+            frame = sock.recv(copy=False)
+            out[a:b] = np.frombuffer(frame.buffer, dtype=np.float32)  # the worker copies into its model
         times.append(time.perf_counter() - t0)
-    sock.close()
+    for sock in socks:
+        sock.close()
     ctx.term()
     q.put(times[warmup:])
 
 
-def run_raw(nbytes: int, num_clients: int, iters: int, warmup: int) -> list[float]:
+def run_raw(nbytes: int, num_clients: int, num_servers: int, iters: int, warmup: int) -> list[float]:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    srv = ctx.Process(target=_echo, args=(nbytes, num_clients, iters + warmup, q))
-    srv.start()
-    ep = q.get(timeout=60)
+    per_server = nbytes // num_servers // 4 * 4
+    servers = [ctx.Process(target=_echo, args=(per_server, num_clients, iters + warmup, q))
+               for _ in range(num_servers)]
+    for srv in servers:
+        srv.start()
+    eps = [q.get(timeout=60) for _ in servers]
     rq = ctx.Queue()
-    cl = [ctx.Process(target=_raw_client, args=(ep, nbytes, iters, warmup, rq)) for _ in range(num_clients)]
+    cl = [ctx.Process(target=_raw_client, args=(eps, per_server * num_servers, iters, warmup, rq))
+          for _ in range(num_clients)]
     for p in cl:
         p.start()
     per = [rq.get(timeout=600) for _ in cl]
-    for p in cl + [srv]:
+    for p in cl + servers:
         p.join(timeout=5)
         if p.is_alive():
             p.terminate()
@@ -158,12 +179,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.iters} timed iterations after {args.warmup} warm-up; loopback TCP\n")
     rows = []
     for workers in (1, 2):
-        raw = statistics.median(run_raw(nbytes, workers, args.iters, args.warmup))
         for shards in (1, 2):
+            raw = statistics.median(run_raw(nbytes, workers, shards, args.iters, args.warmup))
             ps = statistics.median(run_ps(shards, workers, args.iters, args.warmup))
             moved = 2 * nbytes * workers  # push + pull, per client
             rows.append((workers, shards, ps, raw, moved))
-    print("| workers | shards | PS push+pull (ms) | raw pyzmq round trip (ms) | PS GB/s | raw GB/s | PS / raw throughput |")
+    print("| workers | shards = raw connections | PS push+pull (ms) | raw pyzmq round trip (ms) | PS GB/s | raw GB/s | PS / raw throughput |")
     print("|---|---|---|---|---|---|---|")
     for workers, shards, ps, raw, moved in rows:
         print(f"| {workers} | {shards} | {ps * 1e3:.1f} | {raw * 1e3:.1f} | {moved / ps / 1e9:.2f} | "

@@ -1,18 +1,38 @@
-"""Server-side optimizers over a shard's flat float32 slice (numpy, torch.optim semantics)."""
+"""Server-side optimizer over a shard's flat float32 slice (torch.optim.SGD's rules).
+
+A shard's update is bandwidth-bound: every pass over the slice costs about a millisecond per
+5M parameters. :meth:`SGD.step_weighted` takes the committed gradients with their weights
+x_i / sum(x_i) and fuses the aggregation into the momentum buffer with torch's in-place
+``add_(alpha=...)`` (one pass per gradient), so plain momentum SGD costs 2 + N passes instead of
+the 3N + 5 of aggregate-then-step. Weight decay and Nesterov take the general path.
+
+Parameters are never updated in place: the step returns a NEW array, because older ones may
+still be referenced by zero-copy sends in flight and must never change under them.
+"""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
+import torch
 
 from ps_common.config import OptimizerConfig
 
+# Received gradients are read-only views of ZeroMQ frames; torch only reads them here.
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+
+
+def _t(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(a)
+
+
+def _new(result: torch.Tensor, out: np.ndarray | None) -> np.ndarray:
+    return out if out is not None else result.numpy()
+
 
 class SGD:
-    """SGD with momentum, weight decay and Nesterov, matching ``torch.optim.SGD`` (dampening 0).
-
-    ``step`` returns a NEW parameter array instead of updating in place: older arrays may still
-    be referenced by zero-copy sends in flight, and must never change under them.
-    """
+    """SGD with momentum, weight decay and Nesterov, matching ``torch.optim.SGD`` (dampening 0)."""
 
     def __init__(self, cfg: OptimizerConfig, size: int) -> None:
         self.lr = cfg.lr
@@ -21,27 +41,47 @@ class SGD:
         self.nesterov = cfg.nesterov
         self.buf = np.zeros(size, dtype=np.float32) if cfg.momentum else None
         self._has_buf = False
-        self._scratch = np.empty(size, dtype=np.float32)
+        self._acc = np.empty(size, dtype=np.float32)
 
     def step(self, params: np.ndarray, grad: np.ndarray, lr_scale: float = 1.0) -> np.ndarray:
-        d = grad
-        if self.weight_decay:
-            d = np.multiply(params, np.float32(self.weight_decay), out=self._scratch)
-            d += grad
-        if self.buf is not None:
+        return self.step_weighted(params, [(grad, 1.0)], lr_scale)
+
+    def step_weighted(self, params: np.ndarray, grads: list[tuple[np.ndarray, float]],
+                      lr_scale: float = 1.0, out: np.ndarray | None = None) -> np.ndarray:
+        """One step with gradient d = sum(w_i g_i) (in the order given); returns the new
+        parameters, in ``out`` if given (a free buffer, never ``params``)."""
+        target = None if out is None else _t(out)
+        lr = self.lr * lr_scale
+        if self.buf is not None and not self.weight_decay and not self.nesterov:
+            buf = _t(self.buf)
             if self._has_buf:
-                self.buf *= np.float32(self.momentum)
-                self.buf += d
+                buf.mul_(self.momentum)
+                for g, w in grads:
+                    buf.add_(_t(g), alpha=w)
             else:
-                np.copyto(self.buf, d)
+                self._weighted_sum(grads, buf)
                 self._has_buf = True
-            if self.nesterov:
-                d = np.add(d, np.float32(self.momentum) * self.buf, out=self._scratch)
+            return _new(torch.add(_t(params), buf, alpha=-lr, out=target), out)
+        d = _t(self._acc)
+        self._weighted_sum(grads, d)
+        if self.weight_decay:
+            d.add_(_t(params), alpha=self.weight_decay)
+        if self.buf is not None:
+            buf = _t(self.buf)
+            if self._has_buf:
+                buf.mul_(self.momentum).add_(d)
             else:
-                d = self.buf
-        out = np.multiply(d, np.float32(-self.lr * lr_scale))
-        out += params
-        return out
+                buf.copy_(d)
+                self._has_buf = True
+            d = d.add(buf, alpha=self.momentum) if self.nesterov else buf
+        return _new(torch.add(_t(params), d, alpha=-lr, out=target), out)
+
+    @staticmethod
+    def _weighted_sum(grads: list[tuple[np.ndarray, float]], out: torch.Tensor) -> None:
+        (g0, w0), rest = grads[0], grads[1:]
+        torch.mul(_t(g0), w0, out=out)
+        for g, w in rest:
+            out.add_(_t(g), alpha=w)
 
     def state_arrays(self) -> dict[str, np.ndarray]:
         return {"momentum_buffer": self.buf} if self.buf is not None and self._has_buf else {}

@@ -160,3 +160,22 @@ def test_checkpoint_arrays_do_not_change_with_later_steps():
     s.apply(1, [[0, 1]], 1.0)
     for k in saved:
         np.testing.assert_array_equal(saved[k], copy[k])
+
+
+def test_parameter_buffers_are_reused_only_when_nothing_holds_them():
+    s = ShardState(0, np.zeros(4, np.float32), OptimizerConfig(lr=0.1, momentum=0.9))
+    held = []
+    for it in range(12):
+        s.receive(0, it, 1, g([1, 1, 1, 1]))
+        s.apply(it, [[0, 1]], 1.0)
+        if it % 3 == 0:  # a zero-copy send in flight keeps this version's array referenced
+            held.append((memoryview(s.params).cast("B"), s.params.copy()))
+    for view, expected in held:
+        np.testing.assert_array_equal(np.frombuffer(view, np.float32), expected)
+    assert len(s._pool) <= s.max_buffers
+    before = len({id(b) for b in s._pool})
+    held.clear()
+    for it in range(12, 20):
+        s.receive(0, it, 1, g([1, 1, 1, 1]))
+        s.apply(it, [[0, 1]], 1.0)
+    assert len({id(b) for b in s._pool}) == before, "released buffers are reused, not reallocated"
