@@ -3,6 +3,14 @@
 It owns membership, the bounds (x_min, x_max, per-worker memory caps), the policy, validation of
 every answer, and the measurement of its own decision time (so "overhead as a fraction of the
 iteration" is measured, not assumed). No sockets, no sleeps; time comes from an injected clock.
+
+Cost: ``observe`` only checks membership and queues the report (~0.2 µs); the queued reports of
+an iteration reach the policy as one :class:`~batchsize_manager.reports.ReportBatch` when it next
+decides (or when anything reads the policy's state: ``policy``, ``caps()``, ``memory_caps``,
+``join``/``leave``, ``state_dict``), and built-in policies decide on numpy arrays indexed by
+worker slot. Queuing changes no result: reports are applied in arrival order, before any later
+membership change, exactly as if each had been applied at once. Measured in
+``benchmarks/bench_manager.py``.
 """
 
 from __future__ import annotations
@@ -13,13 +21,19 @@ import math
 import time
 from typing import Any, Callable, Mapping
 
-from batchsize_manager.allocation import check_feasible
-from batchsize_manager.lbbsp import cap_after_oom, is_oom
+import numpy as np
+
+from batchsize_manager.allocation import check_feasible_arrays
+from batchsize_manager.lbbsp import cap_after_oom
 from batchsize_manager.policies import BatchPolicy, WorkerReport, get_policy
+from batchsize_manager.reports import ReportBatch
 
 log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
+
+#: Queued reports are handed to the policy in chunks of this many (see ``flush_every``).
+FLUSH_EVERY = 1024
 
 
 class BatchSizeManager:
@@ -32,6 +46,10 @@ class BatchSizeManager:
     ``memory_caps[i]``, a cap learned from an out-of-memory report (``telemetry["oom"] == 1``,
     recorded ``oom_margin`` below the failed size) and the policy's own caps. An X that cannot be
     split within them raises ``ValueError`` saying why.
+
+    Policies with background refits (``lbbsp-cpu`` with NARX or ARIMA) hold a helper process;
+    :meth:`close` releases it (it also goes when the manager is garbage-collected or the process
+    exits).
     """
 
     def __init__(self, policy: BatchPolicy | str, global_batch: int, *, min_batch: int = 1,
@@ -39,11 +57,11 @@ class BatchSizeManager:
                  memory_caps: Mapping[int, int] | None = None, oom_margin: float = 0.05,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         if isinstance(policy, str):
-            self.policy = get_policy(policy, **dict(policy_args or {}))
+            pol = get_policy(policy, **dict(policy_args or {}))
         elif isinstance(policy, BatchPolicy):
             if policy_args:
                 raise ValueError("policy_args only apply when the policy is given by name")
-            self.policy = policy
+            pol = policy
         else:
             raise TypeError(f"policy must be a BatchPolicy or a registered name, got {type(policy)}")
         if int(global_batch) < 1:
@@ -54,6 +72,7 @@ class BatchSizeManager:
             raise ValueError(f"max_batch={max_batch} is below min_batch={min_batch}")
         if not (0.0 <= oom_margin < 1.0):
             raise ValueError(f"oom_margin must be in [0, 1), got {oom_margin}")
+        self._policy = pol
         self.global_batch = int(global_batch)
         self.min_batch = int(min_batch)
         self.max_batch = None if max_batch is None else int(max_batch)
@@ -62,48 +81,98 @@ class BatchSizeManager:
         self._config_caps = {int(k): int(v) for k, v in (memory_caps or {}).items()}
         self._oom_caps: dict[int, int] = {}
         self._live: set[int] = set()
-        self._accepts_caps = "max_batch" in inspect.signature(self.policy.assign).parameters
-        self.last_assignment: dict[int, int] = {}
+        self._live_ids: np.ndarray | None = None       # sorted live ids (cache)
+        self._live_list: list[int] = []
+        self._native = bool(getattr(pol, "native_arrays", False))
+        self._accepts_caps = "max_batch" in inspect.signature(pol.assign).parameters
+        self._last_ids = np.zeros(0, dtype=np.int64)
+        self._last_x = np.zeros(0, dtype=np.int64)
+        self._last_dict: dict[int, int] | None = {}
         self.last_decision_s = 0.0
         self.total_decision_s = 0.0
         self.decisions = 0
         self.ignored_reports = 0
+        self._pending: list[WorkerReport] = []
         self._pending_s = 0.0          # observe() time since the last assign()
+        self._caps_cache: tuple[Any, Any, np.ndarray] | None = None
+        #: reports are applied in chunks of this size: a chunk is read while its reports are still
+        #: in the CPU cache (10,000 freshly received reports read at once cost twice as much)
+        self.flush_every = FLUSH_EVERY
+
+    # ----- the policy ----------------------------------------------------------------------
+    @property
+    def policy(self) -> BatchPolicy:
+        """The batch policy, with every queued report applied (safe to inspect)."""
+        self._flush(timed=True)
+        return self._policy
+
+    def close(self) -> None:
+        """Release the policy's background resources (refit process); the manager stays usable."""
+        self._policy.close()
+
+    def _flush(self, timed: bool = False) -> None:
+        """Hand the queued reports to the policy (and record OOM caps), in arrival order."""
+        if not self._pending:
+            return
+        t0 = self.clock() if timed else 0.0
+        batch = ReportBatch(self._pending)
+        self._pending = []
+        if batch.any_oom:
+            for i in np.flatnonzero(batch.oom).tolist():
+                r = batch.reports[i]
+                cap = cap_after_oom(r.batch_size, self.oom_margin)
+                self._oom_caps[r.worker_id] = min(cap, self._oom_caps.get(r.worker_id, cap))
+        self._policy.observe_batch(batch)
+        if timed:
+            self._pending_s += self.clock() - t0
 
     # ----- membership ---------------------------------------------------------------------
     @property
     def live_workers(self) -> list[int]:
         """Live worker ids, sorted."""
-        return sorted(self._live)
+        return list(self._sorted_live()[1])
+
+    def is_live(self, worker_id: int) -> bool:
+        """O(1) membership test (``live_workers`` builds a sorted list: O(N) per call)."""
+        return worker_id in self._live
+
+    def _sorted_live(self) -> tuple[np.ndarray, list[int]]:
+        if self._live_ids is None:
+            self._live_list = sorted(self._live)
+            self._live_ids = np.array(self._live_list, dtype=np.int64)
+        return self._live_ids, self._live_list
 
     def join(self, worker_id: int) -> None:
         """A worker became live (joining twice is a no-op)."""
         w = int(worker_id)
         if w not in self._live:
+            self._flush(timed=True)
             self._live.add(w)
-            self.policy.join(w)
+            self._live_ids = None
+            self._policy.join(w)
 
     def leave(self, worker_id: int) -> None:
         """A worker left or was declared lost (unknown ids are ignored)."""
         w = int(worker_id)
         if w in self._live:
+            self._flush(timed=True)
             self._live.discard(w)
-            self.policy.leave(w)
+            self._live_ids = None
+            self._policy.leave(w)
 
     # ----- decisions ----------------------------------------------------------------------
     def observe(self, report: WorkerReport) -> None:
         """Feed one worker's report; late reports of departed workers are dropped and counted."""
-        t0 = self.clock()
-        try:
-            if report.worker_id not in self._live:
-                self.ignored_reports += 1
-                return
-            if is_oom(report):
-                cap = cap_after_oom(report.batch_size, self.oom_margin)
-                self._oom_caps[report.worker_id] = min(cap, self._oom_caps.get(report.worker_id, cap))
-            self.policy.observe(report)
-        finally:
-            self._pending_s += self.clock() - t0
+        clock = self.clock
+        t0 = clock()
+        if report.worker_id in self._live:
+            pending = self._pending
+            pending.append(report)
+            if len(pending) >= self.flush_every:
+                self._flush()                     # while the newest reports are still in cache
+        else:
+            self.ignored_reports += 1
+        self._pending_s += clock() - t0
 
     def caps(self) -> dict[int, int]:
         """The effective cap of every live worker that has one (absent = only bounded by X)."""
@@ -115,25 +184,56 @@ class BatchSizeManager:
     @property
     def memory_caps(self) -> dict[int, int]:
         """Per-worker caps from config and OOM reports (manager's and policy's)."""
+        self._flush(timed=True)
+        return self._merged_caps()
+
+    def _merged_caps(self) -> dict[int, int]:
         caps = dict(self._config_caps)
-        for src in (self._oom_caps, self.policy.memory_caps()):
+        for src in (self._oom_caps, self._policy.memory_caps()):
             for w, c in src.items():
                 caps[w] = min(c, caps.get(w, c))
+        return caps
+
+    def _caps_array(self, ids: np.ndarray) -> np.ndarray:
+        """Effective caps aligned with ``ids`` (inf: only bounded by X); the same array object
+        while membership and caps are unchanged (callers must not modify it)."""
+        per = self._merged_caps()
+        key = (self.max_batch, per)
+        cached = self._caps_cache
+        if cached is not None and cached[0] is ids and cached[1] == key:
+            return cached[2]
+        caps = np.full(ids.size, math.inf if self.max_batch is None else float(self.max_batch))
+        self._caps_cache = (ids, key, caps)
+        if per and ids.size:
+            ks = np.fromiter(per.keys(), dtype=np.int64, count=len(per))
+            vs = np.fromiter(per.values(), dtype=np.float64, count=len(per))
+            pos = np.minimum(np.searchsorted(ids, ks), ids.size - 1)
+            hit = ids[pos] == ks
+            caps[pos[hit]] = np.minimum(caps[pos[hit]], vs[hit])
         return caps
 
     def assign(self) -> dict[int, int]:
         """The next {worker: batch size} for the live workers: Σ = X, each within its bounds."""
         t0 = self.clock()
         try:
-            live = self.live_workers
-            caps = self.caps()
-            check_feasible(live, self.global_batch, self.min_batch, caps)
+            self._flush()
+            ids, live = self._sorted_live()
+            caps = self._caps_array(ids)
+            check_feasible_arrays(ids, self.global_batch, self.min_batch, caps)
+            if self._native:
+                x = self._policy.assign_arrays(ids, self.global_batch, self.min_batch, caps,
+                                               checked=True)
+                self._validate_arrays(ids, x, caps)
+                out = dict(zip(live, x.tolist()))
+                self._last_ids, self._last_x, self._last_dict = ids, x, None
+                return out
+            capd = {w: int(c) for w, c in zip(live, caps.tolist()) if c != math.inf}
             if self._accepts_caps:
-                sizes = self.policy.assign(live, self.global_batch, self.min_batch,
-                                           max_batch=caps or None)
+                sizes = self._policy.assign(live, self.global_batch, self.min_batch,
+                                            max_batch=capd or None)
             else:
-                sizes = self.policy.assign(live, self.global_batch, self.min_batch)
-            self._validate(sizes, live, caps)
+                sizes = self._policy.assign(live, self.global_batch, self.min_batch)
+            self._validate(sizes, live, capd)
             self.last_assignment = dict(sizes)
             return dict(sizes)
         finally:
@@ -142,8 +242,34 @@ class BatchSizeManager:
             self.total_decision_s += self.last_decision_s
             self.decisions += 1
 
+    @property
+    def last_assignment(self) -> dict[int, int]:
+        """The answer of the last :meth:`assign`."""
+        if self._last_dict is None:
+            self._last_dict = dict(zip(self._last_ids.tolist(), self._last_x.tolist()))
+        return self._last_dict
+
+    @last_assignment.setter
+    def last_assignment(self, value: Mapping[int, int]) -> None:
+        self._last_dict = dict(value)
+
+    def _validate_arrays(self, ids: np.ndarray, x: np.ndarray, caps: np.ndarray) -> None:
+        name = self._policy.name or type(self._policy).__name__
+        if x.shape != ids.shape:
+            raise RuntimeError(f"batch policy {name} answered {x.size} sizes for {ids.size} workers")
+        total = int(x.sum())
+        if total != self.global_batch:
+            raise RuntimeError(f"batch policy {name} split sums to {total}, "
+                               f"not X={self.global_batch}: {dict(zip(ids.tolist(), x.tolist()))}")
+        bad = (x < self.min_batch) | (x > caps)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            cap = caps[i]
+            raise RuntimeError(f"batch policy {name} gave worker {int(ids[i])} batch {int(x[i])}, outside "
+                               f"[{self.min_batch}, {int(cap) if math.isfinite(cap) else 'X'}]")
+
     def _validate(self, sizes: Mapping[int, int], live: list[int], caps: Mapping[int, int]) -> None:
-        name = self.policy.name or type(self.policy).__name__
+        name = self._policy.name or type(self._policy).__name__
         if sorted(sizes) != live:
             raise RuntimeError(f"batch policy {name} answered for workers {sorted(sizes)}, live are {live}")
         if sum(sizes.values()) != self.global_batch:
@@ -163,6 +289,7 @@ class BatchSizeManager:
     # ----- checkpoints --------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Plain JSON-able state (str keys) for the coordinator's checkpoint."""
+        policy = self.policy                     # applies the queued reports first
         return {
             "version": STATE_VERSION,
             "policy": self.policy.name,
@@ -174,23 +301,25 @@ class BatchSizeManager:
             "last_assignment": {str(k): v for k, v in self.last_assignment.items()},
             "decisions": self.decisions,
             "total_decision_s": self.total_decision_s,
-            "policy_state": self.policy.state_dict(),
+            "policy_state": policy.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output; X and the bounds stay as configured now."""
+        self._flush(timed=True)
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"unsupported BatchSizeManager state version {state.get('version')!r}")
-        if state.get("policy") != self.policy.name:
+        if state.get("policy") != self._policy.name:
             raise ValueError(f"checkpoint is for batch policy {state.get('policy')!r}, "
-                             f"this manager runs {self.policy.name!r}")
+                             f"this manager runs {self._policy.name!r}")
         for key in ("global_batch", "min_batch", "max_batch"):
             if state.get(key) != getattr(self, key):
                 log.info("batch-size manager: %s was %r in the checkpoint, now %r", key,
                          state.get(key), getattr(self, key))
         self._live = {int(w) for w in state.get("live", [])}
+        self._live_ids = None
         self._oom_caps = {int(k): int(v) for k, v in state.get("oom_caps", {}).items()}
         self.last_assignment = {int(k): int(v) for k, v in state.get("last_assignment", {}).items()}
         self.decisions = int(state.get("decisions", 0))
         self.total_decision_s = float(state.get("total_decision_s", 0.0))
-        self.policy.load_state_dict(state.get("policy_state", {}))
+        self._policy.load_state_dict(state.get("policy_state", {}))

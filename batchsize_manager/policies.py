@@ -7,11 +7,24 @@ LB-BSP's predictive policies plug in here through the same interface and registr
 
 from __future__ import annotations
 
+import inspect
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-from batchsize_manager.allocation import CapsArg, bounded_split, proportional_split, uniform_split
+import numpy as np
+
+from batchsize_manager.allocation import (
+    CapsArg,
+    bounded_split,
+    bounded_split_arrays,
+    proportional_split,
+    uniform_split,
+)
+
+if TYPE_CHECKING:
+    from batchsize_manager.reports import ReportBatch
 
 
 @dataclass(frozen=True)
@@ -27,9 +40,19 @@ class WorkerReport:
 
 
 class BatchPolicy(ABC):
-    """Decides {worker: batch size} with sum exactly ``global_batch``."""
+    """Decides {worker: batch size} with sum exactly ``global_batch``.
+
+    Two ways in: per report and per mapping (``observe``, ``assign``; any policy), and per batch
+    and per array (``observe_batch``, ``assign_arrays``), which the BatchSizeManager uses so that an
+    iteration of N workers costs a few numpy operations rather than N Python calls. The defaults
+    of the batch forms fall back to the per-report ones, so a policy only has to write one of them;
+    the built-in policies implement the array forms natively (``native_arrays = True``) and their
+    per-report forms are batches of one.
+    """
 
     name: str = ""
+    #: True when ``assign_arrays``/``observe_batch`` are the policy's own (vectorised) code
+    native_arrays: bool = False
 
     def join(self, worker_id: int) -> None:
         """A worker became live."""
@@ -50,6 +73,33 @@ class BatchPolicy(ABC):
         caps existed may omit the keyword; :class:`~batchsize_manager.manager.BatchSizeManager`
         then checks their answer against the caps instead.
         """
+
+    def observe_batch(self, batch: ReportBatch) -> None:
+        """Several reports at once, in arrival order (default: :meth:`observe` each)."""
+        if type(self).observe is BatchPolicy.observe:
+            return                                # the policy ignores reports
+        for r in batch.reports:
+            self.observe(r)
+
+    def assign_arrays(self, ids: np.ndarray, global_batch: int, min_batch: int,
+                      caps: np.ndarray, *, checked: bool = False) -> np.ndarray:
+        """:meth:`assign` on arrays: ``ids`` sorted int64, ``caps`` aligned floats (inf: uncapped);
+        returns the sizes aligned with ``ids``. ``checked``: the caller already merged the
+        policy's own :meth:`memory_caps` into ``caps`` and checked that X fits (the manager does).
+        The default goes through :meth:`assign`."""
+        ws = ids.tolist()
+        capd = {w: int(c) for w, c in zip(ws, caps.tolist()) if c != math.inf}
+        if "max_batch" in inspect.signature(self.assign).parameters:
+            sizes = self.assign(ws, global_batch, min_batch, max_batch=capd or None)
+        else:
+            sizes = self.assign(ws, global_batch, min_batch)
+        if sorted(sizes) != ws:
+            raise RuntimeError(f"batch policy {self.name or type(self).__name__} answered for "
+                               f"workers {sorted(sizes)}, live are {ws}")
+        return np.array([sizes[w] for w in ws], dtype=np.int64)
+
+    def close(self) -> None:
+        """Release background resources (a refit thread or process); the policy stays usable."""
 
     def memory_caps(self) -> dict[int, int]:
         """Per-worker batch caps the policy knows of (from config or learned from OOM reports)."""
@@ -94,12 +144,27 @@ def get_policy(name: str, **args: Any) -> BatchPolicy:
 class UniformPolicy(BatchPolicy):
     """Plain BSP: x_i = X / N (the remainder to the lowest ids)."""
 
+    native_arrays = True
+
     def assign(self, workers: Sequence[int], global_batch: int, min_batch: int = 1, *,
                max_batch: CapsArg = None) -> dict[int, int]:
         if max_batch is None:
             return uniform_split(sorted(workers), global_batch)
         # Equal shares up to the caps; what capped workers cannot take goes to the others.
         return bounded_split({w: 1.0 for w in workers}, global_batch, min_batch, max_batch)
+
+    def observe_batch(self, batch: ReportBatch) -> None:
+        pass
+
+    def assign_arrays(self, ids: np.ndarray, global_batch: int, min_batch: int,
+                      caps: np.ndarray, *, checked: bool = False) -> np.ndarray:
+        n = ids.size
+        if not np.isfinite(caps).any() or (caps >= global_batch).all():
+            # no binding cap: X // N each, the remainder to the lowest ids (as uniform_split)
+            out = np.full(n, global_batch // n, dtype=np.int64)
+            out[: global_batch % n] += 1
+            return out
+        return bounded_split_arrays(np.ones(n), global_batch, min_batch, caps)
 
 
 @register_policy("fixed")

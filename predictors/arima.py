@@ -23,6 +23,19 @@ Default order (2, 0, 0): on the recorded contention traces the orders we tried w
 few % of each other and of the last value; (2, 0, 1) often put the MA root at -1 (convergence
 warnings, 2-3x slower fits) without doing better, while AR(2) also captures periodic speed
 patterns (it halves last-value RMSE on a noisy 12-iteration sine).
+
+Many workers (:class:`BatchARIMA`, what the BatchSizeManager uses): the recursion between refits
+runs for all workers at once on arrays with a worker ("slot") dimension, with the same arithmetic
+as :class:`ARIMAPredictor` (tested equal), and the statsmodels fits of the workers that are due are
+one job for :mod:`predictors.refit`: synchronous (``refit="sync"``), or in a helper process
+(``"background"``, default) or thread while the forecasts keep using the previous coefficients.
+With ``stagger=True`` each worker's refit phase is shifted by its id, so about 1/``refit_every`` of
+the workers refit per iteration. When a background fit lands, its coefficients and the recursion
+state warmed over the fitted window are swapped in and the observations that arrived meanwhile are
+replayed, so from then on the forecasts equal those of a synchronous refit. What that costs in
+balance: forecasts use coefficients up to one refit period plus the fit's latency old (a worker
+whose fit is still running when the next one comes due waits for it and then refits on the newest
+window). Only ``between="recursion"`` is batched; the statsmodels mode stays one object per worker.
 """
 
 from __future__ import annotations
@@ -38,8 +51,98 @@ import numpy as np
 
 from predictors.base import (BaselineGate, GatedModelPredictor, check_band, clip_to_band,
                              register_predictor)
+from predictors.batch import RefittingBatchPredictor
+from predictors.refit import RefitExecutor
 
 log = logging.getLogger(__name__)
+
+
+def fit_arima(data: np.ndarray, order: tuple[int, int, int], maxiter: int,
+              low_memory: bool) -> tuple[dict[str, float], Any]:
+    """statsmodels fit of one window; (parameters, results). Raises on failure or non-convergence."""
+    from statsmodels.tools.sm_exceptions import ConvergenceWarning
+    from statsmodels.tsa.arima.model import ARIMA
+
+    trend = "c" if order[1] == 0 else "n"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        # cov_type="none": parameter standard errors (a numerical Hessian) are never used.
+        res = ARIMA(data, order=order, trend=trend).fit(
+            method_kwargs={"maxiter": maxiter}, cov_type="none", low_memory=low_memory)
+    if any(issubclass(w.category, ConvergenceWarning) for w in caught):
+        raise RuntimeError("did not converge")
+    params = dict(zip(res.model.param_names, np.asarray(res.params, dtype=np.float64)))
+    if not all(math.isfinite(v) for v in params.values()):
+        raise RuntimeError("non-finite parameters")
+    return params, res
+
+
+def coefficients(params: dict[str, float], order: tuple[int, int, int]) -> tuple[float, np.ndarray, np.ndarray]:
+    p, _, q = order
+    return (params.get("const", 0.0), np.array([params.get(f"ar.L{i}", 0.0) for i in range(1, p + 1)]),
+            np.array([params.get(f"ma.L{j}", 0.0) for j in range(1, q + 1)]))
+
+
+def one_step(ar: np.ndarray, ma: np.ndarray, w: Sequence[float], e: Sequence[float]) -> float:
+    """ARMA one-step forecast of the next w from the newest w's and innovations."""
+    out = 0.0
+    for i in range(1, ar.size + 1):
+        if len(w) >= i:
+            out += ar[i - 1] * w[-i]
+    for j in range(1, ma.size + 1):
+        if len(e) >= j:
+            out += ma[j - 1] * e[-j]
+    return out
+
+
+def warm_recursion(data: np.ndarray, order: tuple[int, int, int], mu: float, ar: np.ndarray,
+                   ma: np.ndarray) -> tuple[list[float], list[float], float | None]:
+    """Run the recursion over a window: (newest max(p,1) w's, newest max(q,1) innovations, w_hat)."""
+    p, d, q = order
+    w_all = np.diff(data, n=d) - mu if d else data - mu
+    w: deque[float] = deque(maxlen=max(p, 1))
+    e: deque[float] = deque(maxlen=max(q, 1))
+    w_hat = None
+    for x in w_all:
+        if w_hat is not None and q:
+            e.append(float(x) - w_hat)
+        w.append(float(x))
+        w_hat = one_step(ar, ma, w, e)
+    return list(w), list(e), w_hat
+
+
+def refit_job(payload: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Fit each window of a batch: coefficients and the recursion state warmed over the window,
+    as arrays with one row per window (``ok`` False where the fit failed). A pure function."""
+    hook = payload.get("hook")
+    if hook is not None:                          # test hook: e.g. a deliberately slow fit
+        hook()
+    order, maxiter = payload["order"], payload["maxiter"]
+    p, _, q = order
+    P, Q = max(p, 1), max(q, 1)
+    windows = payload["windows"]
+    K = len(windows)
+    out = {"ok": np.zeros(K, dtype=bool), "mu": np.zeros(K), "ar": np.zeros((K, p)),
+           "ma": np.zeros((K, q)), "w": np.zeros((K, P)), "wn": np.zeros(K, dtype=np.int64),
+           "e": np.zeros((K, Q)), "en": np.zeros(K, dtype=np.int64), "w_hat": np.full(K, math.nan)}
+    for i in range(K):
+        data = np.asarray(windows[i], dtype=np.float64)
+        try:
+            params, _ = fit_arima(data, order, maxiter, low_memory=True)
+        except Exception as e:  # noqa: BLE001 - LinAlgError, ValueError, non-convergence, ...
+            log.debug("arima: fit failed (%s); last value until the next refit", e)
+            continue
+        mu, ar, ma = coefficients(params, order)
+        w, e, w_hat = warm_recursion(data, order, mu, ar, ma)
+        out["ok"][i] = True
+        out["mu"][i], out["ar"][i], out["ma"][i] = mu, ar, ma
+        if w:
+            out["w"][i, P - len(w):] = w
+        if e:
+            out["e"][i, Q - len(e):] = e
+        out["wn"][i], out["en"][i] = len(w), len(e)
+        out["w_hat"][i] = math.nan if w_hat is None else w_hat
+    return out
 
 
 @register_predictor("arima")
@@ -140,21 +243,9 @@ class ARIMAPredictor(GatedModelPredictor):
         return float(sum((-1) ** k * math.comb(d, k) * ys[n - 1 - k] for k in range(d + 1)))
 
     def _one_step(self) -> float:
-        p, _, q = self.order
-        w, e = list(self._w), list(self._e)
-        out = 0.0
-        for i in range(1, p + 1):
-            if len(w) >= i:
-                out += self._ar[i - 1] * w[-i]
-        for j in range(1, q + 1):
-            if len(e) >= j:
-                out += self._ma[j - 1] * e[-j]
-        return out
+        return one_step(self._ar, self._ma, self._w, self._e)
 
     def _refit(self) -> None:
-        from statsmodels.tools.sm_exceptions import ConvergenceWarning
-        from statsmodels.tsa.arima.model import ARIMA
-
         self._since_fit = 0 if self._tried else self.refit_offset
         self._tried = True
         data = np.asarray(self._y, dtype=np.float64)
@@ -162,28 +253,15 @@ class ARIMAPredictor(GatedModelPredictor):
         self._res = None
         if np.ptp(data) <= 1e-12 * max(1.0, abs(float(data[-1]))):
             return  # constant window: nothing to model, the last value is exact
-        p, d, q = self.order
-        trend = "c" if d == 0 else "n"
         self.n_fits += 1
         try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                # cov_type="none": parameter standard errors (a numerical Hessian) are never used.
-                res = ARIMA(data, order=self.order, trend=trend).fit(
-                    method_kwargs={"maxiter": self.maxiter}, cov_type="none",
-                    low_memory=self.between == "recursion")
-            if any(issubclass(w.category, ConvergenceWarning) for w in caught):
-                raise RuntimeError("did not converge")
-            params = dict(zip(res.model.param_names, np.asarray(res.params, dtype=np.float64)))
-            if not all(math.isfinite(v) for v in params.values()):
-                raise RuntimeError("non-finite parameters")
+            params, res = fit_arima(data, self.order, self.maxiter,
+                                    low_memory=self.between == "recursion")
         except Exception as e:  # noqa: BLE001 - LinAlgError, ValueError, non-convergence, ...
             self.n_failed_fits += 1
             log.debug("arima: fit failed (%s); last value until the next refit", e)
             return
-        self._mu = params.get("const", 0.0)
-        self._ar = np.array([params.get(f"ar.L{i}", 0.0) for i in range(1, p + 1)])
-        self._ma = np.array([params.get(f"ma.L{j}", 0.0) for j in range(1, q + 1)])
+        self._mu, self._ar, self._ma = coefficients(params, self.order)
         if self.between == "statsmodels":
             self._res = res
         else:
@@ -192,16 +270,11 @@ class ARIMAPredictor(GatedModelPredictor):
 
     def _warm_recursion(self, data: np.ndarray) -> None:
         """Run the ARMA recursion over the window so the innovations match the new coefficients."""
-        d = self.order[1]
-        w_all = np.diff(data, n=d) - self._mu if d else data - self._mu
+        w, e, self._w_hat = warm_recursion(data, self.order, self._mu, self._ar, self._ma)
         self._w.clear()
+        self._w.extend(w)
         self._e.clear()
-        self._w_hat = None
-        for w in w_all:
-            if self._w_hat is not None and self.order[2]:
-                self._e.append(float(w) - self._w_hat)
-            self._w.append(float(w))
-            self._w_hat = self._one_step()
+        self._e.extend(e)
 
     # ---------------------------------------------------------------------------- forecast
     def _model_forecast(self, last: float) -> float | None:
@@ -224,3 +297,289 @@ class ARIMAPredictor(GatedModelPredictor):
                                                   for k in range(1, d + 1))
         f = self._inv(y_next)
         return clip_to_band(f, last, self.clip_low, self.clip_high) if math.isfinite(f) else None
+
+
+# ---------------------------------------------------------------------------------- batched
+class BatchARIMA(RefittingBatchPredictor):
+    """ARIMA for many workers: vectorised recursion, batched and staggered statsmodels refits."""
+
+    name = "arima"
+
+    def __init__(self, order: Sequence[int] = (2, 0, 0), window: int = 100, refit_every: int = 10,
+                 log_transform: bool = False, between: str = "recursion",
+                 clip_low: float = 0.25, clip_high: float = 4.0, maxiter: int = 50,
+                 gate: bool = True, gate_decay: float = 0.9, refit_offset: int = 0, *,
+                 refit: str | RefitExecutor = "background", stagger: bool = True) -> None:
+        super().__init__()
+        if between != "recursion":
+            raise ValueError("arima: only between='recursion' is batched")
+        # the scalar class validates every hyper-parameter with the same messages
+        ref = ARIMAPredictor(order=order, window=window, refit_every=refit_every,
+                             log_transform=log_transform, between=between, clip_low=clip_low,
+                             clip_high=clip_high, maxiter=maxiter, gate=gate, gate_decay=gate_decay,
+                             refit_offset=refit_offset)
+        self.order = ref.order
+        self.min_points, self.window, self.refit_every = ref.min_points, ref.window, ref.refit_every
+        self.refit_offset, self.log_transform = ref.refit_offset, ref.log_transform
+        self.clip_low, self.clip_high, self.maxiter = ref.clip_low, ref.clip_high, ref.maxiter
+        self.gate, self.gate_decay = ref.gate, float(gate_decay)
+        self.stagger = bool(stagger)
+        self._init_refits(refit, "arima")
+        self.fit_hook: Any = None                  #: test hook run at the start of every refit job
+        self.refit_fn = refit_job
+        self.max_jobs = 2                          #: background jobs in flight at most
+        self.job_slots: int | None = None          #: workers per background job (None: auto)
+        p, d, q = self.order
+        self._P, self._Q = max(p, 1), max(q, 1)
+        # history for the fit window plus observations that arrive while a fit runs (replayed)
+        self.keep = self.window + max(2 * self.refit_every, 16) + d + 1
+        self._diff_coef = [float((-1) ** k * math.comb(d, k)) for k in range(d + 1)]
+        self._def("_y", (self.keep,), np.float64, 0.0)
+        self._def("_pos", (), np.int64, 0)
+        self._def("_cnt", (), np.int64, 0)
+        self._def("_nobs", (), np.int64, 0)
+        self._def("_since", (), np.int64, 0)
+        self._def("_tried", (), bool, False)
+        self._def("_offset", (), np.int64, self.refit_offset)
+        self._def("_fitted", (), bool, False)
+        self._def("_mu", (), np.float64, 0.0)
+        self._def("_ar", (max(p, 0),), np.float64, 0.0)
+        self._def("_ma", (max(q, 0),), np.float64, 0.0)
+        self._def("_w", (self._P,), np.float64, 0.0)
+        self._def("_wn", (), np.int64, 0)
+        self._def("_e", (self._Q,), np.float64, 0.0)
+        self._def("_en", (), np.int64, 0)
+        self._def("_what", (), np.float64, math.nan)
+        self._def("_fc", (), np.float64, math.nan)
+        self._def("_merr", (), np.float64, 0.0)
+        self._def("_lerr", (), np.float64, 0.0)
+        self._def("_fits", (), np.int64, 0)
+        self._def("_failed", (), np.int64, 0)
+        self._def("_busy", (), bool, False)
+        self._def("_gen", (), np.int64, 0)
+        self._gen_counter = 0
+        self.submitted_jobs = 0
+        self.landed_fits = 0
+        self.updates = 0                 #: update() calls (iterations, for a manager)
+        self.lag_sum = 0                 #: Σ over landed fits of updates between submit and swap-in
+
+    def n_fits(self, slots: np.ndarray | None = None) -> np.ndarray | int:
+        """Fits attempted (per slot, or in total), as the scalar class counts them."""
+        return int(self._fits.sum()) if slots is None else self._fits[slots]
+
+    def _reset_slots(self, slots: np.ndarray, keys: np.ndarray | None) -> None:
+        self._gen_counter += 1
+        self._gen[slots] = self._gen_counter
+        if self.stagger and keys is not None:
+            self._offset[slots] = (self.refit_offset + keys) % self.refit_every
+        else:
+            self._offset[slots] = self.refit_offset
+
+    # ----- recursion ------------------------------------------------------------------------
+    def _yback(self, s: np.ndarray, back: np.ndarray | int) -> np.ndarray:
+        """y ``back`` observations before the newest one (0: the newest)."""
+        return self._y[s, (self._pos[s] - 1 - back) % self.keep]
+
+    def _diff(self, s: np.ndarray, back: np.ndarray | int) -> np.ndarray:
+        """(1 - B)^d y at ``back`` observations before the newest (same arithmetic as the scalar)."""
+        acc = self._diff_coef[0] * self._yback(s, back)
+        for k in range(1, len(self._diff_coef)):
+            acc = acc + self._diff_coef[k] * self._yback(s, back + k)
+        return acc
+
+    def _one_step(self, s: np.ndarray) -> np.ndarray:
+        p, _, q = self.order
+        out = np.zeros(s.size)
+        wn, en = self._wn[s], self._en[s]
+        for i in range(1, p + 1):
+            out = out + np.where(wn >= i, self._ar[s, i - 1] * self._w[s, self._P - i], 0.0)
+        for j in range(1, q + 1):
+            out = out + np.where(en >= j, self._ma[s, j - 1] * self._e[s, self._Q - j], 0.0)
+        return out
+
+    def _advance(self, s: np.ndarray, back: np.ndarray | int = 0) -> None:
+        """Feed the observation ``back`` steps before the newest to the fitted recursion."""
+        w = self._diff(s, back) - self._mu[s]
+        if self.order[2]:
+            has = np.isfinite(self._what[s])
+            if has.any():
+                h = s[has]
+                self._e[h, :-1] = self._e[h, 1:]
+                self._e[h, -1] = w[has] - self._what[h]
+                self._en[h] = np.minimum(self._en[h] + 1, self._Q)
+        self._w[s, :-1] = self._w[s, 1:]
+        self._w[s, -1] = w
+        self._wn[s] = np.minimum(self._wn[s] + 1, self._P)
+        self._what[s] = self._one_step(s)
+
+    # ----- updates --------------------------------------------------------------------------
+    def _update(self, slots: np.ndarray, values: np.ndarray, exog: np.ndarray | None,
+                prev: np.ndarray) -> None:
+        self.updates += 1
+        fc = self._fc[slots]
+        ok = np.isfinite(fc) & np.isfinite(prev)
+        if ok.any():
+            s, lv = slots[ok], np.log(values[ok])
+            a = self.gate_decay
+            self._merr[s] = a * self._merr[s] + (1 - a) * (np.log(fc[ok]) - lv) ** 2
+            self._lerr[s] = a * self._lerr[s] + (1 - a) * (np.log(prev[ok]) - lv) ** 2
+        y = np.log(values) if self.log_transform else values
+        pos = self._pos[slots]
+        self._y[slots, pos] = y
+        self._pos[slots] = (pos + 1) % self.keep
+        cnt = np.minimum(self._cnt[slots] + 1, self.keep)
+        self._cnt[slots] = cnt
+        self._nobs[slots] += 1
+        since = self._since[slots] + 1
+        self._since[slots] = since
+        fitted = self._fitted[slots]
+        if fitted.any():
+            self._advance(slots[fitted])
+        tried = self._tried[slots]
+        due = ((np.minimum(cnt, self.window) >= self.min_points)
+               & (~tried | (since >= self.refit_every)) & ~self._busy[slots])
+        if due.any():
+            if not self.synchronous:
+                from predictors.narx import throttle_due
+
+                due = throttle_due(self, slots, due, since)
+            if due is not None:
+                d = slots[due]
+                self._since[d] = np.where(tried[due], 0, self._offset[d])
+                self._tried[d] = True
+                self._submit(d)
+                if self.synchronous:
+                    self.poll()
+        self._forecast(slots)
+
+    def _windows(self, d: np.ndarray) -> np.ndarray | list[np.ndarray]:
+        """Each slot's fit window (oldest first): one (K, window) array when all are full."""
+        n = np.minimum(self._cnt[d], self.window)
+        if (n == self.window).all():
+            idx = (self._pos[d][:, None] - self.window + np.arange(self.window)[None, :]) % self.keep
+            return self._y[d[:, None], idx]
+        out = []
+        for s, k in zip(d.tolist(), n.tolist()):
+            idx = (self._pos[s] - k + np.arange(k)) % self.keep
+            out.append(self._y[s, idx])
+        return out
+
+    def _submit(self, d: np.ndarray) -> None:
+        windows = self._windows(d)
+        if isinstance(windows, np.ndarray):
+            last = np.abs(windows[:, -1])
+            const = np.ptp(windows, axis=1) <= 1e-12 * np.maximum(1.0, last)
+        else:
+            const = np.array([np.ptp(w) <= 1e-12 * max(1.0, abs(float(w[-1]))) for w in windows])
+        if self.synchronous:
+            self._fitted[d] = False                # as the scalar: no model while refitting
+        if const.any():
+            c = d[const]                           # constant window: the last value is exact
+            self._fitted[c] = False
+            self._fc[c] = math.nan
+        keep = np.flatnonzero(~const)
+        if keep.size == 0:
+            return
+        d = d[keep]
+        if isinstance(windows, np.ndarray):
+            windows = windows[keep] if keep.size < const.size else windows
+        else:
+            windows = [windows[i] for i in keep.tolist()]
+        self._fits[d] += 1
+        self._busy[d] = True
+        self.submitted_jobs += 1
+        payload = {"order": self.order, "maxiter": self.maxiter, "windows": windows,
+                   "hook": self.fit_hook}
+        self.executor.submit(self.refit_fn, payload, (d, self._gen[d].copy(), self._nobs[d].copy(),
+                                                       self.updates))
+
+    def poll(self) -> int:
+        done = self._results()
+        if not done:
+            return 0
+        landed = 0
+        for tag, res, err in done:
+            d, gen, nobs0, at = tag
+            live = self._gen[d] == gen
+            self._busy[d[live]] = False
+            if err is not None or res is None:
+                log.warning("arima: refit of %d workers failed (%s); keeping their models",
+                            int(live.sum()), err)
+                continue
+            ok = res["ok"]
+            bad = d[live & ~ok]
+            if bad.size:
+                self._failed[bad] += 1
+                self._fitted[bad] = False
+                self._fc[bad] = math.nan
+            sel = np.flatnonzero(live & ok)
+            if sel.size == 0:
+                continue
+            g = d[sel]
+            self._mu[g] = res["mu"][sel]
+            self._ar[g] = res["ar"][sel]
+            self._ma[g] = res["ma"][sel]
+            self._w[g] = res["w"][sel]
+            self._wn[g] = res["wn"][sel]
+            self._e[g] = res["e"][sel]
+            self._en[g] = res["en"][sel]
+            self._what[g] = res["w_hat"][sel]
+            self._fitted[g] = True
+            self._replay(g, self._nobs[g] - nobs0[sel])
+            self._forecast(g[self._n[g] > 0])
+            landed += g.size
+            self.lag_sum += (self.updates - at) * g.size
+        self.landed_fits += landed
+        return landed
+
+    def _set_state(self, s: int, w: list[float], e: list[float], w_hat: float | None) -> None:
+        self._w[s] = 0.0
+        if w:
+            self._w[s, self._P - len(w):] = w
+        self._wn[s] = len(w)
+        self._e[s] = 0.0
+        if e:
+            self._e[s, self._Q - len(e):] = e
+        self._en[s] = len(e)
+        self._what[s] = math.nan if w_hat is None else w_hat
+
+    def _replay(self, ss: np.ndarray, lag: np.ndarray) -> None:
+        """Advance freshly landed recursions through the observations that arrived during the fit."""
+        if not lag.any():
+            return
+        late = (lag > 0) & (lag + self.order[1] > self._cnt[ss])
+        for s in ss[late].tolist():                # history gone: re-warm over the current window
+            data = self._windows(np.array([s]))[0]
+            w, e, w_hat = warm_recursion(data, self.order, float(self._mu[s]), self._ar[s], self._ma[s])
+            self._set_state(s, w, e, w_hat)
+        ok = ~late
+        ss, lag = ss[ok], lag[ok]
+        for back in range(int(lag.max(initial=0)) - 1, -1, -1):
+            sel = ss[lag > back]
+            if sel.size:
+                self._advance(sel, back)
+
+    # ----- forecasts ------------------------------------------------------------------------
+    def _forecast(self, slots: np.ndarray) -> None:
+        fitted = self._fitted[slots] & np.isfinite(self._what[slots])
+        self._fc[slots[~fitted]] = math.nan
+        if not fitted.any():
+            return
+        s = slots[fitted]
+        acc = np.zeros(s.size)
+        for k in range(1, len(self._diff_coef)):
+            acc = acc + self._diff_coef[k] * self._yback(s, k - 1)
+        y_next = self._what[s] + self._mu[s] - acc
+        with np.errstate(over="ignore", invalid="ignore"):
+            f = np.exp(np.minimum(y_next, 700.0)) if self.log_transform else y_next
+            last = self._last[s]
+            f = np.where(np.isfinite(f), np.minimum(np.maximum(f, self.clip_low * last),
+                                                    self.clip_high * last), math.nan)
+        self._fc[s] = f
+
+    def _predict(self, slots: np.ndarray) -> np.ndarray:
+        fc = self._fc[slots]
+        use = np.isfinite(fc)
+        if self.gate:
+            use &= self._merr[slots] < self._lerr[slots]
+        return np.where(use, fc, self._last[slots])

@@ -137,7 +137,8 @@ def test_cpu_uses_narx_with_exogenous_inputs_when_asked():
     if "narx" not in predictor_names():
         pytest.skip("predictors has no narx yet")
     small = {"epochs": 3, "min_train": 4, "refit_every": 8, "hidden": 4}     # keep the test short
-    m = BatchSizeManager("lbbsp-cpu", 256, policy_args={"predictor": "narx", "predictor_args": small})
+    m = BatchSizeManager("lbbsp-cpu", 256, policy_args={"predictor": "narx", "predictor_args": small,
+                                                         "refit": "sync"})
     assert m.policy.use_exog
     recs = simulate(m, cpu_workers(noise=0.02), 12)
     assert recs[-1].sizes[0] > recs[-1].sizes[3] * 3

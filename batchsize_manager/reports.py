@@ -1,0 +1,267 @@
+"""Many worker reports at once, as numpy columns: the vectorised side of ``observe``.
+
+The manager buffers the reports of an iteration and hands them to the policy as one
+:class:`ReportBatch` when it next decides. Every field a policy reads is extracted once per batch
+with one list comprehension and one array conversion (about 0.03 µs per report and field), and
+the per-report rules of :mod:`batchsize_manager.lbbsp` (``_num``, ``is_oom``, ``measured_speed``,
+``fixed_overhead``) and of :func:`predictors.exog_from_telemetry` are applied to whole columns with
+the same results. Malformed values (strings, objects) fall back to the per-value rule.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from itertools import repeat
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+#: Order of the exogenous inputs (the same as ``predictors.EXOG_KEYS``; kept here so that the
+#: manager does not import the predictors package unless a policy needs it).
+EXOG_KEYS: tuple[str, ...] = ("host_cpu", "cotenant_cpu", "host_mem_pct")
+
+
+def _num_one(raw: Any) -> float:
+    """``lbbsp._num`` for one value: finite and > 0, else 0."""
+    if raw is None:
+        return 0.0
+    try:
+        v = float(raw)
+    except (TypeError, ValueError, OverflowError):
+        return 0.0
+    return v if 0.0 < v < math.inf else 0.0
+
+
+def _float_or_nan(raw: Any) -> float:
+    if raw is None:
+        return math.nan
+    try:
+        return float(raw)
+    except (TypeError, ValueError, OverflowError):
+        return math.nan
+
+
+def floats(values: Sequence[Any]) -> np.ndarray:
+    """float64 column of ``values``: None and unconvertible values become nan."""
+    try:
+        return np.fromiter(values, dtype=np.float64, count=len(values))   # all numbers: fastest
+    except (TypeError, ValueError, OverflowError):
+        pass
+    try:
+        return np.array(values, dtype=np.float64)                         # None -> nan
+    except (TypeError, ValueError, OverflowError):
+        return np.fromiter((_float_or_nan(v) for v in values), dtype=np.float64, count=len(values))
+
+
+def _tel_column(tels: list[Mapping[str, Any]], key: str) -> np.ndarray:
+    """float64 column of ``tel.get(key)`` (None and unconvertible values: nan)."""
+    n = len(tels)
+    try:    # plain dicts holding numbers (the usual case): no intermediate list
+        return np.fromiter(map(dict.get, tels, repeat(key)), dtype=np.float64, count=n)
+    except (TypeError, ValueError, OverflowError):
+        return floats([t.get(key) for t in tels])
+
+
+def ints(values: Sequence[Any]) -> np.ndarray:
+    """int64 column of worker ids (ids outside int64 raise ``ValueError``)."""
+    try:
+        return np.fromiter(values, dtype=np.int64, count=len(values))
+    except (TypeError, OverflowError) as exc:
+        raise ValueError(f"worker ids must be integers within int64: {exc}") from None
+
+
+#: Batches up to this size are read with the per-report rules on Python values (one array per
+#: column at the end): for a few reports, numpy's per-call cost exceeds the work.
+SMALL_BATCH = 16
+
+
+def _speed_one(batch_size: Any, compute_s: Any) -> float:
+    """``lbbsp.measured_speed`` for one report; nan where unusable."""
+    try:
+        c = float(compute_s)
+        if batch_size <= 0 or not math.isfinite(c) or c <= 0:
+            return math.nan
+        v = batch_size / c
+    except (TypeError, ValueError, OverflowError):
+        return math.nan
+    return v if math.isfinite(v) else math.nan
+
+
+def _exog_one(raw: Any) -> float:
+    v = _float_or_nan(raw)
+    return v if math.isfinite(v) else 0.0
+
+
+class ReportBatch:
+    """Columns of a list of :class:`~batchsize_manager.policies.WorkerReport` (lazily extracted).
+
+    Positions follow the order of ``reports``. :func:`occurrence_rounds` splits a batch that holds
+    several reports of one worker into sub-batches without duplicates, in arrival order, so that
+    vectorised per-worker updates see them one after the other, as sequential ``observe`` calls
+    would. Small batches apply the per-report rules directly (same results, fewer calls).
+    """
+
+    __slots__ = ("reports", "n", "small", "_worker", "_batch", "_compute", "_tels", "_cols", "_oom",
+                 "_any_oom", "_exog", "_speed", "_overhead")
+
+    def __init__(self, reports: Sequence[Any]) -> None:
+        self.reports = reports if isinstance(reports, list) else list(reports)
+        self.n = len(self.reports)
+        self.small = self.n <= SMALL_BATCH
+        self._worker: np.ndarray | None = None
+        self._batch: np.ndarray | None = None
+        self._compute: np.ndarray | None = None
+        self._tels: list[Mapping[str, Any]] | None = None
+        self._cols: dict[str, np.ndarray] = {}
+        self._oom: np.ndarray | None = None
+        self._any_oom: bool | None = None
+        self._exog: np.ndarray | None = None
+        self._speed: np.ndarray | None = None
+        self._overhead: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return self.n
+
+    # ----- raw columns ----------------------------------------------------------------------
+    @property
+    def worker(self) -> np.ndarray:
+        if self._worker is None:
+            self._worker = ints([r.worker_id for r in self.reports])
+        return self._worker
+
+    @property
+    def batch(self) -> np.ndarray:
+        """Batch sizes as float64 (exact for any realistic size)."""
+        if self._batch is None:
+            self._batch = floats([r.batch_size for r in self.reports])
+        return self._batch
+
+    @property
+    def compute(self) -> np.ndarray:
+        if self._compute is None:
+            self._compute = floats([r.compute_s for r in self.reports])
+        return self._compute
+
+    @property
+    def tels(self) -> list[Mapping[str, Any]]:
+        if self._tels is None:
+            self._tels = [r.telemetry for r in self.reports]
+        return self._tels
+
+    def num(self, key: str) -> np.ndarray:
+        """Telemetry ``key`` with ``lbbsp._num`` semantics: finite and > 0, else 0."""
+        col = self._cols.get(key)
+        if col is None:
+            if self.small:
+                col = np.array([_num_one(t.get(key)) for t in self.tels], dtype=np.float64)
+            else:
+                a = _tel_column(self.tels, key)
+                with np.errstate(invalid="ignore"):
+                    col = np.where((a > 0.0) & (a < math.inf), a, 0.0)
+            self._cols[key] = col
+        return col
+
+    # ----- derived columns ------------------------------------------------------------------
+    @property
+    def any_oom(self) -> bool:
+        """Does any report say the worker ran out of memory? (no array built when none does)"""
+        if self._any_oom is None:
+            self._any_oom = (any(map(operator.contains, self.tels, repeat("oom")))
+                             and bool(self.oom.any()))
+        return self._any_oom
+
+    @property
+    def oom(self) -> np.ndarray:
+        """``lbbsp.is_oom`` per report: an ``oom`` entry that is >= 0.5."""
+        if self._oom is None:
+            tels = self.tels
+            if not any(map(operator.contains, tels, repeat("oom"))):
+                self._oom = np.zeros(self.n, dtype=bool)
+            else:
+                self._oom = np.fromiter(((v := t.get("oom")) is not None and _num_one(v) >= 0.5
+                                         for t in tels), dtype=bool, count=self.n)
+        return self._oom
+
+    def speed(self) -> np.ndarray:
+        """``lbbsp.measured_speed`` per report: samples/s of compute, nan where unusable."""
+        if self._speed is None:
+            if self.small:
+                self._speed = np.array([_speed_one(r.batch_size, r.compute_s) for r in self.reports],
+                                       dtype=np.float64)
+            else:
+                c = self.compute
+                with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+                    v = self.batch / c
+                    # c > 0 and v > 0 imply batch > 0; c = inf gives v = 0; nan fails every test
+                    ok = (v > 0) & (v < math.inf) & (c > 0)
+                self._speed = np.where(ok, v, math.nan)
+        return self._speed
+
+    def overhead(self) -> np.ndarray:
+        """``lbbsp.fixed_overhead`` per report: data + previous push + previous pull seconds."""
+        if self._overhead is None:
+            if self.small:
+                self._overhead = np.array(
+                    [_num_one(t.get("data_s")) + _num_one(t.get("prev_push_s"))
+                     + _num_one(t.get("prev_pull_s")) for t in self.tels], dtype=np.float64)
+            else:
+                self._overhead = self.num("data_s") + self.num("prev_push_s") + self.num("prev_pull_s")
+        return self._overhead
+
+    def exog(self) -> np.ndarray:
+        """(n, 3) exogenous inputs with ``predictors.exog_from_telemetry`` semantics."""
+        if self._exog is None:
+            if self.small:
+                self._exog = np.array([[_exog_one(t.get(k)) for k in EXOG_KEYS] for t in self.tels],
+                                      dtype=np.float64).reshape(self.n, len(EXOG_KEYS))
+            else:
+                out = np.empty((self.n, len(EXOG_KEYS)))
+                for j, key in enumerate(EXOG_KEYS):
+                    a = _tel_column(self.tels, key)
+                    out[:, j] = np.where(np.isfinite(a), a, 0.0)
+                self._exog = out
+        return self._exog
+
+    # ----- splitting ------------------------------------------------------------------------
+    def take(self, idx: np.ndarray) -> ReportBatch:
+        """The sub-batch at positions ``idx`` (columns already extracted are sliced, not redone)."""
+        sub = ReportBatch([self.reports[i] for i in idx.tolist()])
+        for name in ("_worker", "_batch", "_compute", "_oom", "_exog", "_speed", "_overhead"):
+            col = getattr(self, name)
+            if col is not None:
+                setattr(sub, name, col[idx])
+        if self._tels is not None:
+            sub._tels = [self._tels[i] for i in idx.tolist()]
+        sub._cols = {k: v[idx] for k, v in self._cols.items()}
+        return sub
+
+
+def occurrence_rounds(keys: np.ndarray, scratch: np.ndarray | None = None) -> list[np.ndarray] | None:
+    """None when ``keys`` (non-negative ints, e.g. slots) are unique; otherwise the positions of
+    the first occurrence of each key, then of the second, ... (each round in arrival order).
+
+    ``scratch`` (an int array longer than max(keys)) makes the uniqueness test O(n) without a sort.
+    """
+    n = keys.size
+    if n <= 1:
+        return None
+    if n <= SMALL_BATCH:
+        ks = keys.tolist()
+        if len(set(ks)) == n:
+            return None
+    pos = np.arange(n)
+    if scratch is not None and keys.max() < scratch.size:
+        scratch[keys] = pos
+        if (scratch[keys] == pos).all():
+            return None
+    else:
+        if len(set(keys.tolist())) == n:
+            return None
+    order = np.argsort(keys, kind="stable")
+    sk = keys[order]
+    start = np.flatnonzero(np.concatenate([[True], sk[1:] != sk[:-1]]))
+    group_start = np.repeat(start, np.diff(np.concatenate([start, [n]])))
+    rank = np.empty(n, dtype=np.int64)
+    rank[order] = np.arange(n) - group_start
+    return [np.flatnonzero(rank == r) for r in range(int(rank.max()) + 1)]

@@ -1,0 +1,340 @@
+"""The vectorised BatchSizeManager: same answers as the scalar rules it replaced.
+
+* the equal-finish-time split (Newton steps, sweep fallback, small-N Python path, O(N) rounding)
+  against an exact scalar reference in rational arithmetic;
+* report columns against the per-report rules;
+* queued/batched reports against one-at-a-time application (also with several reports of one
+  worker in a batch);
+* checkpoints of the model predictors;
+* large worker counts stay valid (correctness only: timings live in benchmarks/bench_manager.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+import pytest
+
+from batchsize_manager import BatchSizeManager, WorkerReport, get_policy
+from batchsize_manager.allocation import (
+    SMALL_N,
+    bounded_split,
+    equal_finish_times,
+    finish_time_split_arrays,
+    round_bounded_arrays,
+    split_small,
+)
+from batchsize_manager.lbbsp import fixed_overhead, is_oom, measured_speed, _num
+from batchsize_manager.reports import SMALL_BATCH, ReportBatch, occurrence_rounds
+from batchsize_manager.simulation import Simulation, SimulatedWorker
+from predictors import exog_from_telemetry
+
+INF = math.inf
+
+
+# ----------------------------------------------------------------------------- reference split
+def reference_split(v: list[float], c: list[float], total: int, lo: list[int],
+                    hi: list[float]) -> tuple[list[int], list[Fraction]]:
+    """The previous scalar algorithm, exactly: sort the breakpoints of f(T) = Σ clip(v (T - c),
+    lo, hi), find the piece where f crosses X, solve it, then largest remainder (ties to the lower
+    index) within the bounds. Rational arithmetic: no rounding anywhere."""
+    n = len(v)
+    V = [Fraction(x) for x in v]
+    C = [Fraction(x) for x in c]
+    L = [Fraction(x) for x in lo]
+    H = [None if h == INF else Fraction(h) for h in hi]
+
+    def x_at(t: Fraction) -> list[Fraction]:
+        out = []
+        for vi, ci, li, hi_i in zip(V, C, L, H):
+            x = max(vi * (t - ci), li)
+            out.append(x if hi_i is None else min(x, hi_i))
+        return out
+
+    bps = sorted({ci + li / vi for vi, ci, li in zip(V, C, L)}
+                 | {ci + h / vi for vi, ci, h in zip(V, C, H) if h is not None})
+    fs = [sum(x_at(t)) for t in bps]
+    if fs[0] >= total:
+        t = bps[0]
+    else:
+        k = next((i for i, f in enumerate(fs) if f >= total), None)
+        if k is None:               # beyond the last breakpoint: only uncapped workers still grow
+            slope = sum(vi for vi, h in zip(V, H) if h is None)
+            t = bps[-1] + (total - fs[-1]) / slope
+        else:
+            t0, t1 = bps[k - 1], bps[k]
+            t = t0 + (total - fs[k - 1]) * (t1 - t0) / (fs[k] - fs[k - 1])
+    x = x_at(t)
+    out = [math.floor(xi) for xi in x]
+    left = total - sum(out)
+    assert left >= 0
+    room = sorted((i for i in range(n) if H[i] is None or out[i] < H[i]),
+                  key=lambda i: (-(x[i] - out[i]), i))
+    for i in room[:left]:
+        out[i] += 1
+    return out, x
+
+
+def near_tie(x: list[Fraction]) -> bool:
+    """Cases where float dust may legitimately decide the rounding: a share within 1e-6 below an
+    integer, or two different fractional parts within 1e-6 of each other."""
+    fr = sorted(float(xi - math.floor(xi)) for xi in x)
+    if any(1 - 1e-6 < f < 1 for f in fr):
+        return True
+    exact = sorted(xi - math.floor(xi) for xi in x)
+    return any(0 < b - a < 1e-6 for a, b in zip(exact, exact[1:]))
+
+
+def random_problem(rng: random.Random, n: int) -> tuple[list[float], list[float], int, list[int],
+                                                      list[float]]:
+    v = [rng.lognormvariate(5, 1.5) for _ in range(n)]
+    c = [0.0] * n if rng.random() < 0.4 else [rng.uniform(0, 0.5) for _ in range(n)]
+    floor = rng.randint(1, 4)
+    lo = [floor + (rng.randint(0, 30) if rng.random() < 0.2 else 0) for _ in range(n)]
+    hi = [float(li + rng.randint(0, 200)) if rng.random() < 0.3 else INF for li in lo]
+    room = sum(h for h in hi) if all(h < INF for h in hi) else sum(lo) + 5000
+    total = rng.randint(sum(lo), int(min(room, sum(lo) + 5000)))
+    return v, c, total, lo, hi
+
+
+@pytest.mark.parametrize("n_range", [(1, SMALL_N), (SMALL_N + 1, 60)])
+def test_vectorised_split_equals_the_scalar_reference(n_range):
+    rng = random.Random(1234 + n_range[0])
+    checked = 0
+    for _ in range(250):
+        v, c, total, lo, hi = random_problem(rng, rng.randint(*n_range))
+        ref, x = reference_split(v, c, total, lo, hi)
+        got = finish_time_split_arrays(np.array(v), np.array(c), total, np.array(lo, dtype=float),
+                                       np.array(hi)).tolist()
+        assert sum(got) == total
+        assert all(li <= g <= h for g, li, h in zip(got, lo, hi))
+        if near_tie(x):
+            assert all(abs(g - float(xi)) < 1 + 1e-6 for g, xi in zip(got, x))
+            continue
+        assert got == ref, (v, c, total, lo, hi)
+        checked += 1
+    assert checked > 200
+
+
+def test_small_python_path_and_numpy_path_agree():
+    """Both implementations of the same algorithm, on the same inputs (below and above SMALL_N)."""
+    rng = random.Random(7)
+    for _ in range(200):
+        v, c, total, lo, hi = random_problem(rng, rng.randint(1, 3 * SMALL_N))
+        ref, x = reference_split(v, c, total, lo, hi)
+        if near_tie(x):
+            continue
+        small = split_small(v, c, total, [float(li) for li in lo], hi)
+        xs, _ = equal_finish_times(np.array(v), np.array(c), total, np.array(lo, dtype=float),
+                                   np.array(hi))
+        big = round_bounded_arrays(xs, total, np.array(lo, dtype=float), np.array(hi)).tolist()
+        assert small == big == ref
+
+
+def test_newton_fallback_to_the_sweep_is_exact():
+    """Floors and caps that make the piecewise Newton steps cycle still give the exact split."""
+    v = [1.0, 100.0, 1.0, 100.0, 3.0] * 8
+    c = [0.0, 1.0, 2.0, 0.5, 0.1] * 8
+    lo = [1, 30, 1, 1, 20] * 8
+    hi = [50.0, 40.0, 9.0, INF, 25.0] * 8
+    for total in (sum(lo), sum(lo) + 1, 1500, 2000):
+        ref, x = reference_split(v, c, total, lo, hi)
+        got = finish_time_split_arrays(np.array(v), np.array(c), total, np.array(lo, float),
+                                       np.array(hi)).tolist()
+        assert sum(got) == total
+        if not near_tie(x):
+            assert got == ref
+
+
+def test_uniform_and_bounded_splits_match_the_reference():
+    rng = random.Random(99)
+    for _ in range(100):
+        n = rng.randint(1, 40)
+        ws = sorted(rng.sample(range(1000), n))
+        weights = {w: rng.lognormvariate(0, 1) for w in ws}
+        caps = {w: rng.randint(2, 300) for w in ws if rng.random() < 0.3}
+        room = sum(caps.values()) if len(caps) == n else 10**6
+        total = rng.randint(2 * n, min(room, 2 * n + 4000))
+        got = bounded_split(weights, total, 2, caps)
+        ref, x = reference_split([weights[w] for w in ws], [0.0] * n, total, [2] * n,
+                                 [float(caps[w]) if w in caps else INF for w in ws])
+        if not near_tie(x):
+            assert [got[w] for w in ws] == ref
+    p = get_policy("uniform")
+    for n, total in ((3, 10), (7, 1000), (64, 4096 + 5), (1000, 64_003)):
+        ws = list(range(0, 3 * n, 3))
+        out = p.assign_arrays(np.array(ws), total, 1, np.full(n, INF))
+        assert out.tolist() == [total // n + (1 if i < total % n else 0) for i in range(n)]
+
+
+# ----------------------------------------------------------------------------- report columns
+def _random_telemetry(rng: random.Random) -> dict[str, Any]:
+    pool = [None, "abc", "2.5", float("nan"), float("inf"), -1.0, 0.0, True, [1, 2], 3, 0.25, 7.5]
+    tel: dict[str, Any] = {}
+    for key in ("data_s", "prev_push_s", "prev_pull_s", "host_cpu", "cotenant_cpu", "host_mem_pct",
+                "oom"):
+        r = rng.random()
+        if r < 0.5:
+            tel[key] = rng.uniform(-0.1, 2.0) if key != "oom" else rng.choice([0.0, 1.0, 0.4, 0.6])
+        elif r < 0.8:
+            tel[key] = rng.choice(pool)
+    return tel
+
+
+@pytest.mark.parametrize("n", [1, SMALL_BATCH, SMALL_BATCH + 1, 300])
+def test_report_columns_follow_the_per_report_rules(n):
+    rng = random.Random(n)
+    reps = []
+    for i in range(n):
+        bs = rng.choice([64, 0, -3, 17, 10**6])
+        comp = rng.choice([0.01, 0.0, -1.0, float("nan"), float("inf"), 1e-320, 2.5])
+        reps.append(WorkerReport(worker_id=i, iteration=0, batch_size=bs, compute_s=comp,
+                                 iteration_s=0.0, telemetry=_random_telemetry(rng)))
+    b = ReportBatch(reps)
+    assert b.worker.tolist() == list(range(n))
+    assert b.oom.tolist() == [is_oom(r) for r in reps]
+    assert b.any_oom == any(is_oom(r) for r in reps)
+    for key in ("data_s", "prev_push_s", "prev_pull_s"):
+        assert b.num(key).tolist() == [_num(r.telemetry, key) for r in reps]
+    assert np.allclose(b.overhead(), [fixed_overhead(r) for r in reps], rtol=0, atol=1e-15)
+    exp_v = [measured_speed(r) for r in reps]
+    got_v = b.speed()
+    for g, e in zip(got_v.tolist(), exp_v):
+        assert (math.isnan(g) and e is None) or g == e
+    assert b.exog().tolist() == [exog_from_telemetry(r.telemetry) for r in reps]
+    sub = b.take(np.array([n - 1, 0]))
+    assert sub.worker.tolist() == [n - 1, 0] and sub.oom.tolist() == [b.oom[-1], b.oom[0]]
+
+
+def test_occurrence_rounds_split_duplicates_in_arrival_order():
+    assert occurrence_rounds(np.array([3, 1, 2])) is None
+    keys = np.array([5, 1, 5, 2, 1, 5] + list(range(10, 40)))
+    rounds = occurrence_rounds(keys, np.zeros(64, dtype=np.int64))
+    assert [r.tolist() for r in rounds][1:] == [[2, 4], [5]]
+    assert rounds[0].tolist() == [0, 1, 3] + list(range(6, 36))
+
+
+# ----------------------------------------------------------------------------- batching is exact
+def _report(w: int, it: int, x: int, speed: float, **tel: float) -> WorkerReport:
+    compute = x / speed
+    return WorkerReport(worker_id=w, iteration=it, batch_size=x, compute_s=compute, iteration_s=0.0,
+                        telemetry={"data_s": 0.002, "prev_push_s": 0.001 * (w % 3),
+                                   "prev_pull_s": 0.001, "host_cpu": 40.0 + w, **tel})
+
+
+@pytest.mark.parametrize("name,args", [
+    ("static", {"profile_iterations": 3}), ("lbbsp-cpu", {"predictor": "ema"}),
+    ("lbbsp-cpu", {"predictor": "last", "warmup": 0}), ("lbbsp-gpu", {"window": 2, "step": 8}),
+    ("lbbsp-cpu", {"predictor": "narx", "refit": "sync",
+                   "predictor_args": {"epochs": 3, "min_train": 4, "refit_every": 3}}),
+])
+def test_batched_reports_equal_one_at_a_time(name, args):
+    """A batch holding several reports per worker (and OOMs) leaves the policy in the state that
+    one observe() per report leaves it in; so does the manager's queue, whatever its chunk size."""
+    rng = random.Random(5)
+    one, many = get_policy(name, **args), get_policy(name, **args)
+    ws = list(range(20))
+    for w in ws:
+        one.join(w)
+        many.join(w)
+    for it in range(12):
+        sizes = one.assign(ws, 640, 2)
+        assert many.assign(ws, 640, 2) == sizes
+        reps = []
+        for w, x in sizes.items():
+            for k in range(rng.choice([1, 1, 2])):       # some workers report twice
+                tel = {"oom": 1.0} if rng.random() < 0.02 else {}
+                reps.append(_report(w, it, x, 100.0 * (1 + w % 4) * (1 + 0.05 * k), **tel))
+        rng.shuffle(reps)
+        for r in reps:
+            one.observe(r)
+        many.observe_batch(ReportBatch(reps))
+        assert json.dumps(one.state_dict(), sort_keys=True) == json.dumps(many.state_dict(),
+                                                                          sort_keys=True)
+    managers = []
+    for chunk in (1, 7, 10**6):
+        m = BatchSizeManager(name, 640, min_batch=2, policy_args=args)
+        m.flush_every = chunk
+        managers.append(m)
+    sims = [Simulation(m, [SimulatedWorker(500.0 * (1 + i % 3), 0.002, noise=0.05, seed=i)
+                           for i in range(9)]) for m in managers]
+    for step in range(25):
+        if step == 10:
+            for s in sims:
+                s.remove_worker(4)
+        if step == 15:
+            for s in sims:
+                s.add_worker(20, SimulatedWorker(800.0, 0.002, seed=20))
+        recs = [s.step() for s in sims]
+        assert recs[0].sizes == recs[1].sizes == recs[2].sizes
+    states = [json.dumps({k: v for k, v in m.state_dict().items() if k != "total_decision_s"},
+                         sort_keys=True) for m in managers]
+    assert states[0] == states[1] == states[2]
+
+
+def test_policy_state_is_current_when_read_between_observe_and_assign():
+    m = BatchSizeManager("lbbsp-gpu", 300)
+    for w in range(3):
+        m.join(w)
+    m.assign()
+    m.observe(_report(1, 0, 100, 50.0, oom=1.0))
+    assert m.policy.memory_caps() == {1: 95}                  # applied when the policy is read
+    m.observe(_report(2, 0, 100, 50.0, oom=1.0))
+    m.leave(2)                                                # applied before the leave
+    assert m.memory_caps == {1: 95, 2: 95} and m.ignored_reports == 0
+
+
+# ----------------------------------------------------------------------------- checkpoints
+@pytest.mark.parametrize("predictor,pargs", [
+    ("narx", {"epochs": 5, "min_train": 5, "refit_every": 4}),
+    ("arima", {"refit_every": 6}),
+    ("ema", {}),
+])
+def test_model_checkpoints_round_trip(predictor, pargs):
+    args = {"predictor": predictor, "predictor_args": pargs, "refit": "sync", "history": 24}
+    workers = [SimulatedWorker(v, 0.004, noise=0.05, seed=i, schedule=[(20, v / 2)] if i == 1 else [])
+               for i, v in enumerate([3000.0, 2000.0, 1500.0, 700.0])]
+    a = BatchSizeManager("lbbsp-cpu", 512, min_batch=2, policy_args=args)
+    sim = Simulation(a, workers)
+    sim.run(30)
+    state = json.loads(json.dumps(a.state_dict()))
+    b = BatchSizeManager("lbbsp-cpu", 512, min_batch=2, policy_args=args)
+    b.load_state_dict(state)
+    assert json.loads(json.dumps(b.state_dict())) == state    # nothing lost or invented
+    c = BatchSizeManager("lbbsp-cpu", 512, min_batch=2, policy_args=args)
+    c.load_state_dict(json.loads(json.dumps(b.state_dict())))
+    for _ in range(15):                                       # both rebuilt from the same history
+        sb, sc = b.assign(), c.assign()
+        assert sb == sc and sum(sb.values()) == 512
+        for w, x in sb.items():
+            r = WorkerReport(worker_id=w, iteration=0, batch_size=x, compute_s=x / (1000.0 + 300 * w),
+                             iteration_s=0.0, telemetry={"data_s": 0.001, "host_cpu": 30.0})
+            b.observe(r)
+            c.observe(r)
+    for m in (a, b, c):
+        m.close()
+
+
+# ----------------------------------------------------------------------------- scale
+@pytest.mark.parametrize("name,args", [("lbbsp-cpu", {"predictor": "ema"}), ("lbbsp-gpu", {}),
+                                       ("uniform", {}), ("static", {})])
+def test_ten_thousand_workers_get_valid_splits(name, args):
+    n = 10_000
+    caps = {w: 40 for w in range(0, n, 7)}
+    m = BatchSizeManager(name, 64 * n, min_batch=4, memory_caps=caps, policy_args=args)
+    sim = Simulation(m, [SimulatedWorker(1000.0 * (1 + i % 4), 0.005, noise=0.03, seed=i)
+                         for i in range(n)])
+    recs = sim.run(4)
+    sim.remove_worker(3)
+    recs += sim.run(2)
+    for r in recs:
+        assert sum(r.sizes.values()) == 64 * n
+        assert all(4 <= x <= caps.get(w, 64 * n) for w, x in r.sizes.items())
+    if name == "lbbsp-cpu":
+        last = recs[-1].sizes
+        assert last[4] < last[6]                              # the 3x faster worker gets more

@@ -1,0 +1,325 @@
+"""Batched predictors (one row per worker) and background refits.
+
+* each batched predictor forecasts what the scalar predictor of the same name forecasts;
+* the numpy NARX trainer takes the steps torch.optim.Adam takes;
+* background refits (thread, helper process) give the synchronous forecasts once they have landed;
+* a refit in progress never blocks a decision (a deliberately slow fit injected through the
+  ``fit_hook`` test hook; no sleep anywhere else);
+* refits are staggered over the refit period; the helper process goes away with its owner.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import math
+import os
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import torch
+
+from batchsize_manager import BatchSizeManager
+from batchsize_manager.simulation import Simulation, SimulatedWorker
+from predictors import get_predictor
+from predictors.arima import BatchARIMA
+from predictors.batch import BatchEMA, BatchLast, ScalarPredictors, get_batch_predictor
+from predictors.narx import BatchNARX, NARXConfig, design, init_weights, train
+from predictors.refit import ProcessRefits, ThreadRefits
+
+K = 6
+T = 90
+
+
+def _series(seed: int, n: int = T) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    e = np.zeros(n)
+    for t in range(2, n):
+        e[t] = 1.5 * e[t - 1] - 0.75 * e[t - 2] + rng.normal()
+    return 100 + 3 * e + 10 * (np.arange(n) > n // 2)
+
+
+YS = np.array([_series(s) for s in range(K)])                      # (K, T)
+XS = np.random.default_rng(9).uniform(0, 100, (T, K, 3))             # (T, K, 3)
+ALL = np.arange(K)
+
+
+def run_batch(p, ys=YS, xs=XS, drain: bool = False) -> np.ndarray:
+    out = np.full((T, K), math.nan)
+    for t in range(T):
+        out[t] = p.predict(ALL)
+        p.update(ALL, ys[:, t], xs[t])
+        if drain:
+            assert p.drain(30)
+    return out
+
+
+def run_scalar(preds, ys=YS, xs=XS) -> np.ndarray:
+    out = np.full((T, K), math.nan)
+    for t in range(T):
+        out[t] = [p.predict() for p in preds]
+        for k, p in enumerate(preds):
+            p.update(float(ys[k, t]), xs[t, k])
+    return out
+
+
+def fresh(p):
+    p.reset(ALL, ALL)
+    return p
+
+
+# ----------------------------------------------------------------------------- = scalar
+def test_last_and_ema_equal_their_scalar_predictors():
+    assert np.array_equal(run_batch(fresh(BatchLast()))[1:],
+                          run_scalar([get_predictor("last") for _ in range(K)])[1:])
+    assert np.array_equal(run_batch(fresh(BatchEMA(alpha=0.4)))[1:],
+                          run_scalar([get_predictor("ema", alpha=0.4) for _ in range(K)])[1:])
+
+
+@pytest.mark.parametrize("kw", [{}, {"order": (1, 1, 0)},
+                                {"order": (1, 0, 1), "gate": False, "refit_every": 20},
+                                {"order": (2, 1, 1), "log_transform": True, "refit_every": 23}])
+def test_batched_arima_equals_the_scalar_arima(kw):
+    """Staggered by worker id: worker k refits like a scalar ARIMA with refit_offset = k."""
+    every = kw.get("refit_every", 10)
+    b = fresh(BatchARIMA(**kw, refit="sync", stagger=True))
+    scal = [get_predictor("arima", **kw, refit_offset=k % every) for k in range(K)]
+    got, exp = run_batch(b), run_scalar(scal)
+    assert np.allclose(got[1:], exp[1:], rtol=1e-9, atol=0)
+    assert b.n_fits(ALL).tolist() == [p.n_fits for p in scal]
+
+
+def test_batched_narx_equals_the_scalar_narx():
+    kw = {"epochs": 8, "refit_every": 7}
+    b = fresh(BatchNARX(**kw, refit="sync", stagger=True))
+    scal = [get_predictor("narx", **kw, refit_offset=k % 7) for k in range(K)]
+    got, exp = run_batch(b), run_scalar(scal)
+    assert np.allclose(got[1:], exp[1:], rtol=1e-9, atol=0)
+    assert b.n_fits(ALL).tolist() == [p.n_fits for p in scal]
+    assert b.n_fits() == sum(p.n_fits for p in scal) > 4 * K
+
+
+def test_scalar_adapter_and_registry():
+    p = get_batch_predictor("ema", {"alpha": 0.5})
+    assert isinstance(p, BatchEMA)
+    adapter = fresh(get_batch_predictor("arima", {"between": "statsmodels", "refit_every": 30}))
+    assert isinstance(adapter, ScalarPredictors)
+    exp = run_scalar([get_predictor("arima", between="statsmodels", refit_every=30) for _ in range(K)])
+    assert np.allclose(run_batch(adapter)[1:], exp[1:], rtol=1e-12)
+    with pytest.raises(ValueError, match="refit must be one of"):
+        BatchNARX(refit="later")
+
+
+def test_numpy_trainer_takes_torch_adam_steps():
+    """The batched numpy network and its hand-written backward pass and Adam match torch."""
+    cfg = NARXConfig(epochs=25, hidden=6, weight_decay=1e-2, lr=0.02)
+    rng = np.random.default_rng(3)
+    logv = np.log(100 + rng.normal(0, 5, (3, 80)).cumsum(axis=1) * 0.1 + 50)
+    x = rng.uniform(0, 100, (3, 80, 3))
+    X, y = design(logv, x, cfg)
+    w1, b1, w2, b2 = init_weights(cfg)
+    res = train(X, y, np.stack([w1] * 3), np.stack([b1] * 3), np.stack([w2] * 3),
+                np.full(3, b2), cfg)
+    for k in range(3):
+        net = torch.nn.Sequential(torch.nn.Linear(cfg.n_inputs, cfg.hidden, dtype=torch.float64),
+                                  torch.nn.Tanh(), torch.nn.Linear(cfg.hidden, 1, dtype=torch.float64))
+        with torch.no_grad():
+            net[0].weight.copy_(torch.from_numpy(w1))
+            net[0].bias.copy_(torch.from_numpy(b1))
+            net[2].weight.copy_(torch.from_numpy(w2[None, :]))
+            net[2].bias.fill_(b2)
+        Xk, yk = X[k], y[k]
+        mx, sx = Xk.mean(axis=0), Xk.std(axis=0)
+        sx = np.where(sx > 1e-9, sx, 1.0)
+        sy = float(yk.std()) or 1.0
+        Xn = torch.from_numpy((Xk - mx) / sx)
+        yn = torch.from_numpy(yk / sy).unsqueeze(1)
+        opt = torch.optim.Adam(net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                               foreach=False)
+        for _ in range(cfg.epochs):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(net(Xn), yn).backward()
+            opt.step()
+        assert np.allclose(res["w1"][k], net[0].weight.detach().numpy(), rtol=1e-8, atol=1e-10)
+        assert np.allclose(res["w2"][k], net[2].weight.detach().numpy()[0], rtol=1e-8, atol=1e-10)
+        assert res["ok"][k]
+
+
+# ----------------------------------------------------------------------------- background
+@pytest.mark.parametrize("cls,kw", [(BatchNARX, {"epochs": 8}), (BatchARIMA, {"refit_every": 8})])
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_background_refits_equal_sync_once_landed(cls, kw, mode):
+    """With every refit waited for before the next update, background = sync, exactly."""
+    sync = fresh(cls(**kw, refit="sync"))
+    bg = fresh(cls(**kw, refit=mode))
+    try:
+        assert np.array_equal(run_batch(sync)[1:], run_batch(bg, drain=True)[1:])
+        assert bg.n_fits() == sync.n_fits() and bg.in_flight == 0
+    finally:
+        bg.close()
+
+
+class Gate:
+    """A fit hook that blocks until released (the deliberately slow fit)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.entered = threading.Event()
+
+    def __call__(self) -> None:
+        self.entered.set()
+        assert self.release.wait(30)
+
+
+@pytest.mark.parametrize("cls,kw", [(BatchNARX, {"epochs": 8, "gate": False}),
+                                    (BatchARIMA, {"refit_every": 8, "gate": False})])
+def test_late_background_refits_catch_up_with_sync(cls, kw):
+    """A refit that lands late: the old weights forecast meanwhile, and once it has landed the
+    forecasts are those of a synchronous refit on the same data. (No job is throttled here:
+    every refit leaves on its schedule, only later ones queue behind the held one.)"""
+    sync = fresh(cls(**kw, refit="sync"))
+    bg = fresh(cls(**kw, refit="thread"))
+    bg.max_jobs = 1000
+    hook = Gate()
+    try:
+        t, held = 0, False
+        while not held:                                  # caught up: every refit waited for
+            bg.fit_hook = hook if t >= 30 else None
+            jobs = bg.submitted_jobs
+            for p in (sync, bg):
+                p.update(ALL, YS[:, t], XS[t])
+            t += 1
+            held = t > 30 and bg.submitted_jobs > jobs   # this job carries the slow hook
+            if not held:
+                assert bg.drain(30)
+        bg.fit_hook = None
+        assert hook.entered.wait(30)
+        for _ in range(5):                               # a few updates while it is held
+            for p in (sync, bg):
+                p.update(ALL, YS[:, t], XS[t])
+            t += 1
+        assert bg.in_flight >= 1
+        assert not np.allclose(bg._fc[:K], sync._fc[:K])  # meanwhile: the older weights
+        hook.release.set()
+        assert bg.drain(30)
+        for t in range(t, T):
+            for p in (sync, bg):
+                p.update(ALL, YS[:, t], XS[t])
+            assert bg.drain(30)
+        assert np.allclose(bg.predict(ALL), sync.predict(ALL), rtol=1e-12, atol=0)
+        assert np.allclose(bg._fc[:K], sync._fc[:K], rtol=1e-12, atol=0)
+        assert bg.n_fits() == sync.n_fits()
+    finally:
+        hook.release.set()
+        bg.close()
+
+
+def test_a_refit_in_progress_never_blocks_a_decision():
+    """The refit thread is stuck in the injected slow fit; decisions go on (with the previous
+    weights, here: the last value), and the fit lands once released."""
+    m = BatchSizeManager("lbbsp-cpu", 256, policy_args={
+        "predictor": "narx", "refit": "thread", "predictor_args": {"epochs": 3, "min_train": 4}})
+    pred = m.policy.predictor
+    hook = Gate()
+    pred.fit_hook = hook
+    sim = Simulation(m, [SimulatedWorker(1000.0 * (1 + i), 0.002, noise=0.02, seed=i) for i in range(4)])
+    try:
+        for _ in range(8):                   # first fits are due from the 6th report on
+            sim.step()
+        assert hook.entered.wait(10) and pred.in_flight >= 1
+        for _ in range(15):                  # every decision returns while the fit is held
+            rec = sim.step()
+            assert sum(rec.sizes.values()) == 256
+        assert pred.in_flight >= 1 and pred.landed_fits == 0 and not hook.release.is_set()
+        hook.release.set()
+        assert pred.drain(30) and pred.landed_fits > 0
+    finally:
+        hook.release.set()
+        m.close()
+
+
+def wait_for_file(path: str) -> None:
+    """Process-mode hook: hold the fit until ``path`` exists (the only sleep is here)."""
+    end = time.monotonic() + 60
+    while not os.path.exists(path) and time.monotonic() < end:
+        time.sleep(0.01)
+
+
+def test_a_slow_fit_in_the_helper_process_does_not_block(tmp_path: Path):
+    flag = tmp_path / "go"
+    m = BatchSizeManager("lbbsp-cpu", 256, policy_args={
+        "predictor": "arima", "refit": "background", "predictor_args": {"refit_every": 5}})
+    pred = m.policy.predictor
+    assert isinstance(pred.executor, ProcessRefits) and psutil.pid_exists(pred.executor.pid)
+    pred.fit_hook = functools.partial(wait_for_file, str(flag))
+    sim = Simulation(m, [SimulatedWorker(1000.0 * (1 + i), 0.002, noise=0.02, seed=i) for i in range(4)])
+    try:
+        for _ in range(40):
+            rec = sim.step()
+            assert sum(rec.sizes.values()) == 256
+        assert pred.submitted_jobs >= 1 and pred.landed_fits == 0 and pred.in_flight >= 1
+        assert pred.in_flight <= pred.max_jobs
+        flag.touch()
+        assert pred.drain(60) and pred.landed_fits > 0
+    finally:
+        flag.touch()
+        m.close()
+
+
+def test_refits_are_staggered_over_the_period():
+    """100 workers joined together: after their first fits, about 1/refit_every of them refit
+    per iteration (without staggering, all 100 at once)."""
+    def fits_per_step(stagger: bool) -> list[int]:
+        p = BatchNARX(epochs=2, min_train=4, refit_every=10, refit="sync", stagger=stagger)
+        slots = np.arange(100)
+        p.reset(slots, slots)
+        rng = np.random.default_rng(0)
+        out, n = [], 0
+        for _ in range(40):
+            p.update(slots, 100 + rng.normal(0, 3, 100), rng.uniform(0, 100, (100, 3)))
+            out.append(p.n_fits() - n)
+            n = p.n_fits()
+        return out
+
+    staggered, together = fits_per_step(True), fits_per_step(False)
+    first = next(i for i, k in enumerate(staggered) if k)
+    assert staggered[first] == 100 and max(staggered[first + 1:]) <= 10
+    assert sorted(set(together[first + 1:])) == [0, 100]
+
+
+def test_helper_process_goes_away_with_its_owner():
+    def helpers() -> set[int]:
+        return {c.pid for c in psutil.Process().children() if c.is_running()
+                and c.status() != psutil.STATUS_ZOMBIE}
+
+    before = helpers()
+    m = BatchSizeManager("lbbsp-cpu", 64, policy_args={"predictor": "narx"})
+    pid = m.policy.predictor.executor.pid
+    assert pid in helpers() - before
+    m.close()
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    m = BatchSizeManager("lbbsp-cpu", 64, policy_args={"predictor": "arima"})
+    pid = m.policy.predictor.executor.pid
+    del m
+    gc.collect()
+    assert helpers() <= before
+
+
+def test_helper_death_falls_back_to_a_thread():
+    p = fresh(BatchARIMA(refit_every=6, refit="process"))
+    try:
+        for t in range(20):
+            p.update(ALL, YS[:, t])
+        assert p.drain(60)
+        psutil.Process(p.executor.pid).kill()
+        psutil.Process(p.executor.pid).wait(10)
+        for t in range(20, 60):
+            p.update(ALL, YS[:, t])
+        assert p.drain(60)
+        assert isinstance(p.executor._fallback, ThreadRefits) and p.landed_fits >= 2 * K
+    finally:
+        p.close()
