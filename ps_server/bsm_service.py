@@ -149,7 +149,7 @@ class BatchSizeService:
         w = _worker_id(msg.worker_id)
         m = self.manager
         limit = m.global_batch // m.min_batch  # more workers than this can never be assigned
-        if w not in m.live_workers and len(m.live_workers) >= limit:
+        if not m.is_live(w) and len(m.live_workers) >= limit:
             raise Refused("too_many_workers",
                           f"{len(m.live_workers)} workers are live; X={m.global_batch} with "
                           f"min_batch={m.min_batch} cannot be split over more than {limit}")
@@ -174,7 +174,7 @@ class BatchSizeService:
         bad = sorted(k for k, v in msg.telemetry.items() if not math.isfinite(v))
         if bad:
             raise Refused("bad_request", f"telemetry values must be finite: {bad[:8]}")
-        if w not in self.manager.live_workers:
+        if not self.manager.is_live(w):
             raise Refused("unknown_worker", f"worker {w} is not live (join it first)")
         self.manager.observe(WorkerReport(worker_id=w, iteration=msg.iteration,
                                           batch_size=msg.batch_size, compute_s=msg.compute_s,
