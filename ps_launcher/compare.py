@@ -29,7 +29,8 @@ from tqdm import tqdm
 from ps_common.config import ConfigError, JobConfig, format_validation_error, StrictModel, validate
 from ps_launcher.launcher import LocalCluster, new_run_dir
 
-COLUMNS = ["mode", "repeat", "seed", "median_iteration_s", "iterations_to_target", "time_to_target_s",
+COLUMNS = ["mode", "repeat", "seed", "median_iteration_s", "mean_iteration_s", "p95_iteration_s",
+           "iterations_to_target", "time_to_target_s",
            "final_accuracy", "training_s", "iterations", "samples", "stop_reason", "run_dir"]
 
 
@@ -112,6 +113,7 @@ def _row(mode: str, repeat: int, cfg: JobConfig, s: dict[str, Any], target: floa
     return {
         "mode": mode, "repeat": repeat, "seed": cfg.run.seed,
         "median_iteration_s": s["median_iteration_s"],
+        "mean_iteration_s": s.get("mean_iteration_s"), "p95_iteration_s": s.get("p95_iteration_s"),
         "iterations_to_target": None if hit is None else hit["iterations"],
         "time_to_target_s": None if hit is None else hit["seconds"],
         "final_accuracy": s["final_accuracy"], "training_s": s["training_s"],
@@ -143,14 +145,18 @@ def _spread(values: list[Any], fmt: str) -> str:
 
 def report_table(rows: list[dict[str, Any]], modes: list[str], target: float) -> str:
     lines = [
-        f"| mode | time per iteration (ms) | iterations to {target:.0%} | time to {target:.0%} (s) "
-        "| final accuracy |",
-        "|---|---|---|---|---|",
+        f"| mode | time per iteration (ms): median | mean | p95 | iterations to {target:.0%} "
+        f"| time to {target:.0%} (s) | final accuracy |",
+        "|---|---|---|---|---|---|---|",
     ]
+
+    def ms(rs: list[dict[str, Any]], key: str) -> str:
+        return _spread([None if r.get(key) is None else float(r[key]) * 1e3 for r in rs], ".1f")
+
     for m in modes:
         rs = [r for r in rows if r["mode"] == m]
-        ms = [None if r["median_iteration_s"] is None else r["median_iteration_s"] * 1e3 for r in rs]
-        lines.append(f"| {m} | {_spread(ms, '.1f')} | {_spread([r['iterations_to_target'] for r in rs], '.0f')} "
+        lines.append(f"| {m} | {ms(rs, 'median_iteration_s')} | {ms(rs, 'mean_iteration_s')} "
+                     f"| {ms(rs, 'p95_iteration_s')} | {_spread([r['iterations_to_target'] for r in rs], '.0f')} "
                      f"| {_spread([r['time_to_target_s'] for r in rs], '.1f')} "
                      f"| {_spread([r['final_accuracy'] for r in rs], '.4f')} |")
     return "\n".join(lines)
@@ -170,8 +176,8 @@ def write_report(out_dir: Path, base: JobConfig, comp: CompareConfig, rows: list
         f"- model {base.model.name}, dataset {base.data.dataset}, global batch {base.training.global_batch}, "
         f"{base.cluster.num_workers} workers, {base.cluster.num_shards} shard(s), "
         f"{comp.repeats} repeat(s) per mode (seeds {base.run.seed}..{base.run.seed + comp.repeats - 1})",
-        "- cells: median over repeats [min-max]; time per iteration = median seconds per global batch "
-        "of X samples (async modes: per-update time scaled to X samples)",
+        "- cells: median over repeats [min-max]; time per iteration = seconds per global batch of X "
+        "samples (async modes: per-update time scaled to X samples), the median, mean and p95 of each run",
         "- iterations = global batches of samples applied; time = training time from the first iteration",
     ]
     text = "\n".join([f"# ps-compare: {base.run.name}", "", *notes, "", table, ""])

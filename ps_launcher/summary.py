@@ -16,6 +16,12 @@ def _records(path: Path) -> list[dict[str, Any]]:
     return list(read_jsonl(path)) if path.exists() else []
 
 
+def percentile(values: list[float], q: float) -> float:
+    """The q-quantile by nearest rank (a stall shows in p95 where a median hides it)."""
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, int(round(q * len(s))) - 1))]
+
+
 def time_to_accuracy(curve: list[dict[str, Any]], target: float) -> dict[str, Any] | None:
     """First evaluation at or above ``target``: its elapsed seconds, iterations and samples.
 
@@ -100,6 +106,7 @@ def summarize(run_dir: str | Path, *, global_batch: int, target_accuracy: float 
         "epochs": (coord[-1]["epoch"] if coord else 0),
         "median_iteration_s": statistics.median(durations) if durations else None,
         "mean_iteration_s": statistics.fmean(durations) if durations else None,
+        "p95_iteration_s": percentile(durations, 0.95) if durations else None,
         "final_accuracy": curve[-1]["accuracy"] if curve else None,
         "final_accuracy_version": curve[-1]["version"] if curve else None,
         "best_accuracy": max((p["accuracy"] for p in curve), default=None),
@@ -135,7 +142,8 @@ def summary_markdown(s: dict[str, Any]) -> str:
         f"| training time (s) | {_fmt(s['training_s'], '.1f')} |",
         f"| iterations (global batches) | {s['iterations']:.0f} |",
         f"| samples | {s['samples']} |",
-        f"| median time per global batch (s) | {_fmt(s['median_iteration_s'], '.4f')} |",
+        f"| time per global batch (s): median / mean / p95 | {_fmt(s['median_iteration_s'], '.4f')} / "
+        f"{_fmt(s.get('mean_iteration_s'), '.4f')} / {_fmt(s.get('p95_iteration_s'), '.4f')} |",
         f"| final test accuracy | {_fmt(s['final_accuracy'], '.4f')} |",
         f"| final version (every shard) | {_final_line(s.get('final'))} |",
         f"| final training loss | {_fmt(s['final_loss'], '.4f')} |",

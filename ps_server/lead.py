@@ -226,6 +226,7 @@ class Lead:
                 version=start, job=self.cfg.job_spec(), token=coord.token(wid) if wid >= 0 else ""))
         self.pending_joins = []
         self._announce_plan(coord.try_start())
+        server.pulls_changed()  # the job may have started: waiting first pulls get assignments
 
     def _member(self, worker_id: int, token: str) -> Coordinator:
         coord = self.coord
@@ -251,6 +252,7 @@ class Lead:
         coord.leave(worker_id, reason)
         self.metrics.write(event="worker_removed", worker=worker_id, reason=reason, live=coord.live(),
                            version=self.server.state.version)
+        self.server.pulls_changed()  # e.g. SSP: nobody waits for the departed worker's clock any more
         self.advance()
         self._announce_plan(coord.try_start())
 
