@@ -72,6 +72,7 @@ class RunResult:
 
     system: str
     median_iteration_s: float | None
+    mean_iteration_s: float | None
     iterations_to_target: int | None
     time_to_target_s: float | None
     final_accuracy: float | None
@@ -79,6 +80,7 @@ class RunResult:
     stop_reason: str
     wall_s: float
     curve: list[dict[str, Any]] = field(default_factory=list)
+    p95_iteration_s: float | None = None
     profile: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
@@ -122,7 +124,7 @@ def ps_profile(run_dir: Path) -> dict[str, dict[str, float]]:
             continue
         t = end[-1]["timings"]
         prof = {k: v["s"] / updates for k, v in t.items()}
-        prof["busy_s"] = sum(v["s"] for v in t.values()) / updates
+        prof["busy_s (wall)"] = sum(v["s"] for k, v in t.items() if k != "cpu_total") / updates
         out[path.stem] = prof
     if coord:
         out["coordinator"] = {"decision_s": statistics.fmean(r.get("decision_s", 0.0) for r in coord)}
@@ -133,7 +135,8 @@ def render_profile(profiles: list[dict[str, dict[str, float]]]) -> str:
     """Microseconds per iteration by phase, the median over repeats."""
     names = sorted({n for p in profiles for n in p})
     lines = ["", "Where the PS's time goes (microseconds per iteration, median over repeats; shard rows "
-             "count the shard's own loop: decode, handlers, commit, answers, send):", "",
+             "count the shard's own loop by phase in wall time, which on a shared host includes "
+             "waiting for a core, and cpu_total, the CPU the shard's loop consumed):", "",
              "| process | phase | us per iteration |", "|---|---|---|"]
     for n in names:
         phases = sorted({k for p in profiles for k in p.get(n, {})},
@@ -165,6 +168,7 @@ def run_ps(cfg: JobConfig, run_dir: Path, system: str = "PS-BSP") -> RunResult:
     return RunResult(
         system=system,
         median_iteration_s=summary["median_iteration_s"],
+        mean_iteration_s=summary["mean_iteration_s"], p95_iteration_s=summary["p95_iteration_s"],
         iterations_to_target=None if hit is None else int(hit["iterations"]),
         time_to_target_s=None if hit is None else float(hit["seconds"]),
         final_accuracy=summary["final_accuracy"],
@@ -180,6 +184,7 @@ def run_ps_quiet(cfg: JobConfig, run_dir: Path) -> RunResult:
     """The PS without its evaluator, for the same number of iterations: iteration time only."""
     summary = LocalCluster(cfg, run_dir, progress=False).run()
     return RunResult(system="PS-BSP, no evaluator", median_iteration_s=summary["median_iteration_s"],
+                     mean_iteration_s=summary["mean_iteration_s"], p95_iteration_s=summary["p95_iteration_s"],
                      iterations_to_target=None, time_to_target_s=None, final_accuracy=None,
                      iterations=int(summary["iterations"]), stop_reason=summary["stop_reason"],
                      wall_s=float(summary["wall_s"] or 0.0), profile=ps_profile(run_dir))
@@ -287,6 +292,8 @@ def _ddp_rank(rank: int, spec: DDPSpec) -> None:
         if rank == 0:
             result = {
                 "median_iteration_s": statistics.median(iteration_s) if iteration_s else None,
+                "mean_iteration_s": statistics.fmean(iteration_s) if iteration_s else None,
+                "p95_iteration_s": sorted(iteration_s)[int(0.95 * (len(iteration_s) - 1))] if iteration_s else None,
                 "iterations_to_target": None if hit is None else hit["iterations"],
                 "time_to_target_s": None if hit is None else hit["seconds"],
                 "final_accuracy": curve[-1]["accuracy"] if curve else None,
@@ -323,6 +330,7 @@ def run_ddp(cfg: JobConfig, work_dir: Path, repeat: int) -> RunResult:
     wall = time.monotonic() - t0
     r = json.loads(result_path.read_text())
     return RunResult(system="DDP-gloo", median_iteration_s=r["median_iteration_s"],
+                     mean_iteration_s=r["mean_iteration_s"], p95_iteration_s=r["p95_iteration_s"],
                      iterations_to_target=r["iterations_to_target"],
                      time_to_target_s=r["time_to_target_s"], final_accuracy=r["final_accuracy"],
                      iterations=r["iterations"], stop_reason=r["stop_reason"], wall_s=wall,
@@ -407,30 +415,34 @@ def render(cfg: JobConfig, args: argparse.Namespace, ps: list[RunResult], ddp: l
         f"- torch {torch.__version__}, {_cores()} CPU cores, 1 torch thread per DDP rank; "
         f"repeats: {len(ps)} (alternating PS, DDP){'; median (min-max)' if len(ps) > 1 else ''}",
         "",
-        "| system | median iteration (ms) | iterations to target | time to target (s) "
+        "| system | iteration (ms): median | mean | p95 | iterations to target | time to target (s) "
         "| final accuracy |",
-        "|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|",
     ]
     rows = [("PS-BSP", ps), ("DDP-gloo", ddp)]
     if quiet:
         rows.insert(1, ("PS-BSP, no evaluator", quiet))
     for name, runs in rows:
+        times = (f"{_agg([r.median_iteration_s for r in runs], ms)} | {_agg([r.mean_iteration_s for r in runs], ms)} "
+                 f"| {_agg([r.p95_iteration_s for r in runs], ms)}")
         if runs is quiet:  # iteration time only: it has no evaluator to tell accuracy
-            lines.append(f"| {name} | {_agg([r.median_iteration_s for r in runs], ms)} | - | - | - |")
+            lines.append(f"| {name} | {times} | - | - | - |")
             continue
         lines.append(
-            f"| {name} | {_agg([r.median_iteration_s for r in runs], ms)} "
+            f"| {name} | {times} "
             f"| {_agg([r.iterations_to_target for r in runs], its)} "
             f"| {_agg([r.time_to_target_s for r in runs], secs)} "
             f"| {_agg([r.final_accuracy for r in runs], acc)} |")
     it_ratio = _ratio([r.median_iteration_s for r in ps], [r.median_iteration_s for r in ddp])
     tt_ratio = _ratio([r.time_to_target_s for r in ps], [r.time_to_target_s for r in ddp])
-    lines += [f"| PS / DDP | {it_ratio} | | {tt_ratio} | |"]
+    mean_ratio = _ratio([r.mean_iteration_s for r in ps], [r.mean_iteration_s for r in ddp])
+    p95_ratio = _ratio([r.p95_iteration_s for r in ps], [r.p95_iteration_s for r in ddp])
+    lines += [f"| PS / DDP | {it_ratio} | {mean_ratio} | {p95_ratio} | | {tt_ratio} | |"]
     if quiet:
         q_ratio = _ratio([r.median_iteration_s for r in quiet], [r.median_iteration_s for r in ddp])
         e_ratio = _ratio([r.median_iteration_s for r in ps], [r.median_iteration_s for r in quiet])
-        lines += [f"| PS without evaluator / DDP | {q_ratio} | | | |",
-                  f"| PS with / without evaluator | {e_ratio} | | | |"]
+        lines += [f"| PS without evaluator / DDP | {q_ratio} | | | | | |",
+                  f"| PS with / without evaluator | {e_ratio} | | | | | |"]
     lines += [
         "",
         f"PS/DDP ratio: median iteration time {it_ratio}, time to target {tt_ratio}.", "",
@@ -440,9 +452,9 @@ def render(cfg: JobConfig, args: argparse.Namespace, ps: list[RunResult], ddp: l
         "updates are mathematically identical, so the time difference is the system's. They "
         "differ in float rounding (gradient averaging order), which training amplifies, so "
         "accuracies at equal iterations are close but not identical.",
-        "- PS iteration = coordinator's time from planning an iteration to applying its update "
-        "(pull, batch, compute, push, aggregate). DDP iteration = rank 0's time from fetching "
-        "its batch to the end of `optimizer.step()` (includes the gradient all-reduce).",
+        "- PS iteration = time between consecutive updates on shard 0 (batch, compute, push, "
+        "commit on every shard, answer). DDP iteration = rank 0's time from fetching its batch "
+        "to the end of `optimizer.step()` (includes the gradient all-reduce).",
         "- Time to target counts training time only, from the moment training starts (PS: all "
         "workers joined; DDP: after process-group and DDP setup) to the end of the iteration "
         "whose parameters first measured >= target. Process start-up is excluded in both.",
@@ -451,10 +463,11 @@ def render(cfg: JobConfig, args: argparse.Namespace, ps: list[RunResult], ddp: l
         f"- The PS evaluator is a separate process that evaluates concurrently with training "
         f"and competes with the {c.num_shards} shards and {c.num_workers} workers for the "
         f"{_cores()} cores, so PS times include that interference: the comparison is "
-        "conservative for the PS. It also measures whatever version is current when it is "
-        f"free again, not exactly every {EVAL_EVERY} iterations: when an evaluation takes "
-        "longer than the iterations between two marks (large models), it measures less often, "
-        "and the PS's iterations and time to target are rounded up more coarsely than DDP's.",
+        f"conservative for the PS. It measures exactly versions 0, {EVAL_EVERY}, "
+        f"{2 * EVAL_EVERY}, ... from the shards' snapshots (the time of a point is when that "
+        "version was made, not when it was measured), so the PS stops a little after the "
+        "target is reached (the evaluator's lag), which counts in its iterations but not in "
+        "its time to target.",
     ]
     for i, r in enumerate(ps):
         versions = ", ".join(str(p["version"]) for p in r.curve)

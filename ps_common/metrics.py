@@ -1,22 +1,20 @@
-"""Append-only JSON-lines metric records, one file per process."""
+"""Append-only JSON-lines metric records, one file per process.
+
+Records are written with orjson (a few microseconds per record instead of tens: the shards and
+workers write one per iteration), which writes NaN and infinities as null, numpy scalars as
+numbers, and non-string keys as strings.
+"""
 
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 from typing import Any, Iterator
 
+import orjson
 
-def _clean(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
-    return value
+_OPTIONS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS | orjson.OPT_APPEND_NEWLINE
 
 
 class MetricsWriter:
@@ -27,13 +25,13 @@ class MetricsWriter:
         self._fh = None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fh = open(self.path, "a", buffering=1)
+            self._fh = open(self.path, "ab", buffering=0)
 
     def write(self, **record: Any) -> None:
         if self._fh is None:
             return
         record.setdefault("wall_time", time.time())
-        self._fh.write(json.dumps(_clean(record), separators=(",", ":")) + "\n")
+        self._fh.write(orjson.dumps(record, option=_OPTIONS))
 
     def close(self) -> None:
         if self._fh is not None:

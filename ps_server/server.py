@@ -99,7 +99,8 @@ class ShardServer:
         self.policy = get_sync_policy(cfg.mode.sync, **cfg.sync_args())
         self.state = ShardState(
             shard, full[lo:hi].copy(), cfg.optimizer, reject_nonfinite=cfg.training.reject_nonfinite,
-            snapshot_every=cfg.evaluator.every_iterations if cfg.evaluator.enabled else 0)
+            snapshot_every=cfg.evaluator.every_iterations if cfg.evaluator.enabled else 0,
+            max_snapshots=cfg.evaluator.snapshots)
         t = cfg.transport
         bind_host = host or cfg.cluster.host
         self.sock, bound = make_router(self.ctx, bind_address(bind_host, port),

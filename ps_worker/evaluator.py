@@ -9,6 +9,7 @@ stop the run at a target accuracy). A final measurement is taken when the run st
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -26,6 +27,21 @@ from ps_common.transport import RemoteError
 from ps_worker.client import ShardClients
 
 log = logging.getLogger(__name__)
+
+
+def lower_priority(nice: int) -> None:
+    """Run at CPU niceness ``nice``. Linux puts every session in an autogroup and shares the CPU
+    between autogroups first, so a process that is alone in its session (as ps-launch starts
+    its children) must set its autogroup's nice too, or its own nice changes nothing."""
+    try:
+        os.nice(nice)
+    except OSError as exc:
+        log.warning("could not lower the evaluator's priority: %s", exc)
+    try:
+        with open("/proc/self/autogroup", "w") as fh:
+            fh.write(str(nice))
+    except OSError:
+        pass  # no autogroups here (or not allowed): the plain nice is what counts then
 
 
 def evaluate(model: torch.nn.Module, data: ArrayDataset, *, limit: int | None = None,
@@ -50,6 +66,8 @@ class Evaluator:
                  poll_s: float = 0.2) -> None:
         self.cfg = cfg
         torch.set_num_threads(1)
+        if cfg.evaluator.nice:  # take what training leaves, never slow it
+            lower_priority(cfg.evaluator.nice)
         self.ctx = ctx or zmq.Context.instance()
         self.client = ShardClients(self.ctx, server, timeout_s=cfg.transport.timeout_s,
                                    connect_timeout_s=cfg.transport.connect_timeout_s,
