@@ -130,10 +130,11 @@ class EvaluatorConfig(StrictModel):
     every_iterations: int = Field(50, gt=0)
     test_samples: Optional[int] = Field(None, gt=0)
     batch: int = Field(1000, gt=0)
-    nice: int = Field(10, ge=0, le=19, description=(
-        "CPU niceness of the evaluator process: 0 as training; 10 (default) yields to training yet "
-        "keeps up enough to stop at a target accuracy promptly; 19 also makes it SCHED_IDLE (never "
-        "slows training, but on a saturated host it measures only after training ends)"))
+    nice: int = Field(19, ge=0, le=19, description=(
+        "CPU niceness of the evaluator process. 19 (default) also makes it SCHED_IDLE: it never slows "
+        "training, and on a saturated host it measures in the gaps, so a target_accuracy stop comes "
+        "when its measurement does, after training moved on (time to accuracy is unaffected: it is "
+        "the measured version's time). 0: as training (prompt stop, slower training)."))
     snapshots: int = Field(32, ge=1, le=1024, description="parameter snapshots each shard keeps for it")
 
 
