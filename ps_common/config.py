@@ -205,6 +205,9 @@ class JobConfig(StrictModel):
             raise ValueError(
                 f"mode.backup_workers ({self.mode.backup_workers}) must be below "
                 f"cluster.num_workers ({self.cluster.num_workers}): N + b workers run, N are waited for")
+        if self.cluster.transport == "ipc" and self.scenario.needs_hosts(self.cluster.num_workers):
+            raise ValueError("cluster.transport=ipc cannot reach processes on lab hosts "
+                             "(scenario links or hosts): use tcp")
         if self.training.global_batch < self.cluster.num_workers * self.training.min_batch:
             raise ValueError(
                 f"training.global_batch ({self.training.global_batch}) is below cluster.num_workers "

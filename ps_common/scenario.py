@@ -152,6 +152,123 @@ class CpuLoad(_Strict):
         return self
 
 
+# ----- real mechanisms: kernel CPU quotas and shaped links (applied by ps-launch) ----------------
+
+
+def _fraction() -> Any:
+    return Field(None, gt=0.0, le=1024.0, allow_inf_nan=False,
+                 description="a fraction of one core (0.5 = half a core); null = unlimited")
+
+
+class QuotaStep(_Strict):
+    """From ``at_seconds`` on, the quota is ``fraction`` (null: unlimited)."""
+
+    at_seconds: float = Field(ge=0.0, allow_inf_nan=False)
+    fraction: Optional[float] = _fraction()
+
+
+class QuotaBurst(_Strict):
+    """Periodic throttling: ``fraction`` during [phase_s + k*period_s, ... + duration_s)."""
+
+    period_s: float = _seconds()
+    duration_s: float = _seconds()
+    fraction: float = Field(gt=0.0, le=1024.0, allow_inf_nan=False)
+    phase_s: float = Field(0.0, ge=0.0, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _fits(self) -> "QuotaBurst":
+        if self.duration_s > self.period_s:
+            raise ValueError(f"duration_s ({self.duration_s}) must not exceed period_s ({self.period_s})")
+        return self
+
+
+class QuotaRandom(OnOff):
+    """Seeded random throttling: ``fraction`` while the on/off schedule is on."""
+
+    fraction: float = Field(gt=0.0, le=1024.0, allow_inf_nan=False)
+
+
+class QuotaTrace(_Strict):
+    """A quota read from a CSV file (``key_column`` seconds, ``column`` fractions of a core;
+    <= 0 or empty = unlimited). The last row's value holds, or the trace repeats with ``loop``."""
+
+    path: str = Field(min_length=1)
+    column: str = "fraction"
+    key_column: str = "seconds"
+    loop: bool = False
+
+
+class CpuQuota(_Strict):
+    """A kernel-enforced share of a core for the worker's process (cgroup cpu controller), like a
+    smaller VM. The share in force is the smallest of: the static ``fraction`` (or the last step
+    reached), every active burst or random entry, the trace, the scenario's rotation."""
+
+    fraction: Optional[float] = _fraction()
+    steps: tuple[QuotaStep, ...] = ()
+    bursts: tuple[QuotaBurst, ...] = ()
+    random: tuple[QuotaRandom, ...] = ()
+    trace: Optional[QuotaTrace] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _number(cls, v: Any) -> Any:
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return {"fraction": v}
+        if isinstance(v, dict):
+            v = dict(v)
+            for k in ("steps", "bursts", "random"):
+                if k in v:
+                    v[k] = _one_or_many(v[k])
+        return v
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "CpuQuota":
+        times = [s.at_seconds for s in self.steps]
+        if times != sorted(times):
+            raise ValueError("steps must be listed in the order they happen (at_seconds increasing)")
+        return self
+
+
+class Rotation(_Strict):
+    """The slow role moves between workers: in period k (``period_s`` long), worker i gets
+    ``fractions[(i + k) % len(fractions)]`` of a core (null = unlimited)."""
+
+    period_s: float = _seconds()
+    fractions: tuple[Optional[float], ...] = Field(min_length=1)
+
+    @field_validator("fractions")
+    @classmethod
+    def _positive(cls, v: tuple[Optional[float], ...]) -> tuple[Optional[float], ...]:
+        for f in v:
+            if f is not None and not (0 < f <= 1024 and math.isfinite(f)):
+                raise ValueError(f"fractions must be > 0 (or null for unlimited), got {f}")
+        return v
+
+
+class LinkStep(_Strict):
+    """From ``at_seconds`` on, the worker's link has this rate and delay (each optional: the
+    previous value holds)."""
+
+    at_seconds: float = Field(ge=0.0, allow_inf_nan=False)
+    rate_mbit: Optional[float] = Field(None, gt=0.0, allow_inf_nan=False)
+    delay_ms: Optional[float] = Field(None, ge=0.0, allow_inf_nan=False)
+    unlimited: bool = Field(False, description="lift the rate limit from here on")
+
+
+class Link(_Strict):
+    """A real link: the worker runs in a network namespace of its own behind a veth with a tc
+    rate limit (``rate_mbit``, both directions) and a delay stage (``delay_ms`` each way)."""
+
+    rate_mbit: Optional[float] = Field(None, gt=0.0, allow_inf_nan=False)
+    delay_ms: float = Field(0.0, ge=0.0, allow_inf_nan=False)
+    steps: tuple[LinkStep, ...] = ()
+
+    @field_validator("steps", mode="before")
+    @classmethod
+    def _wrap(cls, v: Any) -> Any:
+        return _one_or_many(v)
+
+
 class WorkerScenario(_Strict):
     """How one worker is slowed. Every part is optional; the empty scenario slows nothing."""
 
@@ -167,6 +284,8 @@ class WorkerScenario(_Strict):
     comm_bandwidth_mb_s: Optional[float] = Field(
         None, gt=0.0, allow_inf_nan=False,
         description="emulated link bandwidth: adds nbytes / bandwidth per message sent")
+    cpu_quota: Optional[CpuQuota] = Field(None, description="real: a kernel CPU quota (ps-launch, root)")
+    link: Optional[Link] = Field(None, description="real: a shaped link in a network namespace (ps-launch, root)")
 
     @field_validator("steps", "bursts", "random", "cpu_load", mode="before")
     @classmethod
@@ -205,6 +324,9 @@ class ScenarioConfig(_Strict):
     name: str = "none"
     slowdowns: Optional[tuple[PositiveFactor, ...]] = None
     workers: tuple[WorkerScenario, ...] = ()
+    rotation: Optional[Rotation] = Field(None, description="real: CPU quotas whose slow role moves between workers")
+    hosts: bool = Field(False, description="real: every process on a host (network namespace) of its "
+                                           "own, even without shaped links")
 
     @field_validator("workers", mode="before")
     @classmethod
@@ -261,7 +383,16 @@ class ScenarioConfig(_Strict):
             "emulated": any(_emulated_compute(w) or _emulated_comm(w) for w in ws),
             "emulated_comm": any(_emulated_comm(w) for w in ws),
             "real_load": any(bool(w.cpu_load) for w in ws),
+            "real_quota": self.rotation is not None or any(w.cpu_quota is not None for w in ws),
+            "real_link": any(w.link is not None for w in ws),
         }
+
+    def needs_quotas(self, num_workers: int) -> bool:
+        return self.rotation is not None or any(
+            self.for_worker(i).cpu_quota is not None for i in range(num_workers))
+
+    def needs_hosts(self, num_workers: int) -> bool:
+        return self.hosts or any(self.for_worker(i).link is not None for i in range(num_workers))
 
     def describe(self, num_workers: int | None = None) -> str:
         n = self.num_listed() if num_workers is None else num_workers
@@ -277,6 +408,11 @@ class ScenarioConfig(_Strict):
             if w.trace is not None and not Path(w.trace.path).is_absolute():
                 p = str((Path(base_dir) / w.trace.path).resolve())
                 w = w.model_copy(update={"trace": w.trace.model_copy(update={"path": p})})
+            q = w.cpu_quota
+            if q is not None and q.trace is not None and not Path(q.trace.path).is_absolute():
+                p = str((Path(base_dir) / q.trace.path).resolve())
+                w = w.model_copy(update={"cpu_quota": q.model_copy(
+                    update={"trace": q.trace.model_copy(update={"path": p})})})
             workers.append(w)
         return self.model_copy(update={"workers": tuple(workers)})
 
@@ -319,6 +455,24 @@ def describe_worker(w: WorkerScenario, index: int) -> str:
         rnd = (f", random seed {c.random.seed} on {_fmt(c.random.mean_on_s)}s / off "
                f"{_fmt(c.random.mean_off_s)}s" if c.random else "")
         parts.append(f"cpu load {c.processes} proc {window}{rnd} [real]")
+    if w.cpu_quota is not None:
+        q = w.cpu_quota
+        bits = [f"{_fmt(q.fraction)} core" if q.fraction is not None else "unlimited"]
+        bits += [f"t>={_fmt(st.at_seconds)}s: {_fmt(st.fraction) if st.fraction else 'unlimited'}" for st in q.steps]
+        bits += [f"{_fmt(b.fraction)} for {_fmt(b.duration_s)}s every {_fmt(b.period_s)}s" for b in q.bursts]
+        bits += [f"random {_fmt(r.fraction)} (seed {r.seed})" for r in q.random]
+        if q.trace is not None:
+            bits.append(f"trace {q.trace.path}")
+        parts.append("cpu quota " + ", ".join(bits) + " [real]")
+    if w.link is not None:
+        ln = w.link
+        text = f"link {_fmt(ln.rate_mbit) + ' Mbit/s' if ln.rate_mbit else 'unshaped'}"
+        if ln.delay_ms:
+            text += f" +{_fmt(ln.delay_ms)} ms"
+        text += "".join(f"; t>={_fmt(st.at_seconds)}s: "
+                        + ("unlimited" if st.unlimited else f"{_fmt(st.rate_mbit)} Mbit/s" if st.rate_mbit else "")
+                        + (f" +{_fmt(st.delay_ms)} ms" if st.delay_ms is not None else "") for st in ln.steps)
+        parts.append(text + " [real]")
     if _emulated_comm(w):
         comm = f"+{_fmt(w.comm_delay_ms)}ms/msg"
         if w.comm_bandwidth_mb_s is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -51,6 +52,8 @@ class LocalCluster:
         self.group = ProcessGroup(self.run_dir / "logs")
         self.shard_endpoints: list[str] = []
         self.ipc_dir: Path | None = None
+        self.lab: Any = None  # a LabDriver when the scenario uses real mechanisms
+        self._hosts = False
 
     def run(self) -> dict[str, Any]:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -62,14 +65,17 @@ class LocalCluster:
         t0 = time.monotonic()
         stop_reason = ""
         try:
+            self._open_lab()
             self._start(cfg_path)
-            stop_reason = self._monitor()
+            stop_reason = self._monitor_files() if self._hosts else self._monitor()
         except KeyboardInterrupt:
             stop_reason = "interrupted (Ctrl-C)"
         finally:
             self._shutdown()
             if self.ipc_dir is not None:
                 shutil.rmtree(self.ipc_dir, ignore_errors=True)
+            if self.lab is not None:
+                self.lab.close()
         summary = summarize(self.run_dir, global_batch=self.cfg.training.global_batch,
                             target_accuracy=self.cfg.training.target_accuracy,
                             wall_s=time.monotonic() - t0, stop_reason=stop_reason)
@@ -105,8 +111,27 @@ class LocalCluster:
     def _common(self, cfg_path: Path) -> list[str]:
         return ["--config", str(cfg_path), "--run-dir", str(self.run_dir)]
 
+    def _open_lab(self) -> None:
+        """Real mechanisms (CPU quotas, hosts with shaped links) when the scenario asks for them."""
+        sc, n = self.cfg.scenario, self.cfg.cluster.num_workers
+        if not (sc.needs_quotas(n) or sc.needs_hosts(n)):
+            return
+        from ps_launcher.lab import cleanup_stale
+        from ps_launcher.lab.driver import LabDriver
+
+        removed = cleanup_stale()
+        if removed:
+            log.warning("removed what killed runs left: %s", ", ".join(removed))
+        self.lab = LabDriver(self.cfg, self.run_dir).open()
+        self._hosts = self.lab.lab is not None
+
     def _host(self, shard: int) -> list[str]:
-        """``--host`` for shard ``shard``: a Unix socket with cluster.transport=ipc."""
+        """``--host`` for shard ``shard``: its lab host's address, or a Unix socket with
+        cluster.transport=ipc."""
+        if self.lab is not None and self._hosts:
+            host = self.lab.host(f"shard-{shard}")
+            assert host is not None
+            return ["--host", host.ip]
         if self.cfg.cluster.transport != "ipc":
             return []
         if self.ipc_dir is None:  # short: a Unix socket path has ~100 bytes at most
@@ -115,7 +140,11 @@ class LocalCluster:
 
     def _start_child(self, name: str, module: str, args: list[str], role: str):
         env = {**self.role_env.get(role, {}), PARENT_ENV: str(os.getpid())}
-        return self.group.start(name, module, args, env=env)
+        prefix = self.lab.prefix(name) if self.lab is not None else None
+        child = self.group.start(name, module, args, env=env, prefix=prefix)
+        if self.lab is not None and name.startswith("worker-"):
+            self.lab.attach(int(name.split("-")[1]), child.proc.pid)
+        return child
 
     def _start(self, cfg_path: Path) -> None:
         c = self.cfg
@@ -165,6 +194,8 @@ class LocalCluster:
                         continue
                     raise RunFailed("shard 0 stopped answering status requests") from None
                 assert isinstance(st, P.Status)
+                if st.started and self.lab is not None:
+                    self.lab.start_clock()
                 done = int(st.iterations)
                 if done != last:
                     bar.set_postfix(epoch=st.epoch, workers=st.workers, refresh=False,
@@ -178,6 +209,51 @@ class LocalCluster:
         finally:
             bar.close()
             conn.close()
+
+    def _monitor_files(self) -> str:
+        """Progress from shard 0's metrics when the processes run on lab hosts, which this
+        process cannot reach: the first commit starts the scenario's clock, the stop record ends
+        the run."""
+        path = self.run_dir / "metrics" / "coordinator.jsonl"
+        t = self.cfg.training
+        bar = tqdm(total=t.max_iterations, unit="it", desc=self.cfg.run.name, disable=not self.progress,
+                   dynamic_ncols=True)
+        fh = None
+        pending = b""
+        try:
+            while True:
+                failed = self.group.failed()
+                if failed is not None:
+                    raise RunFailed(f"{failed.role} exited with code {failed.proc.returncode}; "
+                                    f"last lines of {failed.log_path}:\n{failed.tail()}")
+                if fh is None and path.exists():
+                    fh = open(path, "rb")
+                chunk = fh.read() if fh is not None else b""
+                *lines, pending = (pending + chunk).split(b"\n")
+                commits = 0
+                for line in lines:
+                    try:
+                        r = json.loads(line)
+                    except ValueError:
+                        continue
+                    if "event" not in r:
+                        commits += 1
+                        if self.lab is not None:
+                            self.lab.start_clock()
+                    elif r["event"] == "stop":
+                        bar.close()
+                        self._wait_finish()
+                        return r.get("reason", "stopped")
+                if commits:
+                    bar.update(commits)
+                if self._roles("shard-0")[0].proc.poll() == 0:
+                    self._wait_finish()
+                    return self._final_stop_reason()
+                time.sleep(0.25)
+        finally:
+            bar.close()
+            if fh is not None:
+                fh.close()
 
     def _final_stop_reason(self) -> str:
         from ps_common.metrics import read_jsonl
@@ -206,7 +282,7 @@ class LocalCluster:
         ctx = zmq.Context.instance()
         live = {ch.role for ch in self.group.children if ch.proc.poll() is None}
         for k, ep in enumerate(self.shard_endpoints):
-            if f"shard-{k}" not in live:
+            if f"shard-{k}" not in live or self._hosts:  # lab hosts: not reachable from here
                 continue
             conn = Connection(ctx, ep, role="operator", timeout_s=2.0, security=self.cfg.security)
             try:
