@@ -65,8 +65,18 @@ def is_oom(report: WorkerReport) -> bool:
 
 
 def fixed_overhead(report: WorkerReport) -> float:
-    """data + push + pull seconds of a report (never the barrier wait)."""
+    """Everything but compute in a worker's finish time, never the barrier wait.
+
+    With ``finish_s`` (the coordinator's view: from the answer that started the iteration to
+    the gradient being whole on every shard) it is finish_s - compute_s: what a slow link or a
+    CPU quota adds outside the compute phase, which the worker cannot see (its push returns as
+    soon as ZeroMQ queues it). Without it (ps-bsm, the DDP plug-in): data + push + pull.
+    """
     tel = report.telemetry
+    fin = _num(tel, "finish_s")
+    if fin > 0:
+        c = report.compute_s
+        return max(0.0, fin - (c if math.isfinite(c) else 0.0))
     return _num(tel, "data_s") + _num(tel, "prev_push_s") + _num(tel, "prev_pull_s")
 
 
@@ -396,6 +406,17 @@ class LBBSPCpuPolicy(SlotPolicy):
     inputs. ``history`` observations per worker are kept so that a checkpoint can rebuild any
     predictor by replaying them.
 
+    Finish times seen by the servers (``finish_s``, put into the reports by the coordinator: from
+    the answer that starts a worker's iteration to its gradient being whole on every shard)
+    replace the worker's own overhead: c_i is then the ``finish_quantile`` (default 0.8) of
+    finish_j - x_j / v_i over the worker's last ``finish_window`` iterations. A high quantile,
+    not a mean, because the barrier waits for each iteration's slowest worker: under a CPU quota a
+    worker that spent its share of a 100 ms period stalls until the next one (seen: median finish
+    35 ms, p90 93 ms), and equalising means leaves every iteration to the worst stall. Giving it
+    work for its tail lowers its CPU need per period until the stalls become rare. The same term
+    carries a slow link (parameters and gradients crossing it), which the worker cannot see: its
+    push returns as soon as ZeroMQ has queued it.
+
     Cost: every worker's state (predictor, overhead, history) is a row of numpy arrays and one
     iteration's reports are applied together (:mod:`predictors.batch`), so a decision costs a few
     µs per worker. NARX and ARIMA refits are batched, staggered over the refit period by worker id
@@ -412,7 +433,16 @@ class LBBSPCpuPolicy(SlotPolicy):
                  max_factor: float | None = 2.0,
                  memory_caps: Mapping[Any, int] | None = None, oom_margin: float = 0.05,
                  predictor_factory: Callable[[], Any] | None = None, refit: str = "background",
-                 stagger: bool = True) -> None:
+                 stagger: bool = True, finish_quantile: float | None = 0.8, finish_window: int = 16) -> None:
+        if finish_quantile is not None and not (0.0 < finish_quantile <= 1.0):
+            raise ValueError(f"finish_quantile must be in (0, 1] (or None), got {finish_quantile}")
+        if finish_window < 2:
+            raise ValueError(f"finish_window must be >= 2, got {finish_window}")
+        self.finish_quantile = None if finish_quantile is None else float(finish_quantile)
+        self.finish_window = int(finish_window)
+        self._fx = np.zeros((0, self.finish_window))  # batch sizes of the last finish times
+        self._ff = np.full((0, self.finish_window), math.nan)  # finish_s, nan: none yet
+        self._fn = np.zeros(0, dtype=np.int64)        # finish times seen per worker
         if not (0.0 <= threshold < 1.0):
             raise ValueError(f"threshold must be in [0, 1), got {threshold}")
         if not (0.0 < overhead_alpha <= 1.0):
@@ -470,11 +500,16 @@ class LBBSPCpuPolicy(SlotPolicy):
         self._seen = grown(self._seen, capacity, 0)
         self._hv = grown(self._hv, capacity, 0.0)
         self._hx = grown(self._hx, capacity, 0.0)
+        self._fx = grown(self._fx, capacity, 0.0)
+        self._ff = grown(self._ff, capacity, math.nan)
+        self._fn = grown(self._fn, capacity, 0)
         self._pred.resize(capacity)
 
     def _init_slots(self, slots: np.ndarray, ids: np.ndarray) -> None:
         self._overhead[slots] = math.nan
         self._seen[slots] = 0
+        self._ff[slots] = math.nan
+        self._fn[slots] = 0
         self._pred.reset(slots, ids)
 
     # ----- membership and observations ----------------------------------------------------
@@ -517,6 +552,16 @@ class LBBSPCpuPolicy(SlotPolicy):
         prev = self._overhead[slots]
         a = self.overhead_alpha
         self._overhead[slots] = np.where(np.isnan(prev), o, a * o + (1 - a) * prev)
+        if self.finish_quantile is not None:
+            fin = batch.num("finish_s") if rows is None else batch.num("finish_s")[rows]
+            has = fin > 0
+            if has.any():
+                fs = slots[has]
+                pos = self._fn[fs] % self.finish_window
+                xs = (batch.batch if rows is None else batch.batch[rows])[has]
+                self._fx[fs, pos] = xs
+                self._ff[fs, pos] = fin[has]
+                self._fn[fs] += 1
 
     def _feed(self, slots: np.ndarray, v: np.ndarray, exog: np.ndarray | None) -> None:
         self._pred.update(slots, v, exog)
@@ -535,6 +580,8 @@ class LBBSPCpuPolicy(SlotPolicy):
         if k == 0:
             return None
         oh = self._overhead[slots]
+        if self.finish_quantile is not None:
+            oh = self._tail_overhead(slots, v, oh)
         if k == v.size:
             v_all = v
             known_c = oh == oh                   # not nan
@@ -547,6 +594,20 @@ class LBBSPCpuPolicy(SlotPolicy):
             kc = int(np.count_nonzero(known_c))
         mean_c = float(np.add.reduce(oh[known_c])) / kc if kc else 0.0
         return v_all, np.where(known_c, oh, mean_c)
+
+    def _tail_overhead(self, slots: np.ndarray, v: np.ndarray, oh: np.ndarray) -> np.ndarray:
+        """c_i from server-seen finish times: the quantile of finish_j - x_j / v_i over the last
+        iterations, for workers with at least 4 of them and a speed; the others keep ``oh``."""
+        ready = (self._fn[slots] >= 4) & (v > 0)
+        if not ready.any():
+            return oh
+        s = slots[ready]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            rest = self._ff[s] - self._fx[s] / v[ready][:, None]
+        q = np.nanquantile(rest, self.finish_quantile, axis=1)
+        out = oh.copy()
+        out[ready] = np.maximum(0.0, q)
+        return out
 
     def estimates(self, workers: Sequence[int]) -> tuple[dict[int, float], dict[int, float]]:
         """Predicted speed and overhead per worker (unmeasured ones get the measured means)."""

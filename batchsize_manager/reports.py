@@ -88,6 +88,17 @@ def _speed_one(batch_size: Any, compute_s: Any) -> float:
     return v if math.isfinite(v) else math.nan
 
 
+def _overhead_one(tel: Mapping[str, Any], compute_s: float) -> float:
+    fin = tel.get("finish_s")
+    try:
+        f = float(fin) if fin is not None else math.nan
+    except (TypeError, ValueError):
+        f = math.nan
+    if math.isfinite(f) and f > 0:
+        return max(0.0, f - (compute_s if math.isfinite(compute_s) else 0.0))
+    return _num_one(tel.get("data_s")) + _num_one(tel.get("prev_push_s")) + _num_one(tel.get("prev_pull_s"))
+
+
 def _exog_one(raw: Any) -> float:
     v = _float_or_nan(raw)
     return v if math.isfinite(v) else 0.0
@@ -199,14 +210,18 @@ class ReportBatch:
         return self._speed
 
     def overhead(self) -> np.ndarray:
-        """``lbbsp.fixed_overhead`` per report: data + previous push + previous pull seconds."""
+        """``lbbsp.fixed_overhead`` per report: the server-observed finish time minus compute
+        where the report carries one (``finish_s``), else data + previous push + previous pull."""
         if self._overhead is None:
             if self.small:
-                self._overhead = np.array(
-                    [_num_one(t.get("data_s")) + _num_one(t.get("prev_push_s"))
-                     + _num_one(t.get("prev_pull_s")) for t in self.tels], dtype=np.float64)
+                self._overhead = np.array([_overhead_one(t, c) for t, c in zip(self.tels, self.compute)],
+                                          dtype=np.float64)
             else:
-                self._overhead = self.num("data_s") + self.num("prev_push_s") + self.num("prev_pull_s")
+                own = self.num("data_s") + self.num("prev_push_s") + self.num("prev_pull_s")
+                fin = _tel_column(self.tels, "finish_s")
+                seen = np.isfinite(fin) & (fin > 0)
+                comp = np.where(np.isfinite(self.compute), self.compute, 0.0)
+                self._overhead = np.where(seen, np.maximum(0.0, np.where(seen, fin, 0.0) - comp), own)
         return self._overhead
 
     def exog(self) -> np.ndarray:

@@ -143,6 +143,7 @@ class Coordinator:
         self._last_X: int | None = None
         self._ramp: tuple[int, float, float] | None = None
         self._unobserved: list[WorkerReport] = []
+        self._sent: dict[int, tuple[int, float]] = {}  # worker -> (iteration, when it was answered)
         self._ahead: tuple[tuple[int, ...], tuple[dict[int, int], int]] | None = None
 
     @property
@@ -416,6 +417,26 @@ class Coordinator:
         if len(g.shards) == self.num_shards and not g.complete:
             g.complete = True
             self._completed.append(key)
+            self._note_finish(worker_id, iteration)
+
+    def assignment_answered(self, worker_id: int, iteration: int) -> None:
+        """Shard 0 has just sent ``worker_id`` its parameters with the assignment of
+        ``iteration``: the start of that worker's iteration, as the barrier sees it."""
+        self._sent[worker_id] = (iteration, self.clock())
+
+    def _note_finish(self, worker_id: int, iteration: int) -> None:
+        """The worker's finish time as the barrier sees it: from the answer that started its
+        iteration to the moment its gradient was whole on every shard. It includes what the
+        worker cannot measure itself: its parameters and its gradient crossing a slow link, a
+        push held back because the process spent its CPU quota. Goes into the report as
+        ``finish_s``, which the batch policies balance when present."""
+        sent = self._sent.get(worker_id)
+        rep = self.reports.get(worker_id)
+        if sent is None or sent[0] != iteration or rep is None or rep.iteration != iteration:
+            return
+        tel = rep.telemetry
+        if isinstance(tel, dict):
+            tel["finish_s"] = self.clock() - sent[1]
 
     def _discard(self, key: tuple[int, int]) -> None:
         if self.ledger.pop(key, None) is not None:

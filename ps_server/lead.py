@@ -99,11 +99,11 @@ class Lead:
 
     def accepted_push(self, msg: P.Push) -> None:
         tel = msg.telemetry
-        self.coord.on_gradient(0, msg.worker_id, msg.iteration, msg.batch_size)
         self.coord.record_report(WorkerReport(
             worker_id=msg.worker_id, iteration=msg.iteration, batch_size=msg.batch_size,
             compute_s=float(tel.get("compute_s", 0.0)), iteration_s=float(tel.get("iteration_s", 0.0)),
             telemetry=dict(tel)), msg.loss)
+        self.coord.on_gradient(0, msg.worker_id, msg.iteration, msg.batch_size)
 
     def check_pull_token(self, worker_id: int, token: str) -> None:
         self._member(worker_id, token)
@@ -117,8 +117,11 @@ class Lead:
         return coord.assignment(p.worker_id, key)
 
     def answered(self, p: PendingPull, reply: P.Message) -> None:
-        if p.worker_id >= 0 and isinstance(reply, P.Params) and reply.stop:
-            self.coord.told_stop(p.worker_id)
+        if p.worker_id >= 0 and isinstance(reply, P.Params):
+            if reply.stop:
+                self.coord.told_stop(p.worker_id)
+            elif reply.assignment is not None:
+                self.coord.assignment_answered(p.worker_id, reply.assignment.iteration)
 
     def status(self) -> dict[str, Any]:
         c = self.coord

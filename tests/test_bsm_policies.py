@@ -68,6 +68,55 @@ def test_cpu_unequal_overheads_equalise_predicted_finish_times():
     assert out[0] < 900 * 1000 / 1900 - 20                 # not simply ∝ speed: overheads matter
 
 
+def test_cpu_server_seen_finish_times_replace_the_workers_own_overhead():
+    """A slow link is invisible to the worker (its push returns once queued): only the finish
+    time the servers saw carries it. Worker 2 computes as fast as worker 1 but its gradients take
+    60 ms longer to arrive; the split must give it fewer samples, equalising finish times."""
+    p = get_policy("lbbsp-cpu", warmup=0, max_factor=None)
+    ws = [0, 1, 2]
+    speeds = {0: 2000.0, 1: 2000.0, 2: 2000.0}
+    link = {0: 0.005, 1: 0.005, 2: 0.065}
+    sizes = p.assign(ws, 600)
+    for it in range(8):
+        for w in ws:
+            p.observe(report(w, it, sizes[w], speeds[w], finish_s=sizes[w] / speeds[w] + link[w]))
+        sizes = p.assign(ws, 600)
+    assert sum(sizes.values()) == 600 and sizes[0] == sizes[1] > sizes[2]
+    fin = {w: sizes[w] / speeds[w] + link[w] for w in ws}
+    assert max(fin.values()) - min(fin.values()) <= 2 / 2000.0
+    # Without finish times the same reports (overhead only in data_s = 0) split evenly.
+    q = get_policy("lbbsp-cpu", warmup=0, max_factor=None)
+    even = q.assign(ws, 600)
+    for it in range(8):
+        feed(q, even, speeds, it=it)
+        even = q.assign(ws, 600)
+    assert even == {0: 200, 1: 200, 2: 200}
+
+
+def test_cpu_finish_quantile_plans_for_the_tail_not_the_mean():
+    """Under a CPU quota a worker stalls now and then until the next quota period; the barrier
+    waits for the stall, so c_i is a high quantile of what the finish times show, not their mean."""
+    ws = [0, 1]
+    speeds = {0: 1000.0, 1: 1000.0}
+
+    def run(quantile):
+        p = get_policy("lbbsp-cpu", warmup=0, max_factor=None, finish_quantile=quantile)
+        sizes = p.assign(ws, 200)
+        for it in range(16):
+            for w in ws:
+                stall = 0.08 if (w == 1 and it % 4 == 3) else 0.0     # one stall in four
+                p.observe(report(w, it, sizes[w], speeds[w], finish_s=sizes[w] / speeds[w] + 0.002 + stall))
+            sizes = p.assign(ws, 200)
+        return sizes
+
+    tail = run(0.9)
+    median = run(0.5)
+    assert median[0] == median[1] == 100          # the median ignores a 1-in-4 stall
+    assert tail[1] < tail[0] - 40                 # the 0.9 quantile plans for it
+    with pytest.raises(ValueError, match="finish_quantile"):
+        get_policy("lbbsp-cpu", finish_quantile=0.0)
+
+
 def test_cpu_floor_and_caps_are_honoured():
     p = get_policy("lbbsp-cpu", memory_caps={0: 120}, warmup=0, max_factor=None)
     ws = [0, 1, 2]

@@ -245,3 +245,34 @@ def test_plan_ahead_decides_the_split_off_the_critical_path_one_iteration_older(
         assert plans[2][0] > plans[2][1]
     else:
         assert plans[1][0] > plans[1][1], "plan 1 already uses iteration 0's reports"
+
+
+def test_finish_time_is_measured_from_the_answer_to_the_gradient_being_whole_on_every_shard():
+    """What the barrier waits for, as the servers see it: a gradient that sits on shards 0 and 1
+    but crosses a slow link to shard 2 finishes when shard 2 has it, not when the worker sent it."""
+    from batchsize_manager import WorkerReport
+
+    now = [100.0]
+    c = coordinator()
+    c.clock = lambda: now[0]
+    for w in range(3):
+        c.assignment_answered(w, 0)
+    now[0] = 100.05
+    for w in range(3):
+        c.record_report(WorkerReport(worker_id=w, iteration=0, batch_size=20, compute_s=0.03,
+                                     iteration_s=0.0, telemetry={"compute_s": 0.03}), 1.0)
+        push(c, w, shards=[0, 1])
+    now[0] = 100.08
+    push(c, 0, shards=[2])
+    push(c, 1, shards=[2])
+    now[0] = 100.20
+    push(c, 2, shards=[2])
+    fin = {w: c.reports[w].telemetry.get("finish_s") for w in range(3)}
+    assert fin[0] == pytest.approx(0.08) and fin[1] == pytest.approx(0.08)
+    assert fin[2] == pytest.approx(0.20)
+    # A gradient of an iteration the worker was never answered for gets no finish time.
+    c2 = coordinator()
+    c2.record_report(WorkerReport(worker_id=0, iteration=0, batch_size=20, compute_s=0.03,
+                                  iteration_s=0.0, telemetry={}), 1.0)
+    push(c2, 0)
+    assert "finish_s" not in c2.reports[0].telemetry

@@ -62,7 +62,8 @@ def test_example_yaml_parses():
     assert w2.comm_delay_ms == 5.0
     assert sc.for_worker(7) == WorkerScenario()  # not listed: no slowdown
     assert sc.labels() == {"scenario": "static-1-1-2-4", "emulated": True,
-                           "emulated_comm": True, "real_load": True}
+                           "emulated_comm": True, "real_load": True,
+                           "real_quota": False, "real_link": False}
     text = sc.describe()
     assert "worker 1: static x2 [emulated]" in text and "[real]" in text
     # The model round-trips (the launcher dumps configs to YAML for its children).
@@ -74,7 +75,7 @@ def test_example_yaml_parses():
 def test_default_scenario_is_empty():
     sc = ScenarioConfig()
     assert sc.labels() == {"scenario": "none", "emulated": False, "emulated_comm": False,
-                           "real_load": False}
+                           "real_load": False, "real_quota": False, "real_link": False}
     r = runtime_for(sc, 3)
     assert r.slowdown(10, 10.0) == 1.0 and r.cpu_processes(10.0) == 0 and r.comm_delay_s == 0.0
     assert not r.is_emulated and not r.has_real_load

@@ -1,0 +1,120 @@
+"""LB-BSP against BSP and the ideal balanced bound under real kernel CPU quotas, one run.
+
+Each worker runs in a cgroup with its share of a core (``--quotas``, static, or rotating
+between workers every ``--rotate-s`` seconds). First every worker's speed is measured alone:
+one worker under its own quota, training whole iterations of X / N samples through a shard
+(v_i = samples per second of iteration time). The ideal balanced bound is X / sum(v_i). Then
+BSP (uniform split) and LB-BSP (lbbsp-cpu) run with all workers at once, ``--repeats`` times,
+alternating. Prints median / mean / p95 time per iteration and the ratio to the bound.
+
+    python benchmarks/bench_lab_quota.py [--quotas 0.7,0.7,0.2,0.2] [--rotate-s 0] [--repeats 3]
+        [--seconds 30] [--model lenet] [--global-batch 512]
+
+Needs root and the cgroup cpu controller (the lab's CPU quotas).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from ps_common.config import load_config  # noqa: E402
+from ps_common.metrics import read_jsonl  # noqa: E402
+from ps_launcher.lab import cpu_quota_available  # noqa: E402
+from ps_launcher.launcher import LocalCluster  # noqa: E402
+from ps_launcher.summary import percentile  # noqa: E402
+
+
+def scenario_sets(quotas: list[float], rotate_s: float) -> list[str]:
+    if rotate_s > 0:
+        return [f"scenario.rotation={{period_s: {rotate_s}, fractions: {quotas}}}", "scenario.name=rotating"]
+    workers = ", ".join(f"{{cpu_quota: {q}}}" for q in quotas)
+    return [f"scenario.workers=[{workers}]", "scenario.name=static"]
+
+
+def base_sets(args: argparse.Namespace) -> list[str]:
+    return [f"model.name={args.model}", "data.dataset=mnist", f"training.global_batch={args.global_batch}",
+            "training.epochs=null", "training.target_accuracy=null", "training.max_iterations=null",
+            "evaluator.enabled=false", f"cluster.num_shards={args.shards}"]
+
+
+def durations(run_dir: Path, skip: int) -> list[float]:
+    recs = [r for r in read_jsonl(run_dir / "metrics" / "coordinator.jsonl") if "event" not in r]
+    return [r["duration"] for r in recs][skip:]
+
+
+def alone_speed(args: argparse.Namespace, quota: float, work: Path, tag: str) -> float:
+    """Samples per second of one worker alone under ``quota``, whole iterations of X/N."""
+    n = len(args.quotas)
+    batch = args.global_batch // n
+    cfg = load_config(None, [*base_sets(args), f"training.global_batch={batch}", "cluster.num_workers=1",
+                             f"training.max_seconds={args.alone_seconds}",
+                             f"scenario.workers=[{{cpu_quota: {quota}}}]"], env={})
+    LocalCluster(cfg, work / f"alone-{tag}", progress=False).run()
+    d = durations(work / f"alone-{tag}", args.skip)
+    return batch / statistics.median(d)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quotas", default="0.7,0.7,0.2,0.2", help="each worker's share of a core")
+    ap.add_argument("--rotate-s", type=float, default=0.0, help="rotate the quotas between workers (s); 0: static")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seconds", type=float, default=30.0, help="training seconds per run")
+    ap.add_argument("--alone-seconds", type=float, default=12.0)
+    ap.add_argument("--model", default="lenet")
+    ap.add_argument("--global-batch", type=int, default=512)
+    ap.add_argument("--shards", type=int, default=1)
+    ap.add_argument("--skip", type=int, default=20, help="first iterations left out")
+    ap.add_argument("--policy-args", default="{predictor: ema}")
+    args = ap.parse_args(argv)
+    if why := cpu_quota_available():
+        print(f"bench_lab_quota: CPU quotas unavailable: {why}", file=sys.stderr)
+        return 2
+    args.quotas = [float(q) for q in args.quotas.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="lbps-bench-quota-"))
+    speeds = {}
+    for q in sorted(set(args.quotas)):
+        speeds[q] = alone_speed(args, q, work, f"{q:g}")
+        print(f"alone at {q:g} core: {speeds[q]:.0f} samples/s", flush=True)
+    total_v = sum(speeds[q] for q in args.quotas)
+    bound = args.global_batch / total_v
+    modes = {"BSP (uniform)": ["mode.batch_policy=uniform"],
+             "LB-BSP (lbbsp-cpu)": ["mode.batch_policy=lbbsp-cpu", f"mode.batch_policy_args={args.policy_args}"]}
+    samples: dict[str, list[float]] = {m: [] for m in modes}
+    splits: dict[str, list] = {m: [] for m in modes}
+    for r in range(args.repeats):
+        for name, sets in modes.items():
+            cfg = load_config(None, [*base_sets(args), f"cluster.num_workers={len(args.quotas)}",
+                                     f"training.max_seconds={args.seconds}", f"run.seed={r}",
+                                     *scenario_sets(args.quotas, args.rotate_s), *sets], env={})
+            run = work / f"{r}-{name.split()[0]}"
+            LocalCluster(cfg, run, progress=False).run()
+            d = durations(run, args.skip)
+            samples[name] += d
+            last = [x for x in read_jsonl(run / "metrics" / "coordinator.jsonl") if "event" not in x][-1]
+            splits[name].append([last["batch_sizes"][k] for k in sorted(last["batch_sizes"], key=int)])
+            print(f"repeat {r} {name}: median {statistics.median(d) * 1e3:.1f} ms", flush=True)
+    kind = f"rotating every {args.rotate_s:g} s" if args.rotate_s else "static"
+    print(f"\n{args.model}, MNIST, X = {args.global_batch}, {len(args.quotas)} workers with CPU quotas "
+          f"{args.quotas} ({kind}), {args.shards} shard(s), {args.seconds:g} s x {args.repeats} repeats "
+          f"(first {args.skip} iterations of each left out)\n")
+    print(f"ideal balanced bound X / sum(v_i) = {bound * 1e3:.1f} ms (v_i alone under its quota: "
+          + ", ".join(f"{q:g} core {speeds[q]:.0f}/s" for q in sorted(speeds)) + ")\n")
+    print("| mode | median (ms) | mean (ms) | p95 (ms) | median / bound | mean / bound | last split |")
+    print("|---|---|---|---|---|---|---|")
+    for name, xs in samples.items():
+        med, mean, p95 = statistics.median(xs), statistics.fmean(xs), percentile(xs, 0.95)
+        print(f"| {name} | {med * 1e3:.1f} | {mean * 1e3:.1f} | {p95 * 1e3:.1f} | {med / bound:.2f} | "
+              f"{mean / bound:.2f} | {splits[name][-1]} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
