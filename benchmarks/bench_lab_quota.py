@@ -1,14 +1,14 @@
 """LB-BSP against BSP and the ideal balanced bound under real kernel CPU quotas, one run.
 
 Each worker runs in a cgroup with its share of a core (``--quotas``, static, or rotating
-between workers every ``--rotate-s`` seconds). First every worker's speed is measured alone:
+between workers every ``--rotate-s`` seconds). In every repeat each quota's speed is measured alone:
 one worker under its own quota, training whole iterations of X / N samples through a shard
 (v_i = samples per second of iteration time). The ideal balanced bound is X / sum(v_i). Then
 BSP (uniform split) and LB-BSP (lbbsp-cpu) run with all workers at once, ``--repeats`` times,
 alternating. Prints median / mean / p95 time per iteration and the ratio to the bound.
 
     python benchmarks/bench_lab_quota.py [--quotas 0.7,0.7,0.2,0.2] [--rotate-s 0] [--repeats 3]
-        [--seconds 30] [--model lenet] [--global-batch 512]
+        [--seconds 30] [--model lenet] [--global-batch 512] [--variants 'NAME=ARGS;...']
 
 Needs root and the cgroup cpu controller (the lab's CPU quotas).
 """
@@ -73,40 +73,47 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shards", type=int, default=1)
     ap.add_argument("--skip", type=int, default=20, help="first iterations left out")
     ap.add_argument("--policy-args", default="{predictor: ema}")
+    ap.add_argument("--variants", default="",
+                    help="more LB-BSP runs side by side: 'NAME=ARGS;NAME=ARGS' with ARGS a "
+                         "mode.batch_policy_args mapping, e.g. 'q0.5={predictor: ema, finish_quantile: 0.5}'")
     args = ap.parse_args(argv)
     if why := cpu_quota_available():
         print(f"bench_lab_quota: CPU quotas unavailable: {why}", file=sys.stderr)
         return 2
     args.quotas = [float(q) for q in args.quotas.split(",")]
     work = Path(tempfile.mkdtemp(prefix="lbps-bench-quota-"))
-    speeds = {}
-    for q in sorted(set(args.quotas)):
-        speeds[q] = alone_speed(args, q, work, f"{q:g}")
-        print(f"alone at {q:g} core: {speeds[q]:.0f} samples/s", flush=True)
-    total_v = sum(speeds[q] for q in args.quotas)
-    bound = args.global_batch / total_v
+    alone: dict[float, list[float]] = {q: [] for q in sorted(set(args.quotas))}
     modes = {"BSP (uniform)": ["mode.batch_policy=uniform"],
              "LB-BSP (lbbsp-cpu)": ["mode.batch_policy=lbbsp-cpu", f"mode.batch_policy_args={args.policy_args}"]}
+    for item in filter(None, (v.strip() for v in args.variants.split(";"))):
+        vname, _, vargs = item.partition("=")
+        modes[f"LB-BSP {vname.strip()}"] = ["mode.batch_policy=lbbsp-cpu", f"mode.batch_policy_args={vargs.strip()}"]
     samples: dict[str, list[float]] = {m: [] for m in modes}
     splits: dict[str, list] = {m: [] for m in modes}
     for r in range(args.repeats):
+        for q in alone:   # alone speeds in every repeat: one 12 s measurement varied by 1.4x
+            alone[q].append(alone_speed(args, q, work, f"{q:g}-{r}"))
+            print(f"repeat {r} alone at {q:g} core: {alone[q][-1]:.0f} samples/s", flush=True)
         for name, sets in modes.items():
             cfg = load_config(None, [*base_sets(args), f"cluster.num_workers={len(args.quotas)}",
                                      f"training.max_seconds={args.seconds}", f"run.seed={r}",
                                      *scenario_sets(args.quotas, args.rotate_s), *sets], env={})
-            run = work / f"{r}-{name.split()[0]}"
+            run = work / f"{r}-{'-'.join(name.replace('(', '').replace(')', '').split())}"
             LocalCluster(cfg, run, progress=False).run()
             d = durations(run, args.skip)
             samples[name] += d
             last = [x for x in read_jsonl(run / "metrics" / "coordinator.jsonl") if "event" not in x][-1]
             splits[name].append([last["batch_sizes"][k] for k in sorted(last["batch_sizes"], key=int)])
             print(f"repeat {r} {name}: median {statistics.median(d) * 1e3:.1f} ms", flush=True)
+    speeds = {q: statistics.median(vs) for q, vs in alone.items()}
+    bound = args.global_batch / sum(speeds[q] for q in args.quotas)
     kind = f"rotating every {args.rotate_s:g} s" if args.rotate_s else "static"
     print(f"\n{args.model}, MNIST, X = {args.global_batch}, {len(args.quotas)} workers with CPU quotas "
           f"{args.quotas} ({kind}), {args.shards} shard(s), {args.seconds:g} s x {args.repeats} repeats "
           f"(first {args.skip} iterations of each left out)\n")
-    print(f"ideal balanced bound X / sum(v_i) = {bound * 1e3:.1f} ms (v_i alone under its quota: "
-          + ", ".join(f"{q:g} core {speeds[q]:.0f}/s" for q in sorted(speeds)) + ")\n")
+    print(f"ideal balanced bound X / sum(v_i) = {bound * 1e3:.1f} ms (v_i alone under its quota, median "
+          "of the repeats: " + ", ".join(f"{q:g} core {speeds[q]:.0f}/s (range {min(alone[q]):.0f}-"
+                                         f"{max(alone[q]):.0f})" for q in sorted(speeds)) + ")\n")
     print("| mode | median (ms) | mean (ms) | p95 (ms) | median / bound | mean / bound | last split |")
     print("|---|---|---|---|---|---|---|")
     for name, xs in samples.items():

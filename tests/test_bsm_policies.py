@@ -115,6 +115,8 @@ def test_cpu_finish_quantile_plans_for_the_tail_not_the_mean():
     assert tail[1] < tail[0] - 40                 # the 0.9 quantile plans for it
     with pytest.raises(ValueError, match="finish_quantile"):
         get_policy("lbbsp-cpu", finish_quantile=0.0)
+    with pytest.raises(ValueError, match="finish_tail"):
+        get_policy("lbbsp-cpu", finish_tail="compute")
 
 
 def test_cpu_floor_and_caps_are_honoured():

@@ -37,11 +37,26 @@ def test_lbbsp_balances_static_heterogeneity(tmp_path):
             (slow_share if tel["slowdown"] > 2 else fast_share).append(x)
     ratio = statistics.mean(slow_share) / statistics.mean(fast_share)
     # Speed ratio is 1/3 per sample; small batches also pay a fixed per-call cost that the
-    # emulation multiplies too, so equal finish times need a share at or below 1/3.
-    assert 0.05 <= ratio <= 0.5, f"slow/fast batch ratio {ratio:.2f}, speed ratio is 1/3"
-    spread = statistics.median(max(t["compute_s"] for t in r["workers"].values())
-                               / min(t["compute_s"] for t in r["workers"].values()) for r in tail)
-    assert spread < 2.0, f"compute times not balanced: max/min {spread:.2f} (3x under BSP)"
+    # emulation multiplies too, and the slow worker's noise is tripled with it (the policy plans
+    # for each worker's tail), so equal finish times need a share well below 1/3.
+    assert 0 < ratio <= 0.5, f"slow/fast batch ratio {ratio:.2f}, speed ratio is 1/3"
+
+    def finish_spread(recs):
+        """max / min over workers of each one's 0.8 quantile of finish time (as the servers saw
+        it): what lbbsp-cpu equalises, since the barrier waits for each iteration's slowest."""
+        per: dict[str, list[float]] = {}
+        for r in recs:
+            for wid, tel in r["workers"].items():
+                per.setdefault(wid, []).append(tel["finish_s"])
+        tails = [statistics.quantiles(v, n=10)[7] for v in per.values()]
+        return max(tails) / min(tails)
+
+    # Neither starved nor overloaded: what the barrier waits for is even (about 3x apart under
+    # BSP). Not the compute times: the slow worker's noise is tripled by the emulation, and the
+    # policy gives it less work for that.
+    lb_spread, bsp_spread = finish_spread(lb[-30:]), finish_spread(bsp[-30:])
+    assert lb_spread < 1.6, f"finish times not balanced: {lb_spread:.2f} (BSP {bsp_spread:.2f})"
+    assert bsp_spread > 1.8, f"the scenario must be unbalanced under BSP: {bsp_spread:.2f}"
     assert all(sum(r["batch_sizes"].values()) == 192 for r in lb)
     t_bsp = statistics.median(r["duration"] for r in bsp[10:])
     t_lb = statistics.median(r["duration"] for r in lb[-30:])
