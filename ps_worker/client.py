@@ -207,8 +207,9 @@ class ShardClients:
             except (TransportTimeout, RemoteError, P.ProtocolError):
                 pass
 
-    def send_to_coordinator(self, msg: P.Message, expect: type[P.Message]) -> P.Message:
-        return self.conns[0].request(msg, expect)
+    def send_to_coordinator(self, msg: P.Message, expect: type[P.Message],
+                            timeout_s: float | None = None) -> P.Message:
+        return self.conns[0].request(msg, expect, timeout_s)
 
     def close(self) -> None:
         for c in self.conns:

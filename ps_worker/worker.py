@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 #: Refusals after which a worker joins again: dropped as lost, the job rolled back to a
 #: checkpoint, or a restarted coordinator that no longer knows this worker's token.
 REJOIN_CODES = ("unknown_worker", "rolled_back", "unauthorized")
+LEAVE_TIMEOUT_S = 2.0  # a goodbye on the way out; the heartbeat timeout covers a lost one
 
 
 def resolve_device(name: str) -> torch.device:
@@ -166,7 +167,11 @@ class Worker:
 
     def _leave(self, reason: str) -> None:
         try:
-            self.client.send_to_coordinator(P.Leave(worker_id=self.worker_id, reason=reason, token=self.client.token), P.Ack)
+            # Bounded: on SIGTERM or a dead launcher the shards may be gone already, and a
+            # goodbye must not keep the process alive for the transport timeout (120 s).
+            self.client.send_to_coordinator(
+                P.Leave(worker_id=self.worker_id, reason=reason, token=self.client.token), P.Ack,
+                timeout_s=min(LEAVE_TIMEOUT_S, self.cfg.transport.timeout_s))
         except Exception as exc:  # best effort: the heartbeat timeout covers a failed leave
             log.info("leave not acknowledged: %s", exc)
 

@@ -60,6 +60,17 @@ def left_alive(procs: list[psutil.Process], within_s: float) -> list[psutil.Proc
     return alive
 
 
+def describe(procs: list[psutil.Process]) -> list[str]:
+    """pid, status and command line of each, to tell which role was left behind."""
+    out = []
+    for p in procs:
+        try:
+            out.append(f"{p.pid} {p.status()} {' '.join(p.cmdline())[-160:]}")
+        except psutil.Error as exc:
+            out.append(f"{p.pid} ({exc})")
+    return out
+
+
 def kill_all(procs: list[psutil.Process]) -> None:
     for p in procs:
         try:
@@ -77,7 +88,7 @@ def test_signal_to_the_launcher_stops_every_child(tmp_path, sig):
         rc = proc.wait(timeout=30)
         assert rc == 130, f"ps-launch exited {rc}"
         alive = left_alive(children, 10.0)
-        assert not alive, f"left running 10 s after {sig.name}: {alive}"
+        assert not alive, f"left running 10 s after {sig.name}: {describe(alive)}"
         out = proc.stdout.read().decode()
         assert "interrupted" in out, out[-2000:]
     finally:
@@ -92,7 +103,7 @@ def test_a_job_whose_launcher_was_sigkilled_ends_by_itself(tmp_path):
         proc.kill()
         proc.wait(timeout=10)
         alive = left_alive(children, 10.0)
-        assert not alive, f"orphans left running 10 s after the launcher was SIGKILLed: {alive}"
+        assert not alive, f"orphans left running 10 s after the launcher was SIGKILLed: {describe(alive)}"
     finally:
         kill_all(children)
 
@@ -109,3 +120,36 @@ def test_hand_started_processes_exit_at_the_stop_rule_without_shutdown(procs, tm
     wait_exit([c for c in procs.children if c.role.startswith("shard")], timeout_s=30)
     _, version = consistent_end(run, 3)
     assert version == 40
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_told_to_stop_does_not_wait_on_a_silent_coordinator(procs, tmp_path):
+    """SIGTERM reaches a worker while shard 0 cannot answer (frozen with SIGSTOP here; gone, when
+    a SIGKILLed launcher's children all stop at once): its goodbye is bounded, so it exits within
+    a few seconds, not after the 120 s transport timeout. Seen in CI as an orphan 10 s after the
+    launcher's SIGKILL."""
+    cfg_path, cfg = write_config(tmp_path, {
+        "model": {"name": "mlp"}, "data": {"dataset": "synthetic", "synthetic_train": 512},
+        "training": {"global_batch": 32, "max_iterations": 100000},
+        "cluster": {"num_shards": 1, "num_workers": 1}, "evaluator": {"enabled": False}})
+    assert cfg.transport.timeout_s >= 60
+    run = tmp_path / "run"
+    (endpoint,) = start_servers(procs, cfg_path, 1, run)
+    shard0 = procs.children[0]
+    (worker,) = start_workers(procs, cfg_path, endpoint, 1, run)
+    coord = run / "metrics" / "coordinator.jsonl"
+    deadline = time.monotonic() + 90
+    while not (coord.exists() and coord.read_text().count('"iteration"') > 5):
+        assert time.monotonic() < deadline, "training did not start"
+        time.sleep(0.2)
+    shard0.proc.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        worker.proc.send_signal(signal.SIGTERM)
+        rc = worker.proc.wait(timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        shard0.proc.send_signal(signal.SIGCONT)
+    assert rc == 130, f"worker exited {rc}:\n{worker.tail()}"
+    assert took < 10, f"the worker took {took:.1f}s to stop"
