@@ -737,8 +737,9 @@ class LBBSPCpuPolicy(SlotPolicy):
 class LBBSPGpuPolicy(SlotPolicy):
     """Numerical LB-BSP: move samples from the straggler to the leader until finish times agree.
 
-    Finish time of a worker = compute_s + fixed overhead (data, push, pull; never the barrier
-    wait), as the median over a monitoring window of W iterations at its current size (W starts at
+    Finish time of a worker = compute_s + fixed overhead (:func:`fixed_overhead`: the servers'
+    ``finish_s`` where the report has one, else data + push + pull; never the barrier wait),
+    as the median over a monitoring window of W iterations at its current size (W starts at
     ``window``). Once every worker has a full window, the straggler (slowest) gives Δ samples
     (``step``, default X // 32) to the leader (fastest worker below its memory cap): "fast
     approach". A worker moving back the way it came means we overshot: halve Δ and double W (up to
