@@ -189,7 +189,8 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
             bal.step()
         out.update(sgd_params=flat_parameters(ddp.module), sgd_sizes=history, sgd_indices=used,
                    sgd_buckets=hooks, sgd_reports=[(r.worker_id, r.iteration, r.batch_size, r.compute_s)
-                                                   for r in bal.last_reports])
+                                                   for r in bal.last_reports],
+                   sgd_finish=[(r.compute_s, r.telemetry.get("finish_s")) for r in bal.last_reports])
         if rank == 0:
             out["sgd_observed"] = policy.observed
             out["sgd_reference"] = train_reference("mlp", MODEL_SEED, data, DATA_SEED, X, SGD_STEPS,
@@ -292,6 +293,9 @@ def test_sgd_with_changing_sizes_matches_single_process(ranks):
     for r in range(world):
         wid, it, size, compute_s = res[r]["sgd_reports"][r]
         assert (wid, it, size) == (r, SGD_STEPS - 1, sched[SGD_STEPS - 1][r]) and compute_s > 0
+        # The finish time (size known -> last bucket ready) holds the compute and the data load.
+        compute_s, finish_s = res[r]["sgd_finish"][r]
+        assert finish_s is not None and finish_s >= compute_s, res[r]["sgd_finish"]
 
 
 def test_balancer_fixed_policy_sizes(ranks):

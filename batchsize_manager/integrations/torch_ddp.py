@@ -330,7 +330,7 @@ class DDPBatchBalancer:
     Construct on every rank after ``init_process_group`` (all ranks, same arguments). The
     decision runs on rank 0 only (the policy object exists only there, so stateful or
     randomised policies cannot diverge across ranks); each :meth:`step` costs one small
-    ``all_gather`` (3 floats per rank, plus one per ``telemetry_keys`` entry) and one
+    ``all_gather`` (4 floats per rank, plus one per ``telemetry_keys`` entry) and one
     ``broadcast`` (one int per rank) on the gradients' process group: two tiny collectives
     per iteration, plus the policy's own decision time on rank 0 while the others wait.
 
@@ -379,7 +379,7 @@ class DDPBatchBalancer:
                       if dist.get_backend(process_group) == "nccl" else torch.device("cpu"))
         self.device = torch.device(device)
         self.telemetry_keys = tuple(str(k) for k in telemetry_keys)
-        reserved = {"data_s", "samples_per_s"} & set(self.telemetry_keys)
+        reserved = {"data_s", "samples_per_s", "finish_s"} & set(self.telemetry_keys)
         if reserved or len(set(self.telemetry_keys)) != len(self.telemetry_keys):
             raise ValueError(f"telemetry_keys must be unique and not {sorted(reserved)}")
         self.iteration = 0
@@ -460,6 +460,7 @@ class DDPBatchBalancer:
         self._reported_compute: float | None = None
         self._reported_data: float | None = None
         self._telemetry: dict[str, float] = {}
+        self._ready_s = math.nan  # when this rank's last gradient bucket was ready (CPU clock)
 
     @contextmanager
     def timed_compute(self) -> Iterator[None]:
@@ -489,6 +490,7 @@ class DDPBatchBalancer:
             else:
                 end = self.hook_state.last_ready_s if fired else t1
                 self._compute_s += max(0.0, min(end, t1) - t0)
+                self._ready_s = min(end, t1)
 
     @contextmanager
     def timed_data(self) -> Iterator[None]:
@@ -542,7 +544,12 @@ class DDPBatchBalancer:
         compute_s = self._measured_compute()
         data_s = self._reported_data if self._reported_data is not None else self._data_s
         extra = [self._telemetry.get(k, math.nan) for k in self.telemetry_keys]
-        local = torch.tensor([compute_s, iteration_s, data_s, *extra], dtype=torch.float64,
+        # What the all-reduce waits for, like the servers' finish time: from the moment every
+        # rank knew its size (the end of the last step) to this rank's last gradient bucket,
+        # data loading and CPU-quota stalls included. Measured, so not with reported timings.
+        finish_s = (self._ready_s - self._iter_start
+                    if self._reported_compute is None and math.isfinite(self._ready_s) else math.nan)
+        local = torch.tensor([compute_s, iteration_s, data_s, finish_s, *extra], dtype=torch.float64,
                              device=self.device)
         gathered = [torch.empty_like(local) for _ in range(self.world_size)]
         dist.all_gather(gathered, local, group=self.group)
@@ -554,7 +561,8 @@ class DDPBatchBalancer:
                 telemetry={
                     "data_s": row[2],
                     "samples_per_s": self._sizes[r] / row[0] if row[0] > 0 else 0.0,
-                    **{k: v for k, v in zip(self.telemetry_keys, row[3:]) if math.isfinite(v)},
+                    **({"finish_s": row[3]} if math.isfinite(row[3]) and row[3] > 0 else {}),
+                    **{k: v for k, v in zip(self.telemetry_keys, row[4:]) if math.isfinite(v)},
                 },
             )
             for r, row in enumerate(rows)

@@ -1,0 +1,128 @@
+"""The DDP plug-in under real kernel CPU quotas: where the time of a throttled job goes.
+
+Runs ``examples/ddp_lbbsp.py --nproc N`` (gloo, LeNet, MNIST) with each rank in a cgroup of its
+own at ``--quotas`` of a core, once per policy, and reads rank 0's per-iteration lines (every
+rank's compute time as the plug-in measures it: forward + backward until its last gradient
+bucket, before any waiting; and the iteration time). Per policy it prints median / mean / p95
+of the iteration, of the slowest rank's compute, and of the rest: iteration - max compute,
+i.e. the all-reduce and the balancer's two small collectives after the last rank finished,
+plus rank 0's data loading and optimizer step. A throttled rank takes part in every
+collective, so under a quota the rest can grow too.
+
+    python benchmarks/bench_lab_ddp.py [--quotas 0.7,0.7,0.2,0.2] [--iterations 300]
+        [--policies uniform,lbbsp-cpu] [--global-batch 512]
+
+Needs root and the cgroup cpu controller (the lab's CPU quotas).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from ps_launcher.lab import CpuQuotaGroup, cpu_quota_available  # noqa: E402
+from ps_launcher.summary import percentile  # noqa: E402
+
+LINE = re.compile(r"it\s+(\d+)\s+sizes \[([^\]]*)\]\s+compute ms \[([^\]]*)\]\s+iteration ([\d.]+) ms")
+
+
+def rank_processes(parent: psutil.Process, n: int, timeout_s: float) -> list[psutil.Process]:
+    """The N spawned ranks, in rank order (mp.spawn starts them one after the other)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        kids = [p for p in parent.children() if "spawn_main" in " ".join(p.cmdline())]
+        if len(kids) >= n:
+            return sorted(kids, key=lambda p: (p.create_time(), p.pid))[:n]
+        time.sleep(0.05)
+    raise RuntimeError(f"{n} ranks did not start within {timeout_s:.0f}s")
+
+
+def run(policy: str, args: argparse.Namespace, quotas: list[float]) -> list[tuple[int, list[int], list[float], float]]:
+    cmd = [sys.executable, str(ROOT / "examples" / "ddp_lbbsp.py"), "--nproc", str(len(quotas)),
+           "--policy", policy, "--iterations", str(args.iterations), "--print-every", "1",
+           "--global-batch", str(args.global_batch), "--model", args.model, "--dataset", "mnist"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    groups: list[CpuQuotaGroup] = []
+    try:
+        ranks = rank_processes(psutil.Process(proc.pid), len(quotas), 60)
+        for r, (p, q) in enumerate(zip(ranks, quotas)):
+            g = CpuQuotaGroup(f"ddp{r}", fraction=q).create()
+            groups.append(g)
+            g.add(p.pid)
+        out, _ = proc.communicate(timeout=args.timeout_s)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    finally:
+        for g in groups:
+            g.remove()
+    if proc.returncode != 0:
+        raise RuntimeError(f"ddp_lbbsp.py exited {proc.returncode}:\n{out[-3000:]}")
+    rows = []
+    for m in LINE.finditer(out):
+        sizes = [int(x) for x in m.group(2).split(",")]
+        compute = [float(x) / 1e3 for x in m.group(3).split(",")]
+        rows.append((int(m.group(1)), sizes, compute, float(m.group(4)) / 1e3))
+    return rows
+
+
+def describe(xs: list[float]) -> str:
+    return (f"{statistics.median(xs) * 1e3:.1f} / {statistics.fmean(xs) * 1e3:.1f} / "
+            f"{percentile(xs, 0.95) * 1e3:.1f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quotas", default="0.7,0.7,0.2,0.2")
+    ap.add_argument("--policies", default="uniform,lbbsp-cpu")
+    ap.add_argument("--iterations", type=int, default=300)
+    ap.add_argument("--global-batch", type=int, default=512)
+    ap.add_argument("--model", default="lenet")
+    ap.add_argument("--skip", type=int, default=30, help="first iterations left out")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--timeout-s", type=float, default=500)
+    args = ap.parse_args(argv)
+    if why := cpu_quota_available():
+        print(f"bench_lab_ddp: CPU quotas unavailable: {why}", file=sys.stderr)
+        return 2
+    quotas = [float(q) for q in args.quotas.split(",")]
+    results: dict[str, list] = {p: [] for p in args.policies.split(",")}
+    for r in range(args.repeats):
+        for policy in results:
+            rows = run(policy, args, quotas)[args.skip:]
+            results[policy] += rows
+            print(f"repeat {r} {policy}: median iteration "
+                  f"{statistics.median(x[3] for x in rows) * 1e3:.1f} ms", flush=True)
+    print(f"\nDDP plug-in (examples/ddp_lbbsp.py, gloo), {args.model}, MNIST, X = {args.global_batch}, "
+          f"{len(quotas)} ranks under CPU quotas {quotas}, {args.iterations} iterations x {args.repeats} "
+          f"(first {args.skip} left out); median / mean / p95 in ms\n")
+    print("| policy | iteration | slowest rank's compute | rest (collectives, data, step) | "
+          "rest / iteration | compute per rank (median) | last split |")
+    print("|---|---|---|---|---|---|---|")
+    for policy, rows in results.items():
+        it = [x[3] for x in rows]
+        slowest = [max(x[2]) for x in rows]
+        rest = [max(0.0, x[3] - max(x[2])) for x in rows]
+        per_rank = [statistics.median(x[2][k] for x in rows) * 1e3 for k in range(len(quotas))]
+        print(f"| {policy} | {describe(it)} | {describe(slowest)} | {describe(rest)} | "
+              f"{statistics.median(rest) / statistics.median(it):.2f} | "
+              f"{', '.join(f'{c:.1f}' for c in per_rank)} | {rows[-1][1]} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
