@@ -70,7 +70,8 @@ def fixed_overhead(report: WorkerReport) -> float:
     With ``finish_s`` (the coordinator's view: from the answer that started the iteration to
     the gradient being whole on every shard) it is finish_s - compute_s: what a slow link or a
     CPU quota adds outside the compute phase, which the worker cannot see (its push returns as
-    soon as ZeroMQ queues it). Without it (ps-bsm, the DDP plug-in): data + push + pull.
+    soon as ZeroMQ queues it; the DDP plug-in reports the same per rank, to its last gradient
+    bucket). Without it (a ps-bsm client that sends none): data + push + pull.
     """
     tel = report.telemetry
     fin = _num(tel, "finish_s")
