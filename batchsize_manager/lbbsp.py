@@ -29,7 +29,7 @@ from batchsize_manager.allocation import (
     resolve_caps,
 )
 from batchsize_manager.policies import BatchPolicy, WorkerReport, register_policy
-from batchsize_manager.reports import EXOG_KEYS, ReportBatch, occurrence_rounds
+from batchsize_manager.reports import EXOG_KEYS, ReportBatch, occurrence_rounds, overhead_one
 from batchsize_manager.slots import SlotTable
 
 
@@ -64,6 +64,21 @@ def is_oom(report: WorkerReport) -> bool:
     return report.telemetry.get("oom") is not None and _num(report.telemetry, "oom") >= 0.5
 
 
+def _row_quantile(a: np.ndarray, q: float) -> np.ndarray:
+    """``np.nanquantile(a, q, axis=1)`` (linear interpolation) in one sort: NaNs sort last, so
+    row i's values are its first n_i. nanquantile loops over rows in Python: 280 ms for
+    10,000 workers x 32 iterations, against a few ms here."""
+    s = np.sort(a, axis=1)
+    n = np.count_nonzero(~np.isnan(a), axis=1)
+    pos = q * np.maximum(n - 1, 0)
+    lo = np.floor(pos).astype(np.int64)
+    hi = np.minimum(lo + 1, np.maximum(n - 1, 0))
+    rows = np.arange(a.shape[0])
+    frac = pos - lo
+    out = s[rows, lo] * (1.0 - frac) + s[rows, hi] * frac
+    return np.where(n > 0, out, np.nan)
+
+
 def fixed_overhead(report: WorkerReport) -> float:
     """Everything but compute in a worker's finish time, never the barrier wait.
 
@@ -73,12 +88,7 @@ def fixed_overhead(report: WorkerReport) -> float:
     soon as ZeroMQ queues it; the DDP plug-in reports the same per rank, to its last gradient
     bucket). Without it (a ps-bsm client that sends none): data + push + pull.
     """
-    tel = report.telemetry
-    fin = _num(tel, "finish_s")
-    if fin > 0:
-        c = report.compute_s
-        return max(0.0, fin - (c if math.isfinite(c) else 0.0))
-    return _num(tel, "data_s") + _num(tel, "prev_push_s") + _num(tel, "prev_pull_s")
+    return overhead_one(report.telemetry, float(report.compute_s))
 
 
 def measured_speed(report: WorkerReport) -> float | None:
@@ -620,7 +630,7 @@ class LBBSPCpuPolicy(SlotPolicy):
                 rest = self._ff[s] - self._fx[s] / v[ready][:, None]
             else:
                 rest = self._ff[s] - self._fc[s]
-        q = np.nanquantile(rest, self.finish_quantile, axis=1)
+        q = _row_quantile(rest, self.finish_quantile)
         out = oh.copy()
         out[ready] = np.maximum(0.0, q)
         return out

@@ -88,7 +88,10 @@ def _speed_one(batch_size: Any, compute_s: Any) -> float:
     return v if math.isfinite(v) else math.nan
 
 
-def _overhead_one(tel: Mapping[str, Any], compute_s: float) -> float:
+def overhead_one(tel: Mapping[str, Any], compute_s: float) -> float:
+    """One report's time outside compute (``lbbsp.fixed_overhead``; :meth:`ReportBatch.overhead`
+    is the same rule over many): finish_s - compute_s where the servers measured a finish time,
+    else data + previous push + previous pull."""
     fin = tel.get("finish_s")
     try:
         f = float(fin) if fin is not None else math.nan
@@ -214,7 +217,7 @@ class ReportBatch:
         where the report carries one (``finish_s``), else data + previous push + previous pull."""
         if self._overhead is None:
             if self.small:
-                self._overhead = np.array([_overhead_one(t, c) for t, c in zip(self.tels, self.compute)],
+                self._overhead = np.array([overhead_one(t, c) for t, c in zip(self.tels, self.compute)],
                                           dtype=np.float64)
             else:
                 own = self.num("data_s") + self.num("prev_push_s") + self.num("prev_pull_s")

@@ -54,7 +54,7 @@ from ps_common.datasets import load_dataset  # noqa: E402
 from ps_common.models import build_model, count_parameters  # noqa: E402
 from ps_common.reference import global_batch_indices  # noqa: E402
 from ps_launcher.launcher import LocalCluster  # noqa: E402
-from ps_launcher.summary import time_to_accuracy  # noqa: E402
+from ps_launcher.summary import percentile, time_to_accuracy  # noqa: E402
 from ps_worker.evaluator import evaluate  # noqa: E402
 
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "mnist_bsp.yaml"
@@ -293,7 +293,7 @@ def _ddp_rank(rank: int, spec: DDPSpec) -> None:
             result = {
                 "median_iteration_s": statistics.median(iteration_s) if iteration_s else None,
                 "mean_iteration_s": statistics.fmean(iteration_s) if iteration_s else None,
-                "p95_iteration_s": sorted(iteration_s)[int(0.95 * (len(iteration_s) - 1))] if iteration_s else None,
+                "p95_iteration_s": percentile(iteration_s, 0.95) if iteration_s else None,
                 "iterations_to_target": None if hit is None else hit["iterations"],
                 "time_to_target_s": None if hit is None else hit["seconds"],
                 "final_accuracy": curve[-1]["accuracy"] if curve else None,

@@ -84,19 +84,24 @@ class StepChange(_Strict):
         return self
 
 
-class Burst(_Strict):
-    """Periodic contention: on during [phase_s + k*period_s, phase_s + k*period_s + duration_s)."""
+class _Periodic(_Strict):
+    """On during [phase_s + k*period_s, phase_s + k*period_s + duration_s)."""
 
     period_s: float = _seconds()
     duration_s: float = _seconds()
-    slowdown: float = _factor()
     phase_s: float = Field(0.0, ge=0.0, allow_inf_nan=False)
 
     @model_validator(mode="after")
-    def _fits(self) -> "Burst":
+    def _fits(self) -> Any:
         if self.duration_s > self.period_s:
             raise ValueError(f"duration_s ({self.duration_s}) must not exceed period_s ({self.period_s})")
         return self
+
+
+class Burst(_Periodic):
+    """Periodic contention: ``slowdown`` while on."""
+
+    slowdown: float = _factor()
 
 
 class OnOff(_Strict):
@@ -167,19 +172,10 @@ class QuotaStep(_Strict):
     fraction: Optional[float] = _fraction()
 
 
-class QuotaBurst(_Strict):
-    """Periodic throttling: ``fraction`` during [phase_s + k*period_s, ... + duration_s)."""
+class QuotaBurst(_Periodic):
+    """Periodic throttling: ``fraction`` of a core while on."""
 
-    period_s: float = _seconds()
-    duration_s: float = _seconds()
     fraction: float = Field(gt=0.0, le=1024.0, allow_inf_nan=False)
-    phase_s: float = Field(0.0, ge=0.0, allow_inf_nan=False)
-
-    @model_validator(mode="after")
-    def _fits(self) -> "QuotaBurst":
-        if self.duration_s > self.period_s:
-            raise ValueError(f"duration_s ({self.duration_s}) must not exceed period_s ({self.period_s})")
-        return self
 
 
 class QuotaRandom(OnOff):

@@ -168,6 +168,12 @@ class LocalCluster:
     def _roles(self, prefix: str) -> list:
         return [ch for ch in self.group.children if ch.role.startswith(prefix)]
 
+    def _raise_if_a_child_failed(self) -> None:
+        failed = self.group.failed()
+        if failed is not None:
+            raise RunFailed(f"{failed.role} exited with code {failed.proc.returncode}; "
+                            f"last lines of {failed.log_path}:\n{failed.tail()}")
+
     def _monitor(self) -> str:
         ctx = zmq.Context.instance()
         conn = Connection(ctx, self.shard_endpoints[0], role="operator", timeout_s=10.0,
@@ -180,10 +186,7 @@ class LocalCluster:
         shard0 = self._roles("shard-0")[0]
         try:
             while True:
-                failed = self.group.failed()
-                if failed is not None:
-                    raise RunFailed(f"{failed.role} exited with code {failed.proc.returncode}; "
-                                    f"last lines of {failed.log_path}:\n{failed.tail()}")
+                self._raise_if_a_child_failed()
                 if shard0.proc.poll() == 0:  # the job finished between two status requests
                     self._wait_finish()
                     return self._final_stop_reason()
@@ -222,10 +225,7 @@ class LocalCluster:
         pending = b""
         try:
             while True:
-                failed = self.group.failed()
-                if failed is not None:
-                    raise RunFailed(f"{failed.role} exited with code {failed.proc.returncode}; "
-                                    f"last lines of {failed.log_path}:\n{failed.tail()}")
+                self._raise_if_a_child_failed()
                 if fh is None and path.exists():
                     fh = open(path, "rb")
                 chunk = fh.read() if fh is not None else b""

@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 
 #: Async modes: assignments a worker may hold whose gradients are not committed yet.
 MAX_OUTSTANDING = 3
+#: Report keys the coordinator measures itself; a worker's own values for them are dropped.
+SERVER_OBSERVED = ("finish_s",)
 
 
 def member_token(member_key: str, worker_id: int) -> str:
@@ -187,6 +189,7 @@ class Coordinator:
         if self.workers.pop(worker_id, None) is None:
             return
         self.manager.leave(worker_id)
+        self._sent.pop(worker_id, None)
         self.lost.append((worker_id, reason, self.clock()))
         log.info("worker %d %s; %d live", worker_id, reason, len(self.workers))
         for clock, a in sorted(self.outstanding.pop(worker_id, {}).items()):
@@ -444,7 +447,14 @@ class Coordinator:
 
     def record_report(self, report: WorkerReport, loss: float) -> None:
         """Telemetry from a worker's push to shard 0; the batch policy gets it in
-        :meth:`background_work`, off the path between the last push and the answers."""
+        :meth:`background_work`, off the path between the last push and the answers.
+
+        Keys the servers measure (``finish_s``) are the coordinator's alone: a worker's own value
+        is dropped here, so no worker can steer the split with a finish time it made up."""
+        tel = report.telemetry
+        if isinstance(tel, dict):
+            for key in SERVER_OBSERVED:
+                tel.pop(key, None)
         self.reports[report.worker_id] = report
         self.losses[report.worker_id] = loss
         self._unobserved.append(report)

@@ -276,3 +276,20 @@ def test_finish_time_is_measured_from_the_answer_to_the_gradient_being_whole_on_
                                   iteration_s=0.0, telemetry={}), 1.0)
     push(c2, 0)
     assert "finish_s" not in c2.reports[0].telemetry
+
+
+def test_a_finish_time_a_worker_made_up_never_reaches_the_policy():
+    """finish_s is measured by the coordinator; a (buggy or hostile) worker that puts its own in
+    its push telemetry is ignored, also for a gradient the coordinator cannot time itself."""
+    from batchsize_manager import WorkerReport
+
+    c = coordinator()
+    c.record_report(WorkerReport(worker_id=0, iteration=0, batch_size=20, compute_s=0.03,
+                                 iteration_s=0.0, telemetry={"compute_s": 0.03, "finish_s": 1000.0}), 1.0)
+    push(c, 0)  # never answered with an assignment here: nothing to time it by
+    assert "finish_s" not in c.reports[0].telemetry
+    c.assignment_answered(1, 0)
+    c.record_report(WorkerReport(worker_id=1, iteration=0, batch_size=20, compute_s=0.03,
+                                 iteration_s=0.0, telemetry={"finish_s": 1e-9}), 1.0)
+    push(c, 1)
+    assert c.reports[1].telemetry["finish_s"] != 1e-9   # the coordinator's own measurement
