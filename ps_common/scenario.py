@@ -527,26 +527,28 @@ class OnOffSchedule:
             return [s for s in self._switches if s <= until]
 
 
-class _TraceTable:
-    def __init__(self, keys: np.ndarray, values: np.ndarray, loop: bool) -> None:
-        self.keys, self.values, self.loop = keys, values, loop
+class TraceTable:
+    """A step function read from a CSV trace: the value of the last key <= x (``before`` until
+    the first key); with ``loop`` the trace repeats, one more step long than its last key."""
+
+    def __init__(self, keys: list[float], values: list[Any], loop: bool, before: Any) -> None:
+        self.keys, self.values, self.loop, self.before = keys, values, loop, before
         if len(keys) >= 2:
             self.period = float(keys[-1] + (keys[-1] - keys[-2]))
         else:
             self.period = float(keys[-1]) + 1.0
 
-    def at(self, x: float) -> float:
+    def at(self, x: float) -> Any:
         if self.loop and x >= self.period:
             x = math.fmod(x, self.period)
         k = bisect.bisect_right(self.keys, x) - 1
-        return 1.0 if k < 0 else float(self.values[k])
+        return self.before if k < 0 else self.values[k]
 
 
-def _load_trace(t: Trace, base_dir: str | Path | None, key: str) -> _TraceTable:
-    path = Path(t.path)
-    if not path.is_absolute() and base_dir is not None:
-        path = Path(base_dir) / path
-    key_col = t.key_column or t.by
+def read_trace(path: Path, key_col: str, col: str, key: str,
+               blank: bool = False) -> tuple[list[float], list[float | None]]:
+    """Keys and values of a CSV trace, checked: keys finite, >= 0 and strictly increasing,
+    values finite (or, with ``blank``, an empty cell read as None). Errors name ``key``."""
     try:
         with open(path, newline="") as fh:
             rows = list(csv.DictReader(fh))
@@ -554,21 +556,32 @@ def _load_trace(t: Trace, base_dir: str | Path | None, key: str) -> _TraceTable:
         raise ScenarioError(f"{key}.path: cannot read trace {str(path)!r}: {exc.strerror or exc}") from None
     if not rows:
         raise ScenarioError(f"{key}.path: trace {str(path)!r} has no data rows")
-    for col, name in ((key_col, "key_column"), (t.column, "column")):
-        if col not in rows[0]:
-            raise ScenarioError(f"{key}.{name}: trace {str(path)!r} has no column {col!r} "
+    for c, name in ((key_col, "key_column"), (col, "column")):
+        if c not in rows[0]:
+            raise ScenarioError(f"{key}.{name}: trace {str(path)!r} has no column {c!r} "
                                 f"(columns: {', '.join(rows[0])})")
-    keys, vals = [], []
+    keys: list[float] = []
+    vals: list[float | None] = []
     for n, row in enumerate(rows, start=2):
+        raw = (row[col] or "").strip()
         try:
-            k, v = float(row[key_col]), float(row[t.column])
+            k = float(row[key_col])
+            v = None if (blank and raw == "") else float(raw)
         except (TypeError, ValueError):
             raise ScenarioError(f"{key}: {str(path)!r} line {n}: not a number") from None
-        if not (math.isfinite(k) and math.isfinite(v)) or k < 0 or (keys and k <= keys[-1]):
+        if not math.isfinite(k) or (v is not None and not math.isfinite(v)) or k < 0 or (keys and k <= keys[-1]):
             raise ScenarioError(f"{key}: {str(path)!r} line {n}: keys must be finite, >= 0 and "
                                 "strictly increasing")
         keys.append(k)
         vals.append(v)
+    return keys, vals
+
+
+def _load_trace(t: Trace, base_dir: str | Path | None, key: str) -> TraceTable:
+    path = Path(t.path)
+    if not path.is_absolute() and base_dir is not None:
+        path = Path(base_dir) / path
+    keys, vals = read_trace(path, t.key_column or t.by, t.column, key)
     values = np.asarray(vals, dtype=float)
     if t.values == "speed":
         if np.any(values <= 0):
@@ -578,7 +591,7 @@ def _load_trace(t: Trace, base_dir: str | Path | None, key: str) -> _TraceTable:
         bad = int(np.argmax(values < 1.0))
         raise ScenarioError(f"{key}.column: {str(path)!r} line {bad + 2}: slowdown {values[bad]} < 1 "
                             "(use values: speed for a speed trace)")
-    return _TraceTable(np.asarray(keys, dtype=float), values, t.loop)
+    return TraceTable(keys, [float(v) for v in values], t.loop, before=1.0)
 
 
 class ScenarioRuntime:

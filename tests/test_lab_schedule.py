@@ -41,12 +41,13 @@ def test_random_quota_depends_only_on_its_seed():
 
 
 def test_quota_trace_from_csv(tmp_path):
-    (tmp_path / "q.csv").write_text("seconds,fraction\n0,1.0\n5,0.25\n8,0\n")
+    (tmp_path / "q.csv").write_text("seconds,fraction\n0,1.0\n5,0.25\n8,0\n10,\n")
     sc = validate({"cluster": {"num_workers": 1},
                    "scenario": {"workers": [{"cpu_quota": {"trace": {"path": "q.csv", "loop": True}}}]}}
                   ).scenario.resolved(tmp_path)
     q = quota_schedules(sc, 1)[0]
-    assert [q.at(t) for t in (1, 6, 9, 12, 17)] == [1.0, 0.25, None, 1.0, 0.25]  # period 8 + 3
+    # 0 and an empty cell are unlimited; the loop's period is 10 + 2
+    assert [q.at(t) for t in (1, 6, 9, 11, 13, 18)] == [1.0, 0.25, None, None, 1.0, 0.25]
 
 
 def test_link_steps():

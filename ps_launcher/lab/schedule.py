@@ -8,13 +8,11 @@ comparison meets the same quotas at the same times.
 
 from __future__ import annotations
 
-import bisect
-import csv
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from ps_common.scenario import CpuQuota, Link, OnOffSchedule, Rotation, ScenarioConfig, ScenarioError
+from ps_common.scenario import CpuQuota, Link, OnOffSchedule, Rotation, ScenarioConfig, TraceTable, read_trace
 
 
 
@@ -25,38 +23,6 @@ def _min(a: float | None, b: float | None) -> float | None:
     if b is None:
         return a
     return min(a, b)
-
-
-class _QuotaTrace:
-    def __init__(self, path: Path, column: str, key_column: str, loop: bool, where: str) -> None:
-        try:
-            with open(path, newline="") as fh:
-                rows = list(csv.DictReader(fh))
-        except OSError as exc:
-            raise ScenarioError(f"{where}.path: cannot read {str(path)!r}: {exc.strerror or exc}") from None
-        if not rows or column not in rows[0] or key_column not in rows[0]:
-            raise ScenarioError(f"{where}: {str(path)!r} needs columns {key_column!r} and {column!r}")
-        self.keys: list[float] = []
-        self.values: list[float | None] = []
-        for n, row in enumerate(rows, start=2):
-            try:
-                k = float(row[key_column])
-                raw = row[column].strip()
-                v = None if raw == "" or float(raw) <= 0 else float(raw)
-            except ValueError:
-                raise ScenarioError(f"{where}: {str(path)!r} line {n}: not a number") from None
-            if not math.isfinite(k) or k < 0 or (self.keys and k <= self.keys[-1]):
-                raise ScenarioError(f"{where}: {str(path)!r} line {n}: seconds must increase from 0")
-            self.keys.append(k)
-            self.values.append(v)
-        self.loop = loop
-        self.period = self.keys[-1] + (self.keys[-1] - self.keys[-2] if len(self.keys) > 1 else 1.0)
-
-    def at(self, t: float) -> float | None:
-        if self.loop and t >= self.period:
-            t = math.fmod(t, self.period)
-        k = bisect.bisect_right(self.keys, t) - 1
-        return None if k < 0 else self.values[k]
 
 
 class QuotaSchedule:
@@ -74,8 +40,11 @@ class QuotaSchedule:
             path = Path(spec.trace.path)
             if not path.is_absolute() and base_dir is not None:
                 path = Path(base_dir) / path
-            self._trace = _QuotaTrace(path, spec.trace.column, spec.trace.key_column, spec.trace.loop,
-                                      f"scenario.workers.{worker_index}.cpu_quota.trace")
+            keys, vals = read_trace(path, spec.trace.key_column, spec.trace.column,
+                                    f"scenario.workers.{worker_index}.cpu_quota.trace", blank=True)
+            # <= 0 or an empty cell: unlimited (None), as before the first row
+            self._trace = TraceTable(keys, [None if v is None or v <= 0 else v for v in vals],
+                                     spec.trace.loop, before=None)
 
     def at(self, t: float) -> float | None:
         f: float | None = None
