@@ -3,9 +3,10 @@
 ``LBBSP_FAULTS`` holds a JSON object; each key arms one fault point:
 
 - ``"kill_in_push": {"worker": NAME, "iteration": T, "shards": [K, ...], "delay_s": 0.5}``
-  (or a list of such): worker NAME, at iteration T, pushes its gradient to the listed shards
-  only, waits ``delay_s`` (the frames leave, or stay in flight on a slow link), then SIGKILLs
-  itself: a death between two sends of one push.
+  (or a list of such): worker NAME, at its first push of an iteration >= T, pushes its
+  gradient to the listed shards only, waits ``delay_s`` (the frames leave, or stay in flight on
+  a slow link), then SIGKILLs itself: a death between two sends of one push. ">=", not "==":
+  with backup workers a late worker's next assignment can skip iteration T.
 - ``"coordinator_stall": {"version": V, "seconds": S}``: shard 0's message loop sleeps S
   seconds once, when it reaches version V (a refit burst, a slow disk).
 
@@ -44,9 +45,9 @@ def fault(name: str) -> Any:
 
 
 def kill_in_push(worker: str, iteration: int) -> dict[str, Any] | None:
-    """The armed ``kill_in_push`` entry for this worker and iteration, if any."""
+    """The armed ``kill_in_push`` entry for this worker at this iteration (its T reached), if any."""
     spec = fault("kill_in_push")
     for entry in spec if isinstance(spec, list) else [spec] if spec else []:
-        if entry.get("worker") == worker and int(entry.get("iteration", -1)) == iteration:
+        if entry.get("worker") == worker and 0 <= int(entry.get("iteration", -1)) <= iteration:
             return entry
     return None
