@@ -100,61 +100,31 @@ def measured_speed(report: WorkerReport) -> float | None:
     return v if math.isfinite(v) else None      # a denormal compute time would give inf
 
 
-def cap_after_oom(batch_size: int, margin: float) -> int:
-    """The cap recorded when ``batch_size`` failed: ``margin`` below it, and at least one below.
-
-    A small margin avoids probing the limit one sample at a time (each probe costs an
-    iteration); memory use also fluctuates a little between iterations.
-    """
-    return max(0, min(batch_size - 1, math.floor(batch_size * (1.0 - margin))))
-
-
 def _str_keys(d: Mapping[int, Any]) -> dict[str, Any]:
     return {str(k): v for k, v in d.items()}
 
 
 class CapAwarePolicy(BatchPolicy):
-    """Shared handling of memory caps: from config, and learned from out-of-memory reports."""
+    """Configured per-worker caps (``memory_caps``, keyed by worker id). Caps learned from
+    out-of-memory errors, probes and headroom belong to the BatchSizeManager
+    (:mod:`batchsize_manager.memory`), which hands every policy the caps it must respect; an
+    out-of-memory report carries no timing, so a policy used on its own only skips it."""
 
-    def __init__(self, memory_caps: Mapping[Any, int] | None = None, oom_margin: float = 0.05) -> None:
-        if not (0.0 <= oom_margin < 1.0):
-            raise ValueError(f"oom_margin must be in [0, 1), got {oom_margin}")
-        self.oom_margin = float(oom_margin)
+    def __init__(self, memory_caps: Mapping[Any, int] | None = None) -> None:
         self._config_caps: dict[int, int] = {int(k): int(v) for k, v in (memory_caps or {}).items()}
         if any(v < 0 for v in self._config_caps.values()):
             raise ValueError(f"memory_caps must be >= 0: {self._config_caps}")
-        self._oom_caps: dict[int, int] = {}
 
     def memory_caps(self) -> dict[int, int]:
-        caps = dict(self._config_caps)
-        for w, c in self._oom_caps.items():
-            caps[w] = min(c, caps.get(w, c))
-        return caps
-
-    def _note_oom(self, report: WorkerReport) -> bool:
-        """Record a cap if ``report`` is an OOM; True if it was (it then has no timing to use)."""
-        if not is_oom(report):
-            return False
-        w = report.worker_id
-        cap = cap_after_oom(report.batch_size, self.oom_margin)
-        self._oom_caps[w] = min(cap, self._oom_caps.get(w, cap))
-        log.warning("worker %d ran out of memory at batch %d; capping it at %d", w, report.batch_size,
-                    self._oom_caps[w])
-        return True
+        return dict(self._config_caps)
 
     def _caps_for(self, workers: Sequence[int], max_batch: CapsArg) -> dict[int, int | None]:
         caps = resolve_caps(workers, max_batch)
-        for w, c in self.memory_caps().items():
+        for w, c in self._config_caps.items():
             if w in caps:
                 cur = caps[w]
                 caps[w] = c if cur is None else min(c, cur)
         return caps
-
-    def _caps_state(self) -> dict[str, Any]:
-        return {"oom_caps": _str_keys(self._oom_caps)}
-
-    def _load_caps_state(self, state: Mapping[str, Any]) -> None:
-        self._oom_caps = {int(k): int(v) for k, v in state.get("oom_caps", {}).items()}
 
 
 def _within(split: Mapping[int, int] | None, workers: Sequence[int], total: int, min_batch: int,
@@ -203,8 +173,8 @@ class SlotPolicy(CapAwarePolicy):
 
     native_arrays = True
 
-    def __init__(self, memory_caps: Mapping[Any, int] | None = None, oom_margin: float = 0.05) -> None:
-        super().__init__(memory_caps, oom_margin)
+    def __init__(self, memory_caps: Mapping[Any, int] | None = None) -> None:
+        super().__init__(memory_caps)
         self._scratch = np.zeros(0, dtype=np.int64)
         self._slots = SlotTable(self._grow_slots, self._init_slots)
         self._cache: tuple[Any, np.ndarray, int] = (None, np.zeros(0, dtype=np.int64), -1)
@@ -235,10 +205,7 @@ class SlotPolicy(CapAwarePolicy):
         if batch.n == 0:
             return
         if batch.any_oom:
-            oom = batch.oom
-            for i in np.flatnonzero(oom).tolist():
-                self._note_oom(batch.reports[i])
-            rest = np.flatnonzero(~oom)
+            rest = np.flatnonzero(~batch.oom)
             if rest.size == 0:
                 return
             batch = batch.take(rest)
@@ -301,15 +268,14 @@ class StaticPolicy(SlotPolicy):
     being profiled. Later changes in speed are ignored on purpose: that is what "static" means.
     """
 
-    def __init__(self, profile_iterations: int = 5, memory_caps: Mapping[Any, int] | None = None,
-                 oom_margin: float = 0.05) -> None:
+    def __init__(self, profile_iterations: int = 5, memory_caps: Mapping[Any, int] | None = None) -> None:
         if profile_iterations < 1:
             raise ValueError(f"profile_iterations must be >= 1, got {profile_iterations}")
         self.profile_iterations = int(profile_iterations)
         self._speed = np.zeros(0)                   # nan: not profiled yet
         self._samples = np.zeros((0, self.profile_iterations))
         self._ns = np.zeros(0, dtype=np.int64)
-        super().__init__(memory_caps, oom_margin)
+        super().__init__(memory_caps)
 
     def _grow_slots(self, capacity: int) -> None:
         super()._grow_slots(capacity)
@@ -366,7 +332,7 @@ class StaticPolicy(SlotPolicy):
                 speed[str(w)] = float(self._speed[s])
             else:
                 samples[str(w)] = self._samples[s, : self._ns[s]].tolist()
-        return {"speed": speed, "samples": samples, **self._caps_state()}
+        return {"speed": speed, "samples": samples}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._reset_all()
@@ -377,7 +343,6 @@ class StaticPolicy(SlotPolicy):
             xs = [float(x) for x in v][: self.profile_iterations]
             self._samples[s, : len(xs)] = xs
             self._ns[s] = len(xs)
-        self._load_caps_state(state)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -446,7 +411,7 @@ class LBBSPCpuPolicy(SlotPolicy):
                  threshold: float = 0.05, overhead_alpha: float = 0.3, use_overhead: bool = True,
                  use_exog: bool | None = None, history: int = 32, warmup: int = 1,
                  max_factor: float | None = 2.0,
-                 memory_caps: Mapping[Any, int] | None = None, oom_margin: float = 0.05,
+                 memory_caps: Mapping[Any, int] | None = None,
                  predictor_factory: Callable[[], Any] | None = None, refit: str = "background",
                  stagger: bool = True, finish_quantile: float | None = 0.9, finish_window: int = 32,
                  finish_tail: str = "finish") -> None:
@@ -502,7 +467,7 @@ class LBBSPCpuPolicy(SlotPolicy):
         self._prev: tuple[np.ndarray, np.ndarray] | None = None
         self.changes = 0                 #: how often the returned split changed
         self.predicted_s = math.nan      #: predicted iteration time of the last returned split
-        super().__init__(memory_caps, oom_margin)
+        super().__init__(memory_caps)
         if hasattr(self._pred, "start") and refit != "sync":
             self._pred.start()           # the helper process starts now, not inside a decision
 
@@ -707,7 +672,6 @@ class LBBSPCpuPolicy(SlotPolicy):
             "seen": {str(w): int(self._seen[s]) for w, s in items if self._seen[s] > 0},
             "prev": _split_dict(self._prev),
             "changes": self.changes,
-            **self._caps_state(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -741,7 +705,6 @@ class LBBSPCpuPolicy(SlotPolicy):
             self._seen[self._slots.add(int(k))] = int(v)
         self._prev = _split_arrays(state.get("prev"))
         self.changes = int(state.get("changes", 0))
-        self._load_caps_state(state)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -767,8 +730,9 @@ class LBBSPGpuPolicy(SlotPolicy):
     (a co-tenant, a throttled link), and a search that has shrunk to 1-sample steps over 12-iteration
     windows would otherwise crawl towards the new balance.
 
-    Memory caps come from ``memory_caps`` and from OOM reports (the excess of an OOM'd worker moves
-    to the others at the next decision). No predictions, no randomness. Why not the CPU rule? On
+    Memory caps come from ``memory_caps`` and from the manager, which learns them from OOM errors
+    and reported headroom (the excess of a worker whose cap shrank moves to the others at the
+    next decision; a worker without room is never the leader). No predictions, no randomness. Why not the CPU rule? On
     GPUs time is flat below a saturation batch and memory bounds the batch, so one speed number
     cannot give the split; search can.
 
@@ -778,7 +742,7 @@ class LBBSPGpuPolicy(SlotPolicy):
 
     def __init__(self, window: int = 3, step: int | None = None, tolerance: float = 0.05,
                  max_window: int = 12, drift: float = 0.15, use_overhead: bool = True,
-                 memory_caps: Mapping[Any, int] | None = None, oom_margin: float = 0.05) -> None:
+                 memory_caps: Mapping[Any, int] | None = None) -> None:
         if window < 1 or max_window < window:
             raise ValueError(f"need 1 <= window <= max_window, got window={window}, max_window={max_window}")
         if step is not None and step < 1:
@@ -809,7 +773,7 @@ class LBBSPGpuPolicy(SlotPolicy):
         self.oscillations = 0
         self.retriggers = 0
         self.last_spread = math.nan
-        super().__init__(memory_caps, oom_margin)
+        super().__init__(memory_caps)
 
     def _grow_slots(self, capacity: int) -> None:
         super()._grow_slots(capacity)
@@ -1051,7 +1015,6 @@ class LBBSPGpuPolicy(SlotPolicy):
             "dir": {str(w): int(self._dir[s]) for w, s in items if self._dir[s] != 0},
             "out": self._out, "shifted": [w for w, s in items if self._shift[s]],
             "moves": self.moves, "oscillations": self.oscillations, "retriggers": self.retriggers,
-            **self._caps_state(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -1075,7 +1038,6 @@ class LBBSPGpuPolicy(SlotPolicy):
         self.moves = int(state.get("moves", 0))
         self.oscillations = int(state.get("oscillations", 0))
         self.retriggers = int(state.get("retriggers", 0))
-        self._load_caps_state(state)
 
 
 def _row_median(a: np.ndarray) -> np.ndarray:

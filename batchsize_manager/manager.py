@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from batchsize_manager.allocation import check_feasible_arrays
-from batchsize_manager.lbbsp import cap_after_oom
+from batchsize_manager.memory import HEADROOM_KEY, CannotFit, MemoryCaps
 from batchsize_manager.policies import BatchPolicy, WorkerReport, get_policy
 from batchsize_manager.reports import ReportBatch
 
@@ -43,9 +43,12 @@ class BatchSizeManager:
     then ``assign()`` for the next one. ``join``/``leave`` may come between any two calls.
 
     Bounds: every size is in [``min_batch``, cap_i], cap_i being the smallest of ``max_batch``,
-    ``memory_caps[i]``, a cap learned from an out-of-memory report (``telemetry["oom"] == 1``,
-    recorded ``oom_margin`` below the failed size) and the policy's own caps. An X that cannot be
-    split within them raises ``ValueError`` saying why.
+    the policy's own configured caps and worker i's memory cap (:mod:`batchsize_manager.memory`:
+    ``memory_caps[name]``, a start-up probe, out-of-memory errors searched down to the largest
+    size that fits with ``oom_margin`` to spare, reported headroom). Memory caps are keyed by
+    the worker's name (``join(worker_id, name)``; default: the id as a string), so they survive
+    a rejoin under a new id and a checkpoint. An X that cannot be split within the bounds
+    raises ``ValueError`` saying why.
 
     Policies with background refits (``lbbsp-cpu`` with NARX or ARIMA) hold a helper process;
     :meth:`close` releases it (it also goes when the manager is garbage-collected or the process
@@ -54,7 +57,7 @@ class BatchSizeManager:
 
     def __init__(self, policy: BatchPolicy | str, global_batch: int, *, min_batch: int = 1,
                  max_batch: int | None = None, policy_args: Mapping[str, Any] | None = None,
-                 memory_caps: Mapping[int, int] | None = None, oom_margin: float = 0.05,
+                 memory_caps: Mapping[Any, int] | None = None, oom_margin: float = 0.05,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         if isinstance(policy, str):
             pol = get_policy(policy, **dict(policy_args or {}))
@@ -70,16 +73,14 @@ class BatchSizeManager:
             raise ValueError(f"min_batch must be >= 1, got {min_batch}")
         if max_batch is not None and int(max_batch) < int(min_batch):
             raise ValueError(f"max_batch={max_batch} is below min_batch={min_batch}")
-        if not (0.0 <= oom_margin < 1.0):
-            raise ValueError(f"oom_margin must be in [0, 1), got {oom_margin}")
+        self.memory = MemoryCaps(memory_caps, oom_margin)
         self._policy = pol
         self.global_batch = int(global_batch)
         self.min_batch = int(min_batch)
         self.max_batch = None if max_batch is None else int(max_batch)
-        self.oom_margin = float(oom_margin)
         self.clock = clock
-        self._config_caps = {int(k): int(v) for k, v in (memory_caps or {}).items()}
-        self._oom_caps: dict[int, int] = {}
+        self._names: dict[int, str] = {}              # live id -> name (memory caps are by name)
+        self._ids_of: dict[str, set[int]] = {}
         self._live: set[int] = set()
         self._live_ids: np.ndarray | None = None       # sorted live ids (cache)
         self._live_list: list[int] = []
@@ -118,13 +119,65 @@ class BatchSizeManager:
         batch = ReportBatch(self._pending)
         self._pending = []
         if batch.any_oom:
-            for i in np.flatnonzero(batch.oom).tolist():
+            oom = batch.oom
+            for i in np.flatnonzero(oom).tolist():
                 r = batch.reports[i]
-                cap = cap_after_oom(r.batch_size, self.oom_margin)
-                self._oom_caps[r.worker_id] = min(cap, self._oom_caps.get(r.worker_id, cap))
+                self._out_of_memory(r.worker_id, r.batch_size)
+            batch = batch.take(np.flatnonzero(~oom))   # no timing in them: the policy never sees them
+        self._learn_memory(batch)
         self._policy.observe_batch(batch)
         if timed:
             self._pending_s += self.clock() - t0
+
+    def _learn_memory(self, batch: ReportBatch) -> None:
+        """Completed iterations feed the memory search of workers that have one, and any
+        headroom estimate; one vectorised check when nobody has either (the usual case)."""
+        if batch.n == 0:
+            return
+        rows = batch.rows_with(HEADROOM_KEY)
+        if self.memory.tracks_any():
+            tracked = [i for i, w in enumerate(batch.worker.tolist())
+                       if self.memory.tracks(self._names.get(w, ""))]
+            rows = np.union1d(rows, np.array(tracked, dtype=np.int64))
+        for i in rows.tolist():
+            r = batch.reports[i]
+            name = self._names.get(r.worker_id)
+            if name is not None:
+                self.memory.completed(name, r.batch_size, r.telemetry)
+
+    def _out_of_memory(self, worker_id: int, batch_size: int) -> int | None:
+        name = self._names.get(worker_id)
+        if name is None:
+            return None
+        try:
+            cap = self.memory.out_of_memory(name, batch_size)
+        except CannotFit as exc:
+            log.error("%s", exc)
+            return None
+        log.warning("worker %d (%s) ran out of memory at batch %d; capped at %d", worker_id, name,
+                    batch_size, cap)
+        return cap
+
+    def out_of_memory(self, worker_id: int, batch_size: int) -> int:
+        """Worker ``worker_id`` failed with ``batch_size`` samples: learn from it and return the
+        size to retry with. Raises :class:`~batchsize_manager.memory.CannotFit` when a single
+        sample failed, ``KeyError`` for a worker that is not live."""
+        if worker_id not in self._live:
+            raise KeyError(f"worker {worker_id} is not live")
+        self._flush(timed=True)
+        cap = self.memory.out_of_memory(self._names[worker_id], batch_size)
+        log.warning("worker %d (%s) ran out of memory at batch %d; retrying with %d", worker_id,
+                    self._names[worker_id], batch_size, cap)
+        return cap
+
+    def probed(self, worker_id: int, fits: int, fails: int | None = None) -> None:
+        """A start-up probe of ``worker_id``'s memory: ``fits`` samples fit, ``fails`` did not."""
+        name = self._names.get(worker_id)
+        if name is not None:
+            self.memory.probed(name, fits, fails)
+
+    def name_of(self, worker_id: int) -> str | None:
+        return self._names.get(worker_id)
 
     # ----- membership ---------------------------------------------------------------------
     @property
@@ -142,13 +195,17 @@ class BatchSizeManager:
             self._live_ids = np.array(self._live_list, dtype=np.int64)
         return self._live_ids, self._live_list
 
-    def join(self, worker_id: int) -> None:
-        """A worker became live (joining twice is a no-op)."""
+    def join(self, worker_id: int, name: str | None = None) -> None:
+        """A worker became live (joining twice is a no-op). ``name`` keys its memory caps (a
+        stable identity: a worker that rejoins under a new id keeps them); default ``str(id)``."""
         w = int(worker_id)
         if w not in self._live:
             self._flush(timed=True)
             self._live.add(w)
             self._live_ids = None
+            n = str(w) if name is None else str(name)
+            self._names[w] = n
+            self._ids_of.setdefault(n, set()).add(w)
             self._policy.join(w)
 
     def leave(self, worker_id: int) -> None:
@@ -158,6 +215,12 @@ class BatchSizeManager:
             self._flush(timed=True)
             self._live.discard(w)
             self._live_ids = None
+            n = self._names.pop(w, str(w))
+            ids = self._ids_of.get(n)
+            if ids is not None:
+                ids.discard(w)
+                if not ids:
+                    del self._ids_of[n]
             self._policy.leave(w)
 
     # ----- decisions ----------------------------------------------------------------------
@@ -183,15 +246,19 @@ class BatchSizeManager:
 
     @property
     def memory_caps(self) -> dict[int, int]:
-        """Per-worker caps from config and OOM reports (manager's and policy's)."""
+        """Per live worker id: its memory cap (by name) and the policy's configured cap."""
         self._flush(timed=True)
         return self._merged_caps()
 
     def _merged_caps(self) -> dict[int, int]:
-        caps = dict(self._config_caps)
-        for src in (self._oom_caps, self._policy.memory_caps()):
-            for w, c in src.items():
-                caps[w] = min(c, caps.get(w, c))
+        caps: dict[int, int] = {}
+        for name in self.memory.names():
+            c = self.memory.cap(name)
+            if c is not None:
+                for w in self._ids_of.get(name, ()):
+                    caps[w] = c
+        for w, c in self._policy.memory_caps().items():
+            caps[w] = min(c, caps.get(w, c))
         return caps
 
     def _caps_array(self, ids: np.ndarray) -> np.ndarray:
@@ -297,7 +364,7 @@ class BatchSizeManager:
             "min_batch": self.min_batch,
             "max_batch": self.max_batch,
             "live": self.live_workers,
-            "oom_caps": {str(k): v for k, v in self._oom_caps.items()},
+            "memory": self.memory.state_dict(),
             "last_assignment": {str(k): v for k, v in self.last_assignment.items()},
             "decisions": self.decisions,
             "total_decision_s": self.total_decision_s,
@@ -318,7 +385,11 @@ class BatchSizeManager:
                          state.get(key), getattr(self, key))
         self._live = {int(w) for w in state.get("live", [])}
         self._live_ids = None
-        self._oom_caps = {int(k): int(v) for k, v in state.get("oom_caps", {}).items()}
+        self._names = {w: self._names.get(w, str(w)) for w in self._live}
+        self._ids_of = {}
+        for w, n in self._names.items():
+            self._ids_of.setdefault(n, set()).add(w)
+        self.memory.load_state_dict(state.get("memory", {}))
         self.last_assignment = {int(k): int(v) for k, v in state.get("last_assignment", {}).items()}
         self.decisions = int(state.get("decisions", 0))
         self.total_decision_s = float(state.get("total_decision_s", 0.0))

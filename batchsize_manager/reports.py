@@ -176,6 +176,14 @@ class ReportBatch:
             self._cols[key] = col
         return col
 
+    def rows_with(self, key: str) -> np.ndarray:
+        """Positions of the reports whose telemetry has ``key`` at all (empty: a C-level scan)."""
+        tels = self.tels
+        if not any(map(operator.contains, tels, repeat(key))):
+            return np.zeros(0, dtype=np.int64)
+        return np.flatnonzero(np.fromiter(map(operator.contains, tels, repeat(key)), dtype=bool,
+                                          count=self.n))
+
     # ----- derived columns ------------------------------------------------------------------
     @property
     def any_oom(self) -> bool:

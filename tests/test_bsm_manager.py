@@ -77,9 +77,55 @@ def test_memory_caps_and_oom_apply_to_every_policy():
     for w in range(3):
         m.join(w)
     assert m.assign() == {0: 20, 1: 50, 2: 50}
-    m.observe(rep(1, 50, oom=1.0))                             # OOM at 50: cap 47 (5% margin)
-    assert m.memory_caps == {0: 20, 1: 47}
+    m.observe(rep(1, 50, oom=1.0))              # OOM at 50, nothing known to fit: try the middle
+    assert m.memory_caps == {0: 20, 1: 25}
+    assert m.assign() == {0: 20, 1: 25, 2: 75}
+    for fitted, cap in ((25, 37), (37, 43), (43, 46), (46, 47), (47, 47)):
+        m.observe(rep(1, fitted))               # binary search up to 5% below the failure
+        assert m.memory_caps[1] == cap
     assert m.assign() == {0: 20, 1: 47, 2: 53}
+
+
+def test_memory_caps_follow_the_worker_name_across_rejoin_and_checkpoint():
+    m = BatchSizeManager("uniform", 100, memory_caps={"gpu-b": 30})
+    m.join(0, name="gpu-a")
+    m.join(1, name="gpu-b")
+    assert m.assign() == {0: 70, 1: 30}
+    assert m.out_of_memory(0, 70) == 35             # the retry size is the new cap
+    m.leave(0)
+    m.join(7, name="gpu-a")                         # back under a new id: the cap is its own
+    assert m.memory_caps == {1: 30, 7: 35}
+    m.join(8, name="gpu-c")                         # a newcomer with id 0's old slot gets nothing
+    assert 8 not in m.memory_caps
+    state = json.loads(json.dumps(m.state_dict()))
+    fresh = BatchSizeManager("uniform", 100)
+    fresh.load_state_dict(state)
+    fresh.join(3, name="gpu-a")
+    assert fresh.memory_caps == {3: 35}
+
+
+def test_an_out_of_memory_at_one_sample_cannot_be_retried():
+    from batchsize_manager.memory import CannotFit
+
+    m = BatchSizeManager("uniform", 10)
+    m.join(0, name="tiny")
+    with pytest.raises(CannotFit, match="single sample"):
+        m.out_of_memory(0, 1)
+    with pytest.raises(KeyError):
+        m.out_of_memory(5, 10)
+
+
+def test_reported_headroom_caps_a_worker_before_it_fails():
+    m = BatchSizeManager("uniform", 200)
+    m.join(0, name="a")
+    m.join(1, name="b")
+    assert m.assign() == {0: 100, 1: 100}
+    # 100 samples fit with 20 MB to spare at 1 MB per sample: about 119 would (5% margin)
+    m.observe(rep(0, 100, mem_headroom_mb=20.0, mem_per_sample_mb=1.0))
+    m.observe(rep(1, 100))
+    assert m.memory_caps == {0: 119}
+    m.observe(rep(0, 100, mem_headroom_mb=0.0, mem_per_sample_mb=1.0))   # full: no room above 100
+    assert m.memory_caps == {0: 100}
 
 
 def test_membership_and_late_reports():

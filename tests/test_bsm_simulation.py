@@ -77,7 +77,7 @@ def test_oom_is_reported_with_the_failed_size():
     assert rec.oom == [0]
     bad = next(r for r in seen if r.worker_id == 0)
     assert bad.telemetry["oom"] == 1.0 and bad.batch_size == 50
-    assert m.memory_caps == {0: 47}
+    assert m.memory_caps == {0: 25}                 # binary search: half the failed size
 
 
 def test_ideal_time_is_the_balanced_bound():

@@ -283,10 +283,10 @@ def test_policy_state_is_current_when_read_between_observe_and_assign():
         m.join(w)
     m.assign()
     m.observe(_report(1, 0, 100, 50.0, oom=1.0))
-    assert m.policy.memory_caps() == {1: 95}                  # applied when the policy is read
+    assert m.memory_caps == {1: 50}                           # applied when the caps are read
     m.observe(_report(2, 0, 100, 50.0, oom=1.0))
     m.leave(2)                                                # applied before the leave
-    assert m.memory_caps == {1: 95, 2: 95} and m.ignored_reports == 0
+    assert m.memory_caps == {1: 50} and m.memory.cap("2") == 50 and m.ignored_reports == 0
 
 
 # ----------------------------------------------------------------------------- checkpoints

@@ -1,0 +1,158 @@
+"""Per-worker batch-size caps from memory: configured, probed, learned from out-of-memory errors.
+
+The one owner of memory caps (the BatchSizeManager holds one :class:`MemoryCaps`; policies see
+the result as the caps they are given). Caps are keyed by a worker's *name*, which outlives its
+membership: a worker that rejoins (new id, same name) or a job resumed from a checkpoint keeps
+what was learned about its memory, where join-order ids would hand it to someone else.
+
+Learning is a binary search per worker between the largest size known to fit (``fits``, from
+iterations that completed) and the smallest known to fail (``fails``, from out-of-memory
+reports). While they are far apart the cap is their midpoint, so each out-of-memory error at
+least halves the unknown range; once the largest fit is within ``margin`` of the failure, the
+cap settles ``margin`` below the failed size (memory use fluctuates a little between iterations,
+and a cap at the edge would fail again now and then).
+
+A *headroom* cap comes from telemetry, before anything fails: a worker that reports
+``mem_headroom_mb`` (what the iteration could still have used under its limit) and
+``mem_per_sample_mb`` (its peak use above the model's, per sample) would fit about
+``x + headroom / per_sample`` samples; that estimate, ``margin`` lower, caps it too. lbbsp-gpu
+therefore never picks as leader a worker without room for more samples.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+#: Telemetry keys of the headroom estimate (see the module docstring).
+HEADROOM_KEY = "mem_headroom_mb"
+PER_SAMPLE_KEY = "mem_per_sample_mb"
+
+
+class CannotFit(ValueError):
+    """Even one sample does not fit in a worker's memory."""
+
+
+@dataclass
+class _Search:
+    fits: int = 0               # the largest size that completed (0: none known)
+    fails: int | None = None    # the smallest size that ran out of memory
+    headroom_cap: int | None = None
+
+
+def cap_after_oom(batch_size: int, margin: float) -> int:
+    """``margin`` below a failed size, and at least one below it (0 when 1 failed)."""
+    return max(0, min(batch_size - 1, math.floor(batch_size * (1.0 - margin))))
+
+
+def _finite_positive(raw: Any) -> float:
+    try:
+        v = float(raw)
+    except (TypeError, ValueError, OverflowError):
+        return 0.0
+    return v if 0.0 < v < math.inf else 0.0
+
+
+class MemoryCaps:
+    """Configured, probed and learned caps per worker name (see the module docstring)."""
+
+    def __init__(self, configured: Mapping[Any, int] | None = None, margin: float = 0.05) -> None:
+        if not (0.0 <= margin < 1.0):
+            raise ValueError(f"oom_margin must be in [0, 1), got {margin}")
+        self.margin = float(margin)
+        self.configured: dict[str, int] = {}
+        for k, v in (configured or {}).items():
+            if int(v) < 1:
+                raise ValueError(f"memory cap of worker {k!r} must be >= 1, got {v}")
+            self.configured[str(k)] = int(v)
+        self._search: dict[str, _Search] = {}
+        self.version = 0        #: bumped whenever any cap may have changed (callers cache on it)
+
+    # ----- what is known ----------------------------------------------------------------------
+    def cap(self, name: str) -> int | None:
+        """The largest batch this worker should get (None: memory does not bound it)."""
+        caps = [c for c in (self.configured.get(name), self._learned(name)) if c is not None]
+        return min(caps) if caps else None
+
+    def _learned(self, name: str) -> int | None:
+        s = self._search.get(name)
+        if s is None:
+            return None
+        fits = s.fits if s.fails is None else min(s.fits, s.fails - 1)
+        head = None if s.headroom_cap is None else max(s.headroom_cap, fits)  # never below a fit
+        if s.fails is None:
+            return head
+        safe = max(1, cap_after_oom(s.fails, self.margin))
+        search = safe if fits >= safe else max(1, min(safe, max(fits, (fits + s.fails) // 2)))
+        return search if head is None else min(search, head)
+
+    def names(self) -> set[str]:
+        """Every name with a configured or learned cap."""
+        return set(self.configured) | set(self._search)
+
+    def tracks_any(self) -> bool:
+        return bool(self._search)
+
+    def tracks(self, name: str) -> bool:
+        """Is a search or estimate under way for ``name`` (its completed sizes matter)?"""
+        return name in self._search
+
+    def known(self) -> dict[str, dict[str, int | None]]:
+        """Every worker's search state, for logs and status."""
+        return {n: {"fits": s.fits, "fails": s.fails, "cap": self.cap(n)} for n, s in self._search.items()}
+
+    # ----- what is learned ----------------------------------------------------------------------
+    def out_of_memory(self, name: str, batch_size: int) -> int:
+        """``batch_size`` failed: the size to retry with (the new cap). Raises :class:`CannotFit`
+        when one sample failed."""
+        if batch_size <= 1:
+            raise CannotFit(f"worker {name!r} ran out of memory with a single sample")
+        s = self._search.setdefault(name, _Search())
+        s.fails = batch_size if s.fails is None else min(s.fails, batch_size)
+        if s.fits >= s.fails:
+            s.fits = 0          # what fitted before fails now: the memory shrank, search again
+        if s.headroom_cap is not None and s.headroom_cap >= batch_size:
+            s.headroom_cap = None   # the estimate was wrong: trust the failure
+        self.version += 1
+        cap = self.cap(name)
+        assert cap is not None and cap < batch_size
+        return cap
+
+    def completed(self, name: str, batch_size: int, telemetry: Mapping[str, Any] | None = None) -> None:
+        """An iteration of ``batch_size`` fitted; its telemetry may carry a headroom estimate."""
+        s = self._search.get(name)
+        if s is None:
+            if not telemetry or HEADROOM_KEY not in telemetry:
+                return          # the common case: nothing to learn, nothing stored
+            s = self._search.setdefault(name, _Search())
+        before = (s.fits, s.headroom_cap)
+        if batch_size > s.fits and (s.fails is None or batch_size < s.fails):
+            s.fits = batch_size
+        if telemetry:
+            head = _finite_positive(telemetry.get(HEADROOM_KEY))
+            per = _finite_positive(telemetry.get(PER_SAMPLE_KEY))
+            if per > 0 and HEADROOM_KEY in telemetry:
+                s.headroom_cap = batch_size + math.floor(head * (1.0 - self.margin) / per)
+        if (s.fits, s.headroom_cap) != before:
+            self.version += 1
+
+    def probed(self, name: str, fits: int, fails: int | None = None) -> None:
+        """A start-up probe found that ``fits`` samples fit (and ``fails`` did not)."""
+        s = self._search.setdefault(name, _Search())
+        s.fits = max(0, int(fits))
+        s.fails = None if fails is None or fails <= s.fits else int(fails)
+        self.version += 1
+
+    # ----- checkpoints --------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {n: {"fits": s.fits, "fails": s.fails} for n, s in self._search.items()
+                if s.fits or s.fails is not None}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._search = {}
+        for n, d in state.items():
+            fails = d.get("fails")
+            self._search[str(n)] = _Search(fits=int(d.get("fits", 0)),
+                                           fails=None if fails is None else int(fails))
+        self.version += 1
