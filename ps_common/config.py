@@ -69,6 +69,11 @@ class TrainingConfig(StrictModel):
     global_batch: int = Field(128, gt=0)
     min_batch: int = Field(1, gt=0, description="x_min: floor of any worker's batch size")
     max_batch: Optional[int] = Field(None, gt=0, description="x_max: cap of any worker's batch size")
+    memory_caps: dict[str, int] = Field(default_factory=dict, description=(
+        "known memory caps, by worker name (ps-launch names them worker-0, worker-1, ...): the "
+        "largest batch each may get; caps are also learned from out-of-memory errors"))
+    oom_margin: float = Field(0.05, ge=0.0, lt=1.0, description=(
+        "a cap learned from an out-of-memory error settles this fraction below the failed size"))
     max_iterations: Optional[int] = Field(None, gt=0)
     epochs: Optional[float] = Field(None, gt=0)
     max_seconds: Optional[float] = Field(None, gt=0)
@@ -111,6 +116,17 @@ class ModeConfig(StrictModel):
 class WorkerConfig(StrictModel):
     device: str = "cpu"
     torch_threads: int = Field(1, ge=1)
+    memory_limit_mb: Optional[float] = Field(None, gt=0, allow_inf_nan=False, description=(
+        "memory this worker may use for training, enforced for real: on CUDA a per-process memory "
+        "fraction, on a CPU an address-space limit (RLIMIT_AS) above what the process holds when "
+        "training starts. A pass that does not fit is retried with a smaller share of its samples. "
+        "scenario.workers[i].memory_limit_mb overrides it per worker"))
+    memory_headroom: bool = Field(True, description=(
+        "with a memory limit, report each iteration's headroom and memory per sample, from which "
+        "the manager caps this worker before it runs out of memory"))
+    memory_probe: bool = Field(False, description=(
+        "before joining, find the largest batch that fits (doubling, then binary search) and "
+        "tell the coordinator, so no iteration fails on it"))
 
     @field_validator("device")
     @classmethod

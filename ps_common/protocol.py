@@ -110,6 +110,8 @@ class Join(Message):
     instance: str = ""
     job_digest: str = ""
     device: str = "cpu"
+    memory_fits: int = 0   # a start-up memory probe: the largest batch that fitted (0: not probed)
+    memory_fails: int = 0  # ... and the smallest that did not (0: none failed)
 
 
 @dataclass
@@ -167,6 +169,27 @@ class Push(Message):
     loss: float = 0.0
     telemetry: dict[str, float] = field(default_factory=dict)  # shard 0 only
     pull: bool = False
+
+
+@dataclass
+class OutOfMemory(Message):
+    """Worker -> coordinator: its assignment of ``iteration`` (``batch_size`` samples) did not fit
+    in memory; nothing of it was pushed. The answer is a :class:`Reassignment` (a prefix of the
+    same sample ranges; the rest go back to the data cursor) or an Error (``cannot_fit`` when a
+    single sample failed)."""
+
+    TYPE: ClassVar[str] = "out_of_memory"
+    worker_id: int = 0
+    token: str = ""
+    iteration: int = 0
+    batch_size: int = 0
+    telemetry: dict[str, float] = field(default_factory=dict)  # the worker's memory numbers, logged
+
+
+@dataclass
+class Reassignment(Message):
+    TYPE: ClassVar[str] = "reassignment"
+    assignment: Union[Assignment, None] = None
 
 
 @dataclass
@@ -440,7 +463,8 @@ class BsmStatsReply(Message):
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (
-        Hello, HelloReply, Ack, Join, Welcome, Heartbeat, HeartbeatReply, Leave, Push, Pull, Params,
+        Hello, HelloReply, Ack, Join, Welcome, Heartbeat, HeartbeatReply, Leave, Push, OutOfMemory,
+        Reassignment, Pull, Params,
         RegisterShard, Registered, Have, ShardSync, Commit, PlanMessage, Stop, Finish, Rollback,
         StatusRequest, Status, EvalReport, Shutdown, Error,
         BsmJoin, BsmLeave, BsmReport, BsmAssign, BsmAssignment, BsmStats, BsmStatsReply,

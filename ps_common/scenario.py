@@ -282,6 +282,9 @@ class WorkerScenario(_Strict):
         description="emulated link bandwidth: adds nbytes / bandwidth per message sent")
     cpu_quota: Optional[CpuQuota] = Field(None, description="real: a kernel CPU quota (ps-launch, root)")
     link: Optional[Link] = Field(None, description="real: a shaped link in a network namespace (ps-launch, root)")
+    memory_limit_mb: Optional[float] = Field(
+        None, gt=0, allow_inf_nan=False,
+        description="real: this worker's memory limit for training (overrides worker.memory_limit_mb)")
 
     @field_validator("steps", "bursts", "random", "cpu_load", mode="before")
     @classmethod
@@ -469,6 +472,8 @@ def describe_worker(w: WorkerScenario, index: int) -> str:
                         + ("unlimited" if st.unlimited else f"{_fmt(st.rate_mbit)} Mbit/s" if st.rate_mbit else "")
                         + (f" +{_fmt(st.delay_ms)} ms" if st.delay_ms is not None else "") for st in ln.steps)
         parts.append(text + " [real]")
+    if w.memory_limit_mb is not None:
+        parts.append(f"memory {_fmt(w.memory_limit_mb)} MB [real]")
     if _emulated_comm(w):
         comm = f"+{_fmt(w.comm_delay_ms)}ms/msg"
         if w.comm_bandwidth_mb_s is not None:

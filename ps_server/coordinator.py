@@ -31,9 +31,10 @@ from typing import Callable
 
 from batchsize_manager import WorkerReport
 from batchsize_manager.manager import BatchSizeManager
+from batchsize_manager.memory import CannotFit
 from ps_common.config import JobConfig
 from ps_common.protocol import Assignment, Plan
-from ps_server.data_cursor import DataCursor
+from ps_server.data_cursor import DataCursor, split_ranges
 from ps_server.sync import AsyncPolicy, RoundPolicy, SyncPolicy
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,14 @@ log = logging.getLogger(__name__)
 MAX_OUTSTANDING = 3
 #: Report keys the coordinator measures itself; a worker's own values for them are dropped.
 SERVER_OBSERVED = ("finish_s",)
+
+
+class NotReassigned(Exception):
+    """An out-of-memory report the coordinator cannot act on; ``code`` goes back as the Error's."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def member_token(member_key: str, worker_id: int) -> str:
@@ -160,7 +169,8 @@ class Coordinator:
         self.counters[what] = self.counters.get(what, 0) + 1
 
     # ----- membership -------------------------------------------------------------------
-    def join(self, name: str, instance: str, device: str = "cpu") -> int:
+    def join(self, name: str, instance: str, device: str = "cpu", memory_fits: int = 0,
+             memory_fails: int = 0) -> int:
         """A new member; a Join from a process that already is one replaces that membership."""
         for wid, info in list(self.workers.items()):
             if instance and info.instance == instance:
@@ -170,7 +180,10 @@ class Coordinator:
         now = self.clock()
         clock = min((w.clock for w in self.workers.values()), default=0)
         self.workers[wid] = WorkerInfo(wid, name, instance, now, device, now, clock)
-        self.manager.join(wid)
+        self.manager.join(wid, name)
+        if memory_fits > 0:
+            self.manager.probed(wid, memory_fits, memory_fails or None)
+            self._ahead = None
         log.info("worker %d (%s) joined; %d live", wid, name, len(self.workers))
         return wid
 
@@ -396,6 +409,45 @@ class Coordinator:
         else:
             a = self.outstanding.get(worker_id, {}).get(iteration)
         return None if a is None else a.batch_size
+
+    def out_of_memory(self, worker_id: int, iteration: int, batch_size: int) -> Assignment:
+        """Worker ``worker_id`` ran out of memory on its assignment of ``iteration``: the manager
+        learns a cap, and the worker retries the same iteration with the first ``cap`` samples of
+        its ranges; the rest go back to the data cursor and are served first next time. Nothing
+        is lost or applied twice: no shard holds any of the failed gradient (refused otherwise),
+        and every shard checks the worker's push against the new size. In round modes the
+        iteration then commits ``batch_size - cap`` samples fewer, as when a worker is lost.
+
+        Raises :class:`NotReassigned` for a report that does not match what is due."""
+        if self.stop:
+            raise NotReassigned("stopped", "the job is stopping")
+        due = self.plan if self.round_based else self.outstanding.get(worker_id, {})
+        a = due.get(worker_id) if self.round_based else due.get(iteration)
+        if a is None or a.iteration != iteration:
+            raise NotReassigned("not_planned", f"worker {worker_id} has no assignment of iteration {iteration}")
+        if a.batch_size != batch_size:
+            raise NotReassigned("bad_batch", f"worker {worker_id} was assigned {a.batch_size} samples "
+                                             f"for iteration {iteration}, not {batch_size}")
+        if (worker_id, iteration) in self.ledger:
+            raise NotReassigned("already_pushed", f"a shard holds worker {worker_id}'s gradient of "
+                                                  f"iteration {iteration}: it did not run out of memory")
+        try:
+            x = self.manager.out_of_memory(worker_id, batch_size)
+        except CannotFit as exc:
+            raise NotReassigned("cannot_fit", str(exc)) from None
+        keep, back = split_ranges(a.ranges, x)
+        self.cursor.give_back(back)
+        new = Assignment(iteration=iteration, batch_size=x, ranges=keep, global_batch=a.global_batch)
+        if self.round_based:
+            self.plan[worker_id] = new
+        else:
+            self.outstanding[worker_id][iteration] = new
+        self._ahead = None           # a split planned ahead did not know the new cap
+        self._sent[worker_id] = (iteration, self.clock())   # its finish time starts again
+        self._count("out_of_memory")
+        self.events.append({"event": "out_of_memory", "worker": worker_id, "iteration": iteration,
+                            "failed": batch_size, "retry": x, "cap": self.manager.memory_caps.get(worker_id)})
+        return new
 
     def on_gradient(self, shard: int, worker_id: int, iteration: int, batch_size: int) -> None:
         """Shard ``shard`` holds this gradient. Reports of gradients that cannot be committed

@@ -75,3 +75,18 @@ class DataCursor:
 
 def ranges_size(ranges: list[Range]) -> int:
     return sum(b - a for _, a, b in ranges)
+
+
+def split_ranges(ranges: list[Range], count: int) -> tuple[list[Range], list[Range]]:
+    """The first ``count`` samples of ``ranges`` and the rest, both as ranges, in order."""
+    head: list[Range] = []
+    tail: list[Range] = []
+    need = count
+    for e, a, b in ranges:
+        k = min(max(need, 0), b - a)
+        if k:
+            head.append([e, a, a + k])
+        if a + k < b:
+            tail.append([e, a + k, b])
+        need -= k
+    return head, tail

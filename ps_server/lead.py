@@ -25,7 +25,7 @@ from ps_common.faults import fault
 from ps_common.metrics import MetricsWriter
 from ps_server.checkpoint import list_checkpoints
 from ps_server.control import Followers
-from ps_server.coordinator import CommitDecision, Coordinator
+from ps_server.coordinator import CommitDecision, Coordinator, NotReassigned
 from ps_server.pulls import PendingPull
 from ps_server.router import Refused
 from ps_server.shard import next_log_hash
@@ -50,7 +50,8 @@ class Lead:
         data = dataset_from_config(cfg.data, cfg.run.seed)
         manager = BatchSizeManager(cfg.mode.batch_policy, cfg.training.global_batch,
                                    min_batch=cfg.training.min_batch, max_batch=cfg.training.max_batch,
-                                   policy_args=cfg.mode.batch_policy_args)
+                                   policy_args=cfg.mode.batch_policy_args,
+                                   memory_caps=cfg.training.memory_caps, oom_margin=cfg.training.oom_margin)
         self.coord = Coordinator(cfg, data.num_train, manager, server.policy, num_shards=cfg.cluster.num_shards)
         self.followers = Followers(server.router_reply)
         self.shard_endpoints: dict[int, str] = {0: server.endpoint}
@@ -65,7 +66,8 @@ class Lead:
     def handlers(self) -> dict[type, Any]:
         return {P.Join: self._on_join, P.Heartbeat: self._on_heartbeat, P.Leave: self._on_leave,
                 P.EvalReport: self._on_eval, P.RegisterShard: self._on_register_shard,
-                P.Have: self._on_have, P.ShardSync: self._on_shard_sync}
+                P.Have: self._on_have, P.ShardSync: self._on_shard_sync,
+                P.OutOfMemory: self._on_out_of_memory}
 
     def link_socket(self):
         return None
@@ -219,7 +221,8 @@ class Lead:
         if not self.pending_joins or len(self.shard_endpoints) < self.cfg.cluster.num_shards:
             return
         for ident, role, join in self.pending_joins:
-            wid = coord.join(join.name, join.instance, join.device) if role == "worker" else -1
+            wid = (coord.join(join.name, join.instance, join.device, max(0, join.memory_fits),
+                              max(0, join.memory_fails)) if role == "worker" else -1)
             start = (coord.workers[wid].clock if wid >= 0 and not server.policy.round_based
                      else server.state.version)
             server.router_reply(ident, P.Welcome(
@@ -244,6 +247,15 @@ class Lead:
         coord.heard_from(msg.worker_id)
         return P.HeartbeatReply(incarnation=self.server.incarnation, version=self.server.state.version,
                                 stop=coord.stop)
+
+    def _on_out_of_memory(self, ident: bytes, role: str, msg: P.OutOfMemory) -> P.Message:
+        coord = self._member(msg.worker_id, msg.token)
+        coord.heard_from(msg.worker_id)
+        try:
+            a = coord.out_of_memory(msg.worker_id, msg.iteration, msg.batch_size)
+        except NotReassigned as exc:
+            raise Refused(exc.code, str(exc)) from None
+        return P.Reassignment(assignment=a)
 
     def _on_leave(self, ident: bytes, role: str, msg: P.Leave) -> P.Message:
         self._member(msg.worker_id, msg.token)

@@ -65,14 +65,17 @@ class ShardClients:
         return Connection(self.ctx, endpoint, role=self.role, timeout_s=self.timeout_s,
                           max_array_bytes=max_array_bytes, security=self.security, hwm=self.hwm)
 
-    def join(self, name: str, job_digest: str, device: str) -> P.Welcome:
+    def join(self, name: str, job_digest: str, device: str, *, memory_fits: int = 0,
+             memory_fails: int = 0) -> P.Welcome:
         """Join the job; waits (up to connect_timeout_s) for the coordinator and all shards."""
         self.close()
         self.name = name
         c0 = self._connection(self.server)
         try:
             welcome = c0.request(P.Join(name=name, instance=self.instance, job_digest=job_digest,
-                                        device=device), P.Welcome, timeout_s=self.connect_timeout_s)
+                                        device=device, memory_fits=memory_fits,
+                                        memory_fails=memory_fails),
+                                 P.Welcome, timeout_s=self.connect_timeout_s)
         except TransportTimeout as exc:
             c0.close()
             if "refused" in str(exc) or "handshake" in str(exc):

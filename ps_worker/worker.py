@@ -23,6 +23,7 @@ from ps_common.transport import AuthenticationFailed, RemoteError, TransportTime
 from ps_worker.client import PullAborted, ShardClients
 from ps_worker.contention import CommDelay, ContentionDriver, EmulatedSlowdown
 from ps_worker.heartbeat import Heartbeat
+from ps_worker.memory import MemoryLimit, bound_kernel_cache, is_out_of_memory
 from ps_worker.telemetry import ResourceProbe
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,12 @@ log = logging.getLogger(__name__)
 #: checkpoint, or a restarted coordinator that no longer knows this worker's token.
 REJOIN_CODES = ("unknown_worker", "rolled_back", "unauthorized")
 LEAVE_TIMEOUT_S = 2.0  # a goodbye on the way out; the heartbeat timeout covers a lost one
+#: Smallest batch a start-up memory probe tries first (then doubles).
+PROBE_START = 16
+
+
+class CannotFitInMemory(RuntimeError):
+    """Not even one sample fits in this worker's memory limit."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -70,6 +77,7 @@ class Worker:
         self.device = resolve_device(cfg.worker.device)
         if self.device.type == "cpu":
             torch.set_num_threads(cfg.worker.torch_threads)
+            bound_kernel_cache()
         self.ctx = ctx or zmq.Context.instance()
         self.client = ShardClients(self.ctx, server, timeout_s=cfg.transport.timeout_s,
                                    connect_timeout_s=cfg.transport.connect_timeout_s,
@@ -92,6 +100,9 @@ class Worker:
         # The heterogeneity scenario is looked up by the launcher's index (stable across modes),
         # not by the coordinator's worker id (join order is racy).
         self.scenario_index = scenario_index
+        self.memory = MemoryLimit(self._memory_limit_mb(), self.device)
+        self.memory_probe: tuple[int, int] | None = None
+        self.oom_retries = 0
         self.contention: ContentionDriver | None = None
         # Round modes need one consistent version from every shard; async modes take each
         # shard's latest slice as it is.
@@ -144,14 +155,33 @@ class Worker:
                 self.metrics.close()
             self.client.close()
 
+    def _memory_limit_mb(self) -> float | None:
+        """The scenario's limit for this worker (when its index is known before joining), else
+        ``worker.memory_limit_mb``."""
+        if self.scenario_index is not None:
+            own = self.cfg.scenario.for_worker(self.scenario_index).memory_limit_mb
+            if own is not None:
+                return own
+        return self.cfg.worker.memory_limit_mb
+
     def _join(self):
-        welcome = self.client.join(self.name, self.cfg.job_digest(), str(self.device))
+        if self.cfg.worker.memory_probe and self.memory_probe is None:
+            self._warm_up_then_limit_memory()
+            try:
+                self.memory_probe = self._probe_memory()
+            finally:
+                self.memory.lift()  # threads started before training are not training's
+        fits, fails = self.memory_probe or (0, 0)
+        welcome = self.client.join(self.name, self.cfg.job_digest(), str(self.device),
+                                   memory_fits=fits, memory_fails=fails)
         if welcome.num_params != self.flat.numel:
             raise RuntimeError(f"server has {welcome.num_params} parameters, model has {self.flat.numel}")
         self.worker_id = welcome.worker_id
         if self.contention is None:
             idx = self.scenario_index if self.scenario_index is not None else self.worker_id
             self.scenario = self.cfg.scenario.for_worker(idx).runtime(idx)
+            if self.memory.limit_mb is None and self.scenario.spec.memory_limit_mb is not None:
+                self.memory = MemoryLimit(self.scenario.spec.memory_limit_mb, self.device)
             self.slowdown = EmulatedSlowdown(self.scenario)
             self.contention = ContentionDriver(self.scenario)
             self.client.comm_delay = CommDelay(self.scenario)
@@ -195,16 +225,14 @@ class Worker:
         assert self.contention is not None
         if not self.contention.started:
             self.contention.start()  # the scenario clock starts with training, not start-up
+        self._warm_up_then_limit_memory()  # last: every thread of the process is running
         origin = self.contention.origin
         prev = {"push_s": 0.0, "wait_s": res.wait_s, "pull_s": res.pull_s, "iteration_s": 0.0}
         while not res.stop and res.assignment is not None:
             if max_iterations is not None and self.iterations_done >= max_iterations:
                 return "leave"
-            a = res.assignment
             t0 = time.perf_counter()
-            x, y = self._batch(a)
-            t1 = time.perf_counter()
-            loss = self._gradient(x, y)
+            a, loss, data_s, t1, mem = self._fitting_gradient(res.assignment)
             # Emulated slowdown: sleep (f - 1) x compute, counted inside the compute phase so
             # every policy (and LB-BSP's predictors) sees it as slower compute.
             emulated = self.slowdown.after_compute(self.iterations_done, time.monotonic() - origin,
@@ -215,9 +243,9 @@ class Worker:
                              burners=float(self.contention.target))
             # Timings of this iteration's compute, and of the previous iteration's communication
             # (the current one's is not known before the push).
-            tel = {"data_s": t1 - t0, "compute_s": t2 - t1,
+            tel = {"data_s": data_s, "compute_s": t2 - t1,
                    "samples_per_s": a.batch_size / max(t2 - t1, 1e-9),
-                   **{f"prev_{k}": v for k, v in prev.items()}, **resources}
+                   **{f"prev_{k}": v for k, v in prev.items()}, **resources, **mem}
             tel["iteration_s"] = prev["iteration_s"]
             res = self.client.push_pull(self.host_grads, self.host_params, worker_id=self.worker_id,
                                         assignment=a, loss=loss, telemetry=tel,
@@ -232,11 +260,121 @@ class Worker:
             self.iterations_done += 1
             assert self.metrics is not None
             self.metrics.write(worker=self.worker_id, iteration=a.iteration, batch_size=a.batch_size,
-                               loss=loss, data_s=t1 - t0, compute_s=t2 - t1, push_s=t3 - t2,
+                               loss=loss, data_s=data_s, compute_s=t2 - t1, push_s=t3 - t2,
                                wait_s=res.wait_s, pull_s=res.pull_s, iteration_s=t4 - t0,
-                               **resources)
+                               **resources, **mem)
         log.info("worker %d stopping after %d iterations", self.worker_id, self.iterations_done)
         return "stop"
+
+    def _fitting_gradient(self, a: Assignment) -> tuple[Assignment, float, float, float, dict[str, float]]:
+        """The gradient of ``a``; when it does not fit in memory, the coordinator gives a smaller
+        share of the same samples (the rest go back to its data cursor) and it is retried.
+        Returns (the assignment computed, loss, data seconds, compute start, memory telemetry)."""
+        retries = 0
+        while True:
+            t0 = time.perf_counter()
+            x, y = self._batch(a)
+            t1 = time.perf_counter()
+            self.memory.begin()
+            try:
+                loss = self._gradient(x, y)
+            except Exception as exc:  # noqa: BLE001 - only an allocation failure is handled
+                if not is_out_of_memory(exc):
+                    raise
+                why = str(exc).splitlines()[0][:200]
+                exc.__traceback__ = None  # its frames hold the failed pass's tensors
+            else:
+                mem = self.memory.telemetry(a.batch_size) if self.cfg.worker.memory_headroom else {}
+                if retries:
+                    mem["oom_retries"] = float(retries)
+                return a, loss, t1 - t0, t1, mem
+            del x, y
+            self.flat.zero_grad_()
+            self.memory.release()
+            a = self._reassigned(a, why)
+            retries += 1
+            self.oom_retries += 1
+
+    def _reassigned(self, a: Assignment, why: str) -> Assignment:
+        log.warning("worker %d: out of memory with %d samples at iteration %d (%s); asking for fewer",
+                    self.worker_id, a.batch_size, a.iteration, why)
+        try:
+            reply = self.client.send_to_coordinator(
+                P.OutOfMemory(worker_id=self.worker_id, token=self.client.token, iteration=a.iteration,
+                              batch_size=a.batch_size, telemetry={}), P.Reassignment)
+        except RemoteError as exc:
+            if exc.code == "cannot_fit":
+                self._leave("a single sample does not fit in memory")
+                raise CannotFitInMemory(f"worker {self.name}: {exc}; raise worker.memory_limit_mb "
+                                        "or use a smaller model") from None
+            if exc.code in REJOIN_CODES:
+                raise
+            # the iteration moved on without us (declared lost meanwhile, a stop): join afresh
+            raise PullAborted(f"out-of-memory retry refused: [{exc.code}] {exc}") from None
+        assert isinstance(reply, P.Reassignment)
+        if reply.assignment is None or reply.assignment.batch_size >= a.batch_size:
+            raise PullAborted("the coordinator's reassignment is not smaller")
+        log.info("worker %d: retrying iteration %d with %d samples", self.worker_id, a.iteration,
+                 reply.assignment.batch_size)
+        return reply.assignment
+
+    def _warm_up_then_limit_memory(self) -> None:
+        """Put the memory limit in force above what the process holds now, after one pass of
+        two samples: kernels, thread pools and allocator arenas that the first pass sets up
+        are the process's, not a cost of the batch size."""
+        if self.memory.limit_mb is None:
+            return
+        if not self.memory.warm:
+            self._fits(2)
+            self.memory.warm = True
+        self.memory.apply()
+
+    def _probe_memory(self) -> tuple[int, int]:
+        """(largest batch that fits, smallest that does not or 0): doubling from PROBE_START up to
+        the largest batch this worker can be given, then a binary search to within
+        ``training.oom_margin`` of the failure. Gradients computed here are thrown away."""
+        t = self.cfg.training
+        top = min(t.max_batch or t.global_batch, t.global_batch)
+        fits, fails = 0, 0
+        b = min(PROBE_START, top)
+        while True:
+            if self._fits(b):
+                fits = b
+                if b >= top:
+                    break
+                b = min(top, 2 * b)
+            else:
+                fails = b
+                break
+        while fails and fails - fits > max(1, t.oom_margin * fails):
+            mid = (fits + fails) // 2
+            if self._fits(mid):
+                fits = mid
+            else:
+                fails = mid
+        if fits == 0:
+            raise CannotFitInMemory(f"worker {self.name}: not even one sample fits in "
+                                    f"{self.memory.limit_mb} MB")
+        log.info("memory probe: %d samples fit%s", fits, f", {fails} do not" if fails else "")
+        return fits, fails
+
+    def _fits(self, b: int) -> bool:
+        idx = np.arange(b) % self.data.num_train
+        x, y = self.data.train_batch(idx)
+        if self.device.type != "cpu":
+            x, y = x.to(self.device), y.to(self.device)
+        try:
+            self._gradient(x, y)
+            return True
+        except Exception as exc:  # noqa: BLE001
+            if not is_out_of_memory(exc):
+                raise
+            exc.__traceback__ = None
+            return False
+        finally:
+            del x, y
+            self.flat.zero_grad_()
+            self.memory.release()
 
     def _batch(self, a: Assignment) -> tuple[torch.Tensor, torch.Tensor]:
         idx = self.indexer.indices(a.ranges)

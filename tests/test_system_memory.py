@@ -1,0 +1,122 @@
+"""Out of memory in a real run: a worker whose memory limit is hit mid-run keeps training.
+
+Two workers train LeNet with LB-BSP; worker 1 is slowed (emulated), so the split moves samples to
+worker 0, whose memory is limited for real (the kernel's address-space limit, ``RLIMIT_AS``):
+part-way through, its share no longer fits and torch's allocator fails inside the backward
+pass. The worker asks the coordinator for a smaller share of the same samples, retries the
+iteration, and the manager's binary search settles on the largest share that fits. Afterwards:
+
+- the limit was hit after the run had started, and the worker trained on to the end;
+- no size at or above a failed one was ever assigned again to that worker;
+- every applied sample was applied at most once per epoch (the samples a retry dropped went
+  back to the data cursor and were served again), and every epoch that finished is complete;
+- the final parameters equal single-process SGD over the committed samples.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ps_common.datasets import load_dataset, sample_order
+from ps_common.metrics import read_jsonl
+from ps_common.reference import train_reference_batches
+from tests.cluster_util import consistent_end, start_servers, wait_exit, write_config
+
+pytestmark = pytest.mark.system
+
+SEED = 3
+N_TRAIN = 2048
+LIMIT_MB = 64.0
+#: LeNet's convolutions round differently at each batch size, and LB-BSP changes sizes every
+#: iteration: the same run without a memory limit ends 9e-5 from the reference. Samples lost or
+#: applied twice are caught exactly, by the sample accounting.
+SGD_TOLERANCE = 5e-4
+
+
+def job(policy: str, probe: bool = False, headroom: bool = False, iterations: int = 30) -> dict:
+    return {
+        "run": {"name": "oom", "seed": SEED},
+        "model": {"name": "lenet"},
+        "data": {"dataset": "synthetic", "synthetic_train": N_TRAIN, "synthetic_test": 100},
+        "training": {"global_batch": 1024, "max_iterations": iterations, "finish_timeout_s": 10},
+        "optimizer": {"lr": 0.02, "momentum": 0.9},
+        "cluster": {"num_shards": 2, "num_workers": 2},
+        "mode": {"sync": "bsp", "batch_policy": policy,
+                 **({"batch_policy_args": {"warmup": 0, "max_factor": 4.0}} if policy == "lbbsp-cpu" else {})},
+        "scenario": {"workers": [{"memory_limit_mb": LIMIT_MB}, {"slowdown": 4.0}]},
+        "worker": {"memory_probe": probe, "memory_headroom": headroom},
+        "evaluator": {"enabled": False},
+        "heartbeat": {"interval_s": 0.2, "timeout_s": 5},
+        "transport": {"timeout_s": 60, "connect_timeout_s": 60},
+    }
+
+
+def start_indexed_workers(procs, cfg_path, endpoint, n, run_dir) -> list:
+    """worker-i gets scenario entry i (not the join order's id), as under ps-launch."""
+    return [procs.start(f"worker-{i}", "ps_worker.cli",
+                        ["--config", str(cfg_path), "--server", endpoint, "--run-dir", str(run_dir),
+                         "--name", f"worker-{i}", "--scenario-index", str(i)]) for i in range(n)]
+
+
+def committed(run_dir):
+    rows = list(read_jsonl(run_dir / "metrics" / "coordinator.jsonl"))
+    return [r for r in rows if "event" not in r], [r for r in rows if "event" in r]
+
+
+def check_applied_once_and_sgd(run_dir, recs, lr=0.02) -> None:
+    params, version = consistent_end(run_dir, 2)
+    assert version == len(recs)
+    seen: dict[int, list[int]] = {}
+    batches = []
+    for r in sorted(recs, key=lambda r: r["version"]):
+        idx = []
+        for w in r["accepted"]:
+            for e, a, b in r["ranges"][str(w)]:
+                got = sample_order(SEED, e, N_TRAIN)[a:b].tolist()
+                seen.setdefault(e, []).extend(got)
+                idx.extend(got)
+        assert len(idx) == sum(x for w, x in r["batch_sizes"].items() if int(w) in r["accepted"])
+        batches.append(np.array(idx))
+    for e, got in seen.items():
+        assert len(got) == len(set(got)), f"epoch {e}: a sample was applied twice"
+    for e in range(max(seen)):
+        assert sorted(seen[e]) == list(range(N_TRAIN)), f"epoch {e}: samples missing"
+    data = load_dataset("synthetic", seed=SEED, synthetic_train=N_TRAIN, synthetic_test=100)
+    ref = train_reference_batches("lenet", SEED, data, batches, lr=lr, momentum=0.9)
+    err = float(np.linalg.norm(params - ref) / np.linalg.norm(ref))
+    assert err < SGD_TOLERANCE, f"final parameters differ from SGD over the committed samples: {err:.2e}"
+
+
+@pytest.mark.timeout(240)
+def test_a_worker_that_runs_out_of_memory_mid_run_keeps_training(procs, tmp_path):
+    cfg_path, cfg = write_config(tmp_path, job("lbbsp-cpu"))
+    run_dir = tmp_path / "run"
+    eps = start_servers(procs, cfg_path, 2, run_dir)
+    workers = start_indexed_workers(procs, cfg_path, eps[0], 2, run_dir)
+    for ch in workers:
+        ch.proc.wait(timeout=200)
+        assert ch.proc.returncode == 0, ch.tail()
+    wait_exit([c for c in procs.children if c.role.startswith("shard")], timeout_s=60)
+    recs, events = committed(run_dir)
+    ooms = [e for e in events if e["event"] == "out_of_memory"]
+    assert ooms, "worker 0's memory limit was never hit"
+    assert ooms[0]["iteration"] > 0, "the limit was hit in the first iteration, not mid-run"
+    limited = {e["worker"] for e in ooms}
+    assert len(limited) == 1
+    w = limited.pop()
+    # The worker trained on to the end, at the sizes it was given after each failure.
+    sizes = {r["iteration"]: r["batch_sizes"][str(w)] for r in recs}
+    assert max(sizes) == cfg.training.max_iterations - 1 and w in recs[-1]["accepted"]
+    last_retry = {}
+    for e in ooms:
+        assert e["retry"] < e["failed"]
+        last_retry[e["iteration"]] = e["retry"]
+        later = [x for it, x in sizes.items() if it > e["iteration"]]
+        assert all(x < e["failed"] for x in later), f"a size >= {e['failed']} came back after it failed"
+    for it, x in last_retry.items():
+        assert sizes[it] == x, f"iteration {it} committed {sizes[it]} samples of worker {w}, not the retry's {x}"
+    assert len(ooms) <= 10, f"the binary search took {len(ooms)} failures"
+    rows = list(read_jsonl(run_dir / "metrics" / f"worker-{w}.jsonl"))
+    assert sum(r.get("oom_retries", 0) for r in rows) == len(ooms)
+    check_applied_once_and_sgd(run_dir, recs)
