@@ -126,7 +126,8 @@ class WorkerConfig(StrictModel):
         "the manager caps this worker before it runs out of memory"))
     memory_probe: bool = Field(False, description=(
         "before joining, find the largest batch that fits (doubling, then binary search) and "
-        "tell the coordinator, so no iteration fails on it"))
+        "tell the coordinator, so no iteration fails on it (CUDA workers, and CPU workers with "
+        "a memory limit)"))
 
     @field_validator("device")
     @classmethod

@@ -184,6 +184,8 @@ class Coordinator:
         if memory_fits > 0:
             self.manager.probed(wid, memory_fits, memory_fails or None)
             self._ahead = None
+            self.events.append({"event": "memory_probe", "worker": wid, "name": name, "fits": memory_fits,
+                                "fails": memory_fails, "cap": self.manager.memory_caps.get(wid)})
         log.info("worker %d (%s) joined; %d live", wid, name, len(self.workers))
         return wid
 

@@ -14,7 +14,8 @@ test of the out-of-memory path, not a speed benchmark; a GPU pays nothing of the
 use still drifts a little (kernels cached per batch shape, :func:`bound_kernel_cache`), which
 the manager's search treats as a limit that moved.
 
-Every iteration reports what it could still have used: ``mem_headroom_mb`` (limit minus the
+A CUDA worker without a configured limit measures against the device (free memory plus what it
+holds). Every iteration reports what it could still have used: ``mem_headroom_mb`` (limit minus the
 iteration's peak) and ``mem_per_sample_mb`` (its peak above the model's resting use, per sample).
 The BatchSizeManager turns them into a cap before anything fails (:mod:`batchsize_manager.memory`).
 """
@@ -101,13 +102,19 @@ class MemoryLimit:
     def apply(self) -> None:
         """Put the limit in force now (again after a rejoin: threads started since then, such as
         a new heartbeat, are not charged to training)."""
-        if self.limit_mb is None:
-            return
         if self.cuda:
+            if self.limit_mb is None:
+                # the device's own limit: what is free now plus what this process already holds
+                free, _ = torch.cuda.mem_get_info(self.device)
+                self._as_limit_kb = (free + torch.cuda.memory_reserved(self.device)) / 1024
+                self.applied = True
+                return
             total = torch.cuda.get_device_properties(self.device).total_memory
             frac = min(1.0, self.limit_mb * _MIB / total)
             torch.cuda.set_per_process_memory_fraction(frac, self.device)
             self._as_limit_kb = frac * total / 1024
+        elif self.limit_mb is None:
+            return
         else:
             _start_lazy_threads()
             libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
@@ -164,7 +171,7 @@ class MemoryLimit:
             used = max(0.0, st["VmHWM"] - self._base["rss"])
             head = self._as_limit_kb - self._base["vm"] - used
         return {"mem_headroom_mb": max(0.0, head) / 1024, "mem_per_sample_mb": used / 1024 / batch_size,
-                "mem_limit_mb": float(self.limit_mb or 0.0)}
+                "mem_limit_mb": self._as_limit_kb / 1024 if self.cuda else float(self.limit_mb or 0.0)}
 
     def release(self) -> None:
         """After an out-of-memory error: give back what the failed pass held."""

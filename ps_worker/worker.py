@@ -165,7 +165,8 @@ class Worker:
         return self.cfg.worker.memory_limit_mb
 
     def _join(self):
-        if self.cfg.worker.memory_probe and self.memory_probe is None:
+        if (self.cfg.worker.memory_probe and self.memory_probe is None
+                and (self.memory.limit_mb is not None or self.device.type == "cuda")):
             self._warm_up_then_limit_memory()
             try:
                 self.memory_probe = self._probe_memory()
@@ -323,6 +324,7 @@ class Worker:
         two samples: kernels, thread pools and allocator arenas that the first pass sets up
         are the process's, not a cost of the batch size."""
         if self.memory.limit_mb is None:
+            self.memory.apply()  # CUDA: measured against the device's memory; CPU: nothing
             return
         if not self.memory.warm:
             self._fits(2)

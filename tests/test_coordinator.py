@@ -293,3 +293,75 @@ def test_a_finish_time_a_worker_made_up_never_reaches_the_policy():
                                  iteration_s=0.0, telemetry={"finish_s": 1e-9}), 1.0)
     push(c, 1)
     assert c.reports[1].telemetry["finish_s"] != 1e-9   # the coordinator's own measurement
+
+
+# ----- out of memory: a smaller share of the same samples, the rest back to the cursor ---------
+@pytest.mark.parametrize("sync", ["bsp", "backup", "asp"])
+def test_out_of_memory_shrinks_the_assignment_and_gives_the_rest_back_once(sync):
+    from ps_server.data_cursor import ranges_size
+
+    c = coordinator(sync)
+    if sync == "asp":
+        a = c.assignment(1, 0)
+    else:
+        a = c.plan[1]
+    served = c.cursor.state.samples_served
+    new = c.out_of_memory(1, a.iteration, a.batch_size)
+    assert new.batch_size == a.batch_size // 2 and ranges_size(new.ranges) == new.batch_size
+    assert new.ranges[0][:2] == a.ranges[0][:2], "a prefix of the same samples"
+    assert c.cursor.state.samples_served == served - (a.batch_size - new.batch_size)
+    assert c.expected(1, a.iteration) == new.batch_size, "every push is checked against the new size"
+    assert c.manager.memory_caps[1] == new.batch_size
+    assert c.events[-1]["event"] == "out_of_memory" and c.events[-1]["failed"] == a.batch_size
+    # The samples dropped from worker 1 are served first to whoever asks next.
+    nxt = c.cursor.take(1)
+    assert nxt[0][1] == new.ranges[-1][2]
+
+
+def test_out_of_memory_commits_the_smaller_gradient_and_caps_the_next_plans():
+    c = coordinator()
+    c.out_of_memory(1, 0, 20)
+    for w in range(3):
+        push(c, w)
+    (d,) = c.decide()
+    assert d.entries == [[0, 20], [1, 10], [2, 20]], "the iteration commits the retry's size"
+    assert d.record.applied_samples == 50
+    assert d.next_plan.batch_sizes[1] <= 10, "the next split respects the learned cap"
+    assert sum(d.next_plan.batch_sizes) == 60
+
+
+@pytest.mark.parametrize("case, code", [
+    ("wrong_iteration", "not_planned"), ("wrong_size", "bad_batch"), ("already_pushed", "already_pushed"),
+    ("one_sample", "cannot_fit"), ("stopped", "stopped"), ("not_in_plan", "not_planned")])
+def test_out_of_memory_reports_that_do_not_match_what_is_due_change_nothing(case, code):
+    from ps_server.coordinator import NotReassigned
+
+    c = coordinator()
+    it, x = 0, 20
+    if case == "wrong_iteration":
+        it = 1
+    elif case == "wrong_size":
+        x = 19
+    elif case == "already_pushed":
+        push(c, 1, shards=[2])           # a shard holds some of it: it did not run out of memory
+    elif case == "one_sample":
+        c.plan[1].batch_size = 1
+        x = 1
+    elif case == "stopped":
+        c.request_stop("test")
+    elif case == "not_in_plan":
+        c.leave(1, "lost")
+    before = (sizes(c), c.cursor.state_dict(), c.manager.memory_caps)
+    with pytest.raises(NotReassigned) as err:
+        c.out_of_memory(1, it, x)
+    assert err.value.code == code
+    assert (sizes(c), c.cursor.state_dict(), c.manager.memory_caps) == before
+
+
+def test_a_start_up_probe_caps_the_first_plan():
+    cfg = validate({"training": {"global_batch": 60, "max_iterations": 10}, "cluster": {"num_workers": 2}})
+    c = Coordinator(cfg, 1000, BatchSizeManager("uniform", 60), get_sync_policy("bsp"), num_shards=S)
+    c.join("small", "i0", memory_fits=12, memory_fails=13)
+    c.join("big", "i1")
+    c.try_start()
+    assert sizes(c) == {0: 12, 1: 48}

@@ -77,6 +77,9 @@ def forgeries(rng: random.Random, sizes: list[int], digest: str):
                          iteration=rng.randrange(400), batch_size=rng.choice([1, 32, 10**9]),
                          loss=0.0, pull=rng.random() < 0.5,
                          telemetry={"compute_s": 0.01}, arrays=[np.full(n, 0.5, np.float32)])
+        elif kind == "out_of_memory":  # a real worker's id and iteration range, a guessed token
+            msg = P.OutOfMemory(worker_id=rng.randrange(3), token=rng.choice(["", token()]),
+                                iteration=rng.randrange(400), batch_size=rng.choice([1, 32, 10**9]))
         elif kind == "pull":
             msg = P.Pull(worker_id=rng.choice([-1, 0, 1]), token=rng.choice(["", token()]),
                          min_version=rng.choice([0] + [10**9] * 9), exact=rng.random() < 0.3)
@@ -100,7 +103,7 @@ def forgeries(rng: random.Random, sizes: list[int], digest: str):
 
 
 KINDS = ["shutdown", "eval_report", "register_shard", "have", "shard_sync", "rollback", "join", "push",
-         "pull", "heartbeat", "hello_status", "malformed"]
+         "out_of_memory", "pull", "heartbeat", "hello_status", "malformed"]
 
 
 def _dealer(ctx, endpoint: str, security: SecurityConfig | None, role: str = "worker") -> zmq.Socket:
@@ -230,4 +233,4 @@ def test_hostile_clients_change_nothing(procs, tmp_path):
     assert codes["forbidden"] > 0 and codes["unauthorized"] > 0 and codes["config_mismatch"] > 0
     assert codes["malformed"] > 0 and codes["hello_reply"] + codes["status"] > 0
     assert "ack" not in codes, "no forged Shutdown, EvalReport, Leave or Rollback may be acknowledged"
-    assert "welcome" not in codes and "registered" not in codes
+    assert "welcome" not in codes and "registered" not in codes and "reassignment" not in codes

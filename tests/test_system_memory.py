@@ -44,7 +44,7 @@ def job(policy: str, probe: bool = False, headroom: bool = False, iterations: in
         "cluster": {"num_shards": 2, "num_workers": 2},
         "mode": {"sync": "bsp", "batch_policy": policy,
                  **({"batch_policy_args": {"warmup": 0, "max_factor": 4.0}} if policy == "lbbsp-cpu" else {})},
-        "scenario": {"workers": [{"memory_limit_mb": LIMIT_MB}, {"slowdown": 4.0}]},
+        "scenario": {"workers": [{"memory_limit_mb": LIMIT_MB}, {"slowdown": 8.0}]},
         "worker": {"memory_probe": probe, "memory_headroom": headroom},
         "evaluator": {"enabled": False},
         "heartbeat": {"interval_s": 0.2, "timeout_s": 5},
@@ -59,9 +59,17 @@ def start_indexed_workers(procs, cfg_path, endpoint, n, run_dir) -> list:
                          "--name", f"worker-{i}", "--scenario-index", str(i)]) for i in range(n)]
 
 
-def committed(run_dir):
+def run_job(procs, tmp_path, data: dict):
+    """Two shards and two workers to the end; (config, run dir, commit records, events)."""
+    cfg_path, cfg = write_config(tmp_path, data)
+    run_dir = tmp_path / "run"
+    eps = start_servers(procs, cfg_path, 2, run_dir)
+    for ch in start_indexed_workers(procs, cfg_path, eps[0], 2, run_dir):
+        ch.proc.wait(timeout=200)
+        assert ch.proc.returncode == 0, ch.tail()
+    wait_exit([c for c in procs.children if c.role.startswith("shard")], timeout_s=60)
     rows = list(read_jsonl(run_dir / "metrics" / "coordinator.jsonl"))
-    return [r for r in rows if "event" not in r], [r for r in rows if "event" in r]
+    return cfg, run_dir, [r for r in rows if "event" not in r], [r for r in rows if "event" in r]
 
 
 def check_applied_once_and_sgd(run_dir, recs, lr=0.02) -> None:
@@ -90,15 +98,7 @@ def check_applied_once_and_sgd(run_dir, recs, lr=0.02) -> None:
 
 @pytest.mark.timeout(240)
 def test_a_worker_that_runs_out_of_memory_mid_run_keeps_training(procs, tmp_path):
-    cfg_path, cfg = write_config(tmp_path, job("lbbsp-cpu"))
-    run_dir = tmp_path / "run"
-    eps = start_servers(procs, cfg_path, 2, run_dir)
-    workers = start_indexed_workers(procs, cfg_path, eps[0], 2, run_dir)
-    for ch in workers:
-        ch.proc.wait(timeout=200)
-        assert ch.proc.returncode == 0, ch.tail()
-    wait_exit([c for c in procs.children if c.role.startswith("shard")], timeout_s=60)
-    recs, events = committed(run_dir)
+    cfg, run_dir, recs, events = run_job(procs, tmp_path, job("lbbsp-cpu"))
     ooms = [e for e in events if e["event"] == "out_of_memory"]
     assert ooms, "worker 0's memory limit was never hit"
     assert ooms[0]["iteration"] > 0, "the limit was hit in the first iteration, not mid-run"
@@ -119,4 +119,24 @@ def test_a_worker_that_runs_out_of_memory_mid_run_keeps_training(procs, tmp_path
     assert len(ooms) <= 10, f"the binary search took {len(ooms)} failures"
     rows = list(read_jsonl(run_dir / "metrics" / f"worker-{w}.jsonl"))
     assert sum(r.get("oom_retries", 0) for r in rows) == len(ooms)
+    check_applied_once_and_sgd(run_dir, recs)
+
+
+@pytest.mark.timeout(240)
+def test_a_start_up_probe_and_reported_headroom_keep_the_split_within_memory(procs, tmp_path):
+    """The limited worker probes its memory before joining; the coordinator caps its share from
+    the first plan on, and headroom telemetry keeps refining the cap."""
+    cfg, run_dir, recs, events = run_job(procs, tmp_path, job("lbbsp-cpu", probe=True, headroom=True,
+                                                          iterations=20))
+    probes = {e["name"]: e for e in events if e["event"] == "memory_probe"}
+    assert set(probes) == {"worker-0"}, "only the limited worker finds a limit (the other fits X)"
+    p = probes["worker-0"]
+    assert 0 < p["fits"] < p["fails"] <= cfg.training.global_batch and p["cap"] <= p["fits"]
+    sizes = [r["batch_sizes"][str(p["worker"])] for r in recs]
+    assert sizes[0] <= p["cap"], "the first plan already respects the probed cap"
+    ooms = [e for e in events if e["event"] == "out_of_memory"]
+    assert len(ooms) <= 2, f"a probed worker ran out of memory {len(ooms)} times"
+    assert all(x <= p["fits"] for x in sizes)
+    rows = list(read_jsonl(run_dir / "metrics" / f"worker-{p['worker']}.jsonl"))
+    assert all(r["mem_per_sample_mb"] > 0 and r["mem_headroom_mb"] >= 0 for r in rows)
     check_applied_once_and_sgd(run_dir, recs)

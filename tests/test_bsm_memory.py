@@ -1,0 +1,72 @@
+"""MemoryCaps: the binary search over out-of-memory errors, headroom, probes, state by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from batchsize_manager.memory import CannotFit, MemoryCaps
+
+
+def search(limit: int, start: int, caps: MemoryCaps, name: str = "w", rounds: int = 40) -> tuple[int, int]:
+    """Ask for ``start`` samples every iteration (a policy that wants more than fits); returns
+    (the final cap, how many out-of-memory errors it took)."""
+    failures = 0
+    for _ in range(rounds):
+        want = start if caps.cap(name) is None else min(start, caps.cap(name))
+        while want > limit:                       # the retry path: fail, shrink, try again
+            failures += 1
+            want = caps.out_of_memory(name, want)
+        caps.completed(name, want)
+    return caps.cap(name), failures
+
+
+@pytest.mark.parametrize("limit, start", [(100, 128), (37, 4096), (1000, 1001), (1, 64), (511, 512)])
+def test_the_search_settles_at_most_margin_below_the_real_limit_in_log_steps(limit, start):
+    caps = MemoryCaps(margin=0.05)
+    cap, failures = search(limit, start, caps)
+    assert cap <= limit, "the settled cap fits"
+    assert cap >= min(limit, int(limit * 0.95) - 1), f"cap {cap} is more than the margin below {limit}"
+    assert failures <= 2 + (start // max(limit, 1)).bit_length() + 6
+
+
+def test_memory_that_shrinks_is_searched_again_and_nothing_failed_comes_back():
+    caps = MemoryCaps(margin=0.05)
+    search(200, 400, caps)
+    assert 190 <= caps.cap("w") <= 200
+    cap, _ = search(120, 400, caps)          # a co-tenant took memory: 200 fails now
+    assert 114 <= cap <= 120
+
+
+def test_headroom_caps_before_anything_fails_and_never_below_a_size_that_fitted():
+    caps = MemoryCaps(margin=0.0)
+    caps.completed("w", 100, {"mem_headroom_mb": 50.0, "mem_per_sample_mb": 0.5})
+    assert caps.cap("w") == 200
+    caps.completed("w", 150, {"mem_headroom_mb": 0.0, "mem_per_sample_mb": 0.5})
+    assert caps.cap("w") == 150
+    caps.completed("w", 120, {"mem_headroom_mb": 0.0, "mem_per_sample_mb": 0.5})
+    assert caps.cap("w") == 150, "150 fitted: a pessimistic estimate does not undo that"
+    caps.completed("v", 10, {"mem_per_sample_mb": 1.0})          # no headroom key: nothing learned
+    caps.completed("v", 10, {"mem_headroom_mb": "nan?", "mem_per_sample_mb": -1})
+    assert caps.cap("v") is None
+
+
+def test_probe_configured_caps_state_round_trip_and_bad_input():
+    caps = MemoryCaps({"a": 64, 3: 10}, margin=0.05)
+    assert caps.cap("a") == 64 and caps.cap("3") == 10 and caps.cap("b") is None
+    caps.probed("b", fits=97, fails=100)
+    assert caps.cap("b") == 95
+    caps.probed("c", fits=50)                              # everything it tried fitted
+    assert caps.cap("c") is None
+    caps.out_of_memory("d", 80)
+    state = json.loads(json.dumps(caps.state_dict()))
+    again = MemoryCaps({"a": 64}, margin=0.05)
+    again.load_state_dict(state)
+    assert again.cap("b") == 95 and again.cap("d") == 40
+    with pytest.raises(CannotFit):
+        caps.out_of_memory("e", 1)
+    with pytest.raises(ValueError, match="oom_margin"):
+        MemoryCaps(margin=1.0)
+    with pytest.raises(ValueError, match=">= 1"):
+        MemoryCaps({"a": 0})
