@@ -449,3 +449,25 @@ def test_row_quantile_matches_numpys_nanquantile():
             warnings.simplefilter("ignore", RuntimeWarning)   # all-NaN rows
             ref = np.nanquantile(a, q, axis=1)
         np.testing.assert_allclose(_row_quantile(a, q), ref, equal_nan=True)
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["room", "no-headroom"])
+def test_gpu_never_picks_a_leader_without_memory_headroom(full):
+    """Worker 0 is twice as fast; with room it gets samples from worker 1, but once it reports
+    no memory headroom at its size, nothing is moved to it."""
+    m = BatchSizeManager("lbbsp-gpu", 200, policy_args={"window": 1})
+    m.join(0, name="fast")
+    m.join(1, name="slow")
+    sizes = m.assign()
+    for it in range(6):
+        for w, x in sizes.items():
+            tel = {"compute_s": x / (2000.0 if w == 0 else 1000.0)}
+            if w == 0 and full:
+                tel.update(mem_headroom_mb=0.0, mem_per_sample_mb=0.5)
+            m.observe(WorkerReport(worker_id=w, iteration=it, batch_size=x, compute_s=tel["compute_s"],
+                                   iteration_s=0.0, telemetry=tel))
+        sizes = m.assign()
+    if full:
+        assert sizes == {0: 100, 1: 100} and m.memory_caps == {0: 100}
+    else:
+        assert sizes[0] > 100
