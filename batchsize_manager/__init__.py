@@ -7,6 +7,9 @@ and benchmarks. The built-in policies keep per-worker state in numpy arrays inde
 a microsecond per worker (``benchmarks/bench_manager.py``).
 """
 
+from batchsize_manager import lbbsp as _lbbsp  # noqa: F401  (registers static, lbbsp-cpu, lbbsp-gpu)
+from batchsize_manager.lbbsp import LBBSPCpuPolicy, LBBSPGpuPolicy, StaticPolicy
+from batchsize_manager.manager import BatchSizeManager
 from batchsize_manager.policies import (
     BatchPolicy,
     WorkerReport,
@@ -14,9 +17,6 @@ from batchsize_manager.policies import (
     policy_names,
     register_policy,
 )
-from batchsize_manager import lbbsp as _lbbsp  # noqa: F401  (registers static, lbbsp-cpu, lbbsp-gpu)
-from batchsize_manager.lbbsp import LBBSPCpuPolicy, LBBSPGpuPolicy, StaticPolicy
-from batchsize_manager.manager import BatchSizeManager
 
 __all__ = [
     "BatchPolicy",

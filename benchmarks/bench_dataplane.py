@@ -184,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
             ps = statistics.median(run_ps(shards, workers, args.iters, args.warmup))
             moved = 2 * nbytes * workers  # push + pull, per client
             rows.append((workers, shards, ps, raw, moved))
-    print("| workers | shards = raw connections | PS push+pull (ms) | raw pyzmq round trip (ms) | PS GB/s | raw GB/s | PS / raw throughput |")
+    print("| workers | shards = raw connections | PS push+pull (ms) | raw pyzmq round trip (ms) | PS GB/s "
+          "| raw GB/s | PS / raw throughput |")
     print("|---|---|---|---|---|---|---|")
     for workers, shards, ps, raw, moved in rows:
         print(f"| {workers} | {shards} | {ps * 1e3:.1f} | {raw * 1e3:.1f} | {moved / ps / 1e9:.2f} | "

@@ -42,8 +42,8 @@ import argparse
 import gc
 import json
 import math
-import subprocess
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path

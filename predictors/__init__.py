@@ -6,6 +6,7 @@ forecasts the next speed. Importing this package registers the built-in predicto
 and torch are imported lazily, by the predictors that need them.
 """
 
+from predictors import arima, ema, last, narx  # noqa: F401  (registers the built-ins)
 from predictors.base import (
     EXOG_KEYS,
     PREDICTOR_REGISTRY,
@@ -15,7 +16,6 @@ from predictors.base import (
     predictor_names,
     register_predictor,
 )
-from predictors import arima, ema, last, narx  # noqa: F401  (registers the built-ins)
 
 __all__ = [
     "EXOG_KEYS",

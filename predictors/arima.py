@@ -49,8 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from predictors.base import (BaselineGate, GatedModelPredictor, check_band, clip_to_band,
-                             register_predictor)
+from predictors.base import BaselineGate, GatedModelPredictor, check_band, clip_to_band, register_predictor
 from predictors.batch import RefittingBatchPredictor
 from predictors.refit import RefitExecutor
 

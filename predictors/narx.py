@@ -261,9 +261,9 @@ def refit_job(payload: dict[str, Any]) -> dict[str, np.ndarray]:
         iw1, ib1, iw2, ib2 = init_weights(cfg)
         fresh = ~has_w
         w1[fresh], b1[fresh], w2[fresh], b2[fresh] = iw1, ib1, iw2, ib2
-    I = cfg.n_inputs
+    n_in = cfg.n_inputs
     out = {"w1": np.empty_like(w1), "b1": np.empty_like(b1), "w2": np.empty_like(w2),
-           "b2": np.empty(K), "mx": np.empty((K, I)), "sx": np.empty((K, I)), "my": np.empty(K),
+           "b2": np.empty(K), "mx": np.empty((K, n_in)), "sx": np.empty((K, n_in)), "my": np.empty(K),
            "sy": np.empty(K), "ok": np.zeros(K, dtype=bool)}
     for L in sorted(set(count.tolist())):
         rows = np.flatnonzero(count == L)
@@ -310,7 +310,7 @@ class BatchNARX(RefittingBatchPredictor):
         self.refit_every = cfg.refit_every
         self.max_jobs = 2                #: background jobs in flight at most
         self.job_slots: int | None = None  #: workers per background job at most (None: auto)
-        H, I, E, keep = cfg.hidden, cfg.n_inputs, max(cfg.n_exog, 0), cfg.keep
+        H, n_in, E, keep = cfg.hidden, cfg.n_inputs, max(cfg.n_exog, 0), cfg.keep
         self._keep = keep
         self._lag_idx = np.arange(cfg.speed_lags)[None, :]
         self._exog_cols = bool(cfg.exog_lags and cfg.n_exog)
@@ -324,12 +324,12 @@ class BatchNARX(RefittingBatchPredictor):
         self._def("_tried", (), bool, False)
         self._def("_offset", (), np.int64, cfg.refit_offset % cfg.refit_every)
         self._def("_has_w", (), bool, False)
-        self._def("_w1", (H, I), np.float64, 0.0)
+        self._def("_w1", (H, n_in), np.float64, 0.0)
         self._def("_b1", (H,), np.float64, 0.0)
         self._def("_w2", (H,), np.float64, 0.0)
         self._def("_b2", (), np.float64, 0.0)
-        self._def("_mx", (I,), np.float64, 0.0)
-        self._def("_sx", (I,), np.float64, 1.0)
+        self._def("_mx", (n_in,), np.float64, 0.0)
+        self._def("_sx", (n_in,), np.float64, 1.0)
         self._def("_my", (), np.float64, 0.0)
         self._def("_sy", (), np.float64, 1.0)
         self._def("_fc", (), np.float64, math.nan)      # network forecast (nan: none)

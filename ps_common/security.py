@@ -69,15 +69,14 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 import zmq
 import zmq.auth
-from zmq.utils import z85
 from pydantic import BaseModel, ConfigDict
+from zmq.utils import z85
 
-from ps_common.credentials import (ROLES, CredentialError, generate_master, load_secret,
-                                   write_role_secret)
+from ps_common.credentials import ROLES, CredentialError, generate_master, load_secret, write_role_secret
 
 log = logging.getLogger(__name__)
 

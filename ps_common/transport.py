@@ -17,8 +17,7 @@ import zmq
 
 from ps_common import protocol
 from ps_common.protocol import Message
-from ps_common.security import (SecurityConfig, close_socket, secure_client_socket,
-                                secure_server_socket, timeout_hint)
+from ps_common.security import SecurityConfig, close_socket, secure_client_socket, secure_server_socket, timeout_hint
 
 log = logging.getLogger(__name__)
 

@@ -16,6 +16,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config value, e.g. --set cluster.num_workers=4")
     ap.add_argument("--run-dir", default=None, help="output directory (default run.run_dir/NAME-TIME)")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace the run already in --run-dir (refused otherwise: metrics would mix)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--log-level", default="WARNING")
     args = ap.parse_args(argv)
@@ -26,12 +28,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ps-launch: {exc}", file=sys.stderr)
         return 2
     from ps_launcher.launcher import LocalCluster, RunFailed
+    from ps_launcher.run_dir import RunDirInUse
     from ps_launcher.summary import summary_markdown
 
-    cluster = LocalCluster(cfg, args.run_dir, progress=not args.no_progress)
+    cluster = LocalCluster(cfg, args.run_dir, progress=not args.no_progress, overwrite=args.overwrite)
     interrupt_on_signals()
     try:
         summary = cluster.run()
+    except RunDirInUse as exc:
+        print(f"ps-launch: {exc}", file=sys.stderr)
+        return 2
     except RunFailed as exc:
         print(f"ps-launch: run failed: {exc}", file=sys.stderr)
         return 1

@@ -26,8 +26,9 @@ import yaml
 from pydantic import Field, ValidationError
 from tqdm import tqdm
 
-from ps_common.config import ConfigError, JobConfig, format_validation_error, StrictModel, validate
+from ps_common.config import ConfigError, JobConfig, StrictModel, format_validation_error, validate
 from ps_launcher.launcher import LocalCluster, new_run_dir
+from ps_launcher.run_dir import RunDirInUse
 
 COLUMNS = ["mode", "repeat", "seed", "median_iteration_s", "mean_iteration_s", "p95_iteration_s",
            "iterations_to_target", "time_to_target_s",
@@ -78,9 +79,15 @@ def mode_config(base: JobConfig, mode: ModeSpec, repeat: int) -> JobConfig:
         raise ConfigError(f"compare mode {mode.name!r}: {exc}") from None
 
 
-def run_comparison(base: JobConfig, comp: CompareConfig, out_dir: Path, *, progress: bool = True
-                   ) -> list[dict[str, Any]]:
+def run_comparison(base: JobConfig, comp: CompareConfig, out_dir: Path, *, progress: bool = True,
+                   overwrite: bool = False) -> list[dict[str, Any]]:
+    """Every mode, ``comp.repeats`` times; a report directory that holds runs is refused unless
+    ``overwrite`` (checked before the first run starts, not after an hour of them)."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    runs = out_dir / "runs"
+    if runs.exists() and any(runs.iterdir()) and not overwrite:
+        raise RunDirInUse(f"{out_dir} already holds a comparison's runs: choose another --out, "
+                          "or pass --overwrite to replace them")
     target = comp.target_accuracy or base.training.target_accuracy or 0.97
     rows: list[dict[str, Any]] = []
     total = comp.repeats * len(comp.modes)
@@ -91,7 +98,7 @@ def run_comparison(base: JobConfig, comp: CompareConfig, out_dir: Path, *, progr
                 cfg = mode_config(base, mode, r)
                 bar.set_postfix_str(f"{mode.name} repeat {r + 1}/{comp.repeats}")
                 run_dir = out_dir / "runs" / f"{_slug(mode.name)}-r{r}"
-                summary = LocalCluster(cfg, run_dir, progress=False).run()
+                summary = LocalCluster(cfg, run_dir, progress=False, overwrite=overwrite).run()
                 rows.append(_row(mode.name, r, cfg, summary, target, run_dir))
                 bar.update(1)
                 _write_csv(out_dir / "runs.csv", rows)

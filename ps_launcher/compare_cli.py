@@ -18,12 +18,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="override a base config value for every mode")
     ap.add_argument("--repeats", type=int, default=None, help="override compare.repeats")
     ap.add_argument("--out", default=None, help="report directory (default runs/compare-NAME-TIME)")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace the runs already in --out (refused otherwise: metrics would mix)")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--log-level", default="WARNING")
     args = ap.parse_args(argv)
     setup_logging(args.log_level)
     from ps_launcher.compare import default_out_dir, load_comparison, report_table, run_comparison
     from ps_launcher.launcher import RunFailed
+    from ps_launcher.run_dir import RunDirInUse
 
     interrupt_on_signals()
 
@@ -36,7 +39,10 @@ def main(argv: list[str] | None = None) -> int:
         comp = comp.model_copy(update={"repeats": args.repeats})
     out = Path(args.out) if args.out else default_out_dir(base)
     try:
-        rows = run_comparison(base, comp, out, progress=not args.no_progress)
+        rows = run_comparison(base, comp, out, progress=not args.no_progress, overwrite=args.overwrite)
+    except RunDirInUse as exc:
+        print(f"ps-compare: {exc}", file=sys.stderr)
+        return 2
     except (RunFailed, DatasetUnavailable) as exc:
         print(f"ps-compare: {exc}", file=sys.stderr)
         return 1

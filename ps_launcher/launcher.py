@@ -21,8 +21,9 @@ from ps_common.config import JobConfig, dump_yaml
 from ps_common.credentials import ROLES, generate_master, load_secret, write_role_secret
 from ps_common.datasets import dataset_from_config
 from ps_common.transport import Connection, TransportTimeout
-from ps_launcher.processes import ProcessGroup
 from ps_launcher.plots import plot_run
+from ps_launcher.processes import ProcessGroup
+from ps_launcher.run_dir import prepare_run_dir
 from ps_launcher.summary import summarize
 
 log = logging.getLogger(__name__)
@@ -43,9 +44,11 @@ class LocalCluster:
     """One local run. ``run()`` returns the summary; children are always stopped on exit."""
 
     def __init__(self, cfg: JobConfig, run_dir: Path | None = None, *, progress: bool = True,
-                 startup_timeout_s: float = 120.0, finish_timeout_s: float = 60.0) -> None:
+                 startup_timeout_s: float = 120.0, finish_timeout_s: float = 60.0,
+                 overwrite: bool = False) -> None:
         self.cfg = cfg
         self.run_dir = Path(run_dir) if run_dir else new_run_dir(cfg)
+        self.overwrite = overwrite
         self.progress = progress
         self.startup_timeout_s = startup_timeout_s
         self.finish_timeout_s = finish_timeout_s
@@ -56,7 +59,9 @@ class LocalCluster:
         self._hosts = False
 
     def run(self) -> dict[str, Any]:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        """Raises :class:`~ps_launcher.run_dir.RunDirInUse` for a run directory that holds a run
+        (unless ``overwrite``): two runs' metrics in one directory would mix."""
+        prepare_run_dir(self.run_dir, self.overwrite)
         self.role_env = self._credentials()
         cfg_path = self.run_dir / "config.yaml"
         cfg_path.write_text(dump_yaml(self.cfg))

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from ps_common.cli_util import add_common_args, load_cli_config, setup_logging, watch_parent
 from ps_common.config import ConfigError
-from ps_common.datasets import DatasetUnavailable
 from ps_common.credentials import CredentialError, generate_master
+from ps_common.datasets import DatasetUnavailable
 from ps_server.checkpoint import CheckpointError
 
 

@@ -674,7 +674,7 @@ class Coordinator:
             for a in self.plan.values():
                 self.cursor.give_back(a.ranges)
             self.plan = {}
-        for w, mine in self.outstanding.items():
+        for mine in self.outstanding.values():
             for a in mine.values():
                 self.cursor.give_back(a.ranges)
         self.outstanding = {}

@@ -42,8 +42,7 @@ from ps_common.metrics import MetricsWriter
 from ps_common.models import FlatParameters, build_model
 from ps_common.security import close_socket
 from ps_common.transport import advertised, bind_address, make_router
-from ps_server.checkpoint import (CheckpointError, CheckpointWriter, find_checkpoint, load_checkpoint,
-                                  save_checkpoint)
+from ps_server.checkpoint import CheckpointError, CheckpointWriter, find_checkpoint, load_checkpoint, save_checkpoint
 from ps_server.follow import Follow
 from ps_server.lead import Lead
 from ps_server.pulls import PendingPull, PendingPulls

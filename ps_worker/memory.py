@@ -25,8 +25,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
-import os
 import logging
+import os
 import resource
 from typing import Any
 

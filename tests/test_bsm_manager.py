@@ -8,7 +8,7 @@ from typing import Sequence
 import pytest
 
 from batchsize_manager import BatchPolicy, BatchSizeManager, WorkerReport, get_policy
-from batchsize_manager.simulation import Simulation, SimulatedWorker
+from batchsize_manager.simulation import SimulatedWorker, Simulation
 
 
 class FakeClock:

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batchsize_manager import BatchSizeManager, WorkerReport, get_policy, policy_names
-from batchsize_manager.simulation import Simulation, SimulatedWorker, ideal_iteration_time, simulate
+from batchsize_manager.simulation import SimulatedWorker, Simulation, ideal_iteration_time, simulate
 
 
 def report(w: int, it: int, x: int, speed: float, overhead: float = 0.0, **extra: float) -> WorkerReport:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from batchsize_manager import BatchSizeManager
-from batchsize_manager.simulation import Simulation, SimulatedWorker, ideal_iteration_time, simulate
+from batchsize_manager.simulation import SimulatedWorker, Simulation, ideal_iteration_time, simulate
 
 
 def test_cpu_and_gpu_like_timing():

@@ -29,9 +29,9 @@ from batchsize_manager.allocation import (
     round_bounded_arrays,
     split_small,
 )
-from batchsize_manager.lbbsp import fixed_overhead, is_oom, measured_speed, _num
+from batchsize_manager.lbbsp import _num, fixed_overhead, is_oom, measured_speed
 from batchsize_manager.reports import SMALL_BATCH, ReportBatch, occurrence_rounds
-from batchsize_manager.simulation import Simulation, SimulatedWorker
+from batchsize_manager.simulation import SimulatedWorker, Simulation
 from predictors import exog_from_telemetry
 
 INF = math.inf

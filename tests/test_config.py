@@ -73,7 +73,7 @@ def test_override_precedence_yaml_env_cli(tmp_path):
 
 def test_config_is_frozen_and_digest_tracks_job_settings():
     a = load_config(None, env={})
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError, match="frozen"):
         a.training.global_batch = 5  # type: ignore[misc]
     b = a.with_overrides(["worker.torch_threads=2"])
     c = a.with_overrides(["optimizer.lr=0.5"])

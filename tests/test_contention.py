@@ -13,8 +13,7 @@ import psutil
 import pytest
 
 from ps_common.scenario import WorkerScenario
-from ps_worker.contention import (BURNER_TAG, CommDelay, ContentionDriver, CpuBurners,
-                                  EmulatedSlowdown, kill_pid)
+from ps_worker.contention import BURNER_TAG, CommDelay, ContentionDriver, CpuBurners, EmulatedSlowdown, kill_pid
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

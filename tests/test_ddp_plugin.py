@@ -27,13 +27,13 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from batchsize_manager.allocation import proportional_split
-from batchsize_manager.manager import BatchSizeManager
 from batchsize_manager.integrations.torch_ddp import (
     DDPBatchBalancer,
     LBBSPSampler,
     WeightedHookState,
     weighted_allreduce_hook,
 )
+from batchsize_manager.manager import BatchSizeManager
 from batchsize_manager.policies import BatchPolicy
 from ps_common.datasets import load_dataset, sample_order
 from ps_common.models import build_model

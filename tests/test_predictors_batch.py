@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from batchsize_manager import BatchSizeManager
-from batchsize_manager.simulation import Simulation, SimulatedWorker
+from batchsize_manager.simulation import SimulatedWorker, Simulation
 from predictors import get_predictor
 from predictors.arima import BatchARIMA
 from predictors.batch import BatchEMA, BatchLast, ScalarPredictors, get_batch_predictor
@@ -206,9 +206,9 @@ def test_late_background_refits_catch_up_with_sync(cls, kw):
         assert not np.allclose(bg._fc[:K], sync._fc[:K])  # meanwhile: the older weights
         hook.release.set()
         assert bg.drain(30)
-        for t in range(t, T):
+        for t2 in range(t, T):
             for p in (sync, bg):
-                p.update(ALL, YS[:, t], XS[t])
+                p.update(ALL, YS[:, t2], XS[t2])
             assert bg.drain(30)
         assert np.allclose(bg.predict(ALL), sync.predict(ALL), rtol=1e-12, atol=0)
         assert np.allclose(bg._fc[:K], sync._fc[:K], rtol=1e-12, atol=0)

@@ -9,8 +9,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from ps_common.scenario import (OnOffSchedule, ScenarioConfig, ScenarioError, WorkerScenario,
-                                runtime_for)
+from ps_common.scenario import OnOffSchedule, ScenarioConfig, ScenarioError, WorkerScenario, runtime_for
 
 EXAMPLE = """
 scenario:
@@ -68,8 +67,8 @@ def test_example_yaml_parses():
     assert "worker 1: static x2 [emulated]" in text and "[real]" in text
     # The model round-trips (the launcher dumps configs to YAML for its children).
     assert parse(sc.model_dump(mode="json")) == sc
-    with pytest.raises(Exception):
-        sc.name = "x"  # frozen
+    with pytest.raises(ValueError, match="frozen"):
+        sc.name = "x"
 
 
 def test_default_scenario_is_empty():

@@ -319,7 +319,8 @@ def test_secret_files_cli_and_errors(tmp_path, capsys):
     assert S.main(["secret", str(tmp_path / "m.secret")]) == 0
     assert stat.S_IMODE((tmp_path / "m.secret").stat().st_mode) == 0o600
     assert S.main(["secret", str(tmp_path / "w.secret"), "--role", "worker", "--from", str(tmp_path / "m.secret")]) == 0
-    assert load_secret(tmp_path / "w.secret").secret_for("worker") == load_secret(tmp_path / "m.secret").secret_for("worker")
+    worker = load_secret(tmp_path / "w.secret").secret_for("worker")
+    assert worker == load_secret(tmp_path / "m.secret").secret_for("worker")
     capsys.readouterr()
     assert S.main(["secret", str(tmp_path / "m.secret")]) == 2
     assert "refusing to overwrite" in capsys.readouterr().err

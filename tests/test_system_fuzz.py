@@ -198,7 +198,7 @@ def run_job(procs, tmp_path, name: str, hostile: bool):
                 time.sleep(0.25)
         except Exception as exc:  # the job may end between the check and the request
             if shard0.proc.poll() is None:
-                raise AssertionError(f"shard 0 stopped answering the operator under attack: {exc}")
+                raise AssertionError(f"shard 0 stopped answering the operator under attack: {exc}") from exc
         finally:
             op.close()
         stats["status_latency_s"] = latencies

@@ -37,6 +37,26 @@ def test_launch_mnist_lenet_reaches_accuracy(tmp_path):
     assert hit is not None and 0 < hit["seconds"] < summary["training_s"] + 1
 
 
+def test_a_run_directory_holds_one_run_unless_overwritten(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "ps_launcher.cli", "configs/quick_synthetic.yaml", "--run-dir", str(run_dir),
+           "--no-progress", "--set", "training.max_iterations=30", "--set", "evaluator.enabled=false"]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stdout + first.stderr
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 2 and "already holds a run" in again.stderr and "--overwrite" in again.stderr
+    replaced = subprocess.run([*cmd, "--overwrite"], capture_output=True, text=True, timeout=300)
+    assert replaced.returncode == 0, replaced.stdout + replaced.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    coordinator = [r for r in map(json.loads, (run_dir / "metrics" / "coordinator.jsonl").read_text().splitlines())
+                   if "event" not in r]
+    assert summary["iterations"] == len(coordinator) == 30, "the summary counts one run, not two"
+    (run_dir / "notes.txt").write_text("mine")
+    foreign = subprocess.run([*cmd, "--overwrite"], capture_output=True, text=True, timeout=60)
+    assert foreign.returncode == 2 and "notes.txt" in foreign.stderr
+    assert (run_dir / "notes.txt").exists() and (run_dir / "summary.json").exists(), "nothing removed"
+
+
 def test_launch_rejects_bad_config_naming_the_key(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("training: {global_batch: 64, max_iterations: 5, lr: 0.1}\n")

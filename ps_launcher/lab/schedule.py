@@ -15,7 +15,6 @@ from pathlib import Path
 from ps_common.scenario import CpuQuota, Link, OnOffSchedule, Rotation, ScenarioConfig, TraceTable, read_trace
 
 
-
 def _min(a: float | None, b: float | None) -> float | None:
     """The tighter of two quotas (None is unlimited)."""
     if a is None:
