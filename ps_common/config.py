@@ -327,12 +327,33 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
         if not isinstance(loaded, dict):
             raise ConfigError(f"{p}: the top level must be a mapping of sections")
         data = loaded
+        _resolve_key_paths(data, p.parent)
     _apply_overrides(data, _env_overrides(os.environ if env is None else env), source="environment")
     _apply_overrides(data, overrides, source="--set")
     cfg = validate(data, source=source)
     if path is not None:  # trace files named relative to the config file
         cfg = cfg.model_copy(update={"scenario": cfg.scenario.resolved(Path(path).parent)})
     return cfg
+
+
+#: ``security`` keys that name files or directories.
+SECURITY_PATH_KEYS = ("server_secret_key", "server_public_key", "client_secret_key", "allowed_clients_dir",
+                      "client_keys_dir", "secret_file")
+
+
+def _resolve_key_paths(data: dict[str, Any], base: Path) -> None:
+    """Relative key and secret paths written in a config file name files beside it, whatever
+    directory a process is started from (one file serves every host); paths given with --set
+    or the environment stay relative to the working directory, where they were typed."""
+    sec = data.get("security")
+    if not isinstance(sec, dict):
+        return
+    for key in SECURITY_PATH_KEYS:
+        v = sec.get(key)
+        if isinstance(v, str) and v:
+            p = Path(os.path.expanduser(v))
+            if not p.is_absolute():
+                sec[key] = str((base / p).resolve())
 
 
 def dump_yaml(cfg: JobConfig) -> str:

@@ -62,6 +62,15 @@ def make_router(ctx: zmq.Context, address: str, *, max_msg_bytes: int = -1,
     return sock, endpoint
 
 
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "*", "::", "[::]", ""})
+
+
+def undialable(endpoint: str) -> bool:
+    """A TCP endpoint on a wildcard address: fine to bind, impossible for anyone to dial."""
+    m = re.match(r"^tcp://(.*):\d+$", endpoint)
+    return bool(m) and m.group(1) in WILDCARD_HOSTS
+
+
 def advertised(endpoint: str, host: str | None) -> str:
     """Replace the host of a bound endpoint with the one other machines should dial."""
     if not host:
@@ -82,6 +91,11 @@ def recv_frames(sock: zmq.Socket, timeout_s: float) -> list[zmq.Frame] | None:
     if sock.poll(int(timeout_s * 1000), zmq.POLLIN) == 0:
         return None
     return sock.recv_multipart(copy=False)
+
+
+#: Handshakes the server closed in a row, with no detail, before a client gives up: a server
+#: that cannot decrypt the client's CURVE HELLO (wrong server key) does only that.
+HANDSHAKE_CLOSES = 3
 
 
 class Connection:
@@ -106,12 +120,14 @@ class Connection:
         self.security = security
         self._monitor: zmq.Socket | None = None
         self.auth_failure: str | None = None
+        self._closed_in_handshake = 0
         try:
             secure_client_socket(self.sock, security, role)  # before connect
             if security is not None and security.mechanism != "none":
                 # A refused handshake is otherwise silence: watch for it to fail fast and clearly.
                 self._monitor = self.sock.get_monitor_socket(
-                    zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+                    zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         except BaseException:
             self.close()
             raise
@@ -128,10 +144,23 @@ class Connection:
                     break
                 event = int.from_bytes(frames[0][:2], "little")
                 status = int.from_bytes(frames[0][2:6], "little")
-                if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self._closed_in_handshake = 0
+                elif event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+                    # A CURVE server that cannot decrypt our HELLO (we hold the wrong server key)
+                    # just closes: that, again and again, is the only sign of it.
+                    self._closed_in_handshake += 1
+                    if self._closed_in_handshake >= HANDSHAKE_CLOSES:
+                        self.auth_failure = (
+                            f"the server closed the connection during the security handshake "
+                            f"{self._closed_in_handshake} times in a row (with CURVE: is "
+                            "security.server_public_key the servers' public key?)")
+                elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                     self.auth_failure = f"the server refused the {self.role} credentials (ZAP status {status})"
                 else:
                     self.auth_failure = "the handshake failed (security settings differ: CURVE on one side only?)"
+                if self.auth_failure is not None:
+                    break
         if self.auth_failure is not None:
             raise AuthenticationFailed(f"{self.endpoint}: {self.auth_failure}{timeout_hint(self.security)}")
 

@@ -41,7 +41,7 @@ from ps_common.layout import partition
 from ps_common.metrics import MetricsWriter
 from ps_common.models import FlatParameters, build_model
 from ps_common.security import close_socket
-from ps_common.transport import advertised, bind_address, make_router
+from ps_common.transport import WILDCARD_HOSTS, advertised, bind_address, make_router
 from ps_server.checkpoint import CheckpointError, CheckpointWriter, find_checkpoint, load_checkpoint, save_checkpoint
 from ps_server.follow import Follow
 from ps_server.lead import Lead
@@ -102,6 +102,10 @@ class ShardServer:
             max_snapshots=cfg.evaluator.snapshots)
         t = cfg.transport
         bind_host = host or cfg.cluster.host
+        if bind_host in WILDCARD_HOSTS and not advertise_host:
+            raise ValueError(f"shard {shard} would bind every interface ({bind_host}) and tell workers and "
+                             f"other shards to dial tcp://{bind_host}:PORT, which no machine can: pass "
+                             "--advertise HOST, the name or address they reach this machine at")
         self.sock, bound = make_router(self.ctx, bind_address(bind_host, port),
                                        max_msg_bytes=(hi - lo) * 4 + HEADER_MARGIN,
                                        security=cfg.security, hwm=t.hwm)

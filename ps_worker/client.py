@@ -19,9 +19,13 @@ import zmq
 from ps_common import protocol as P
 from ps_common.faults import kill_in_push
 from ps_common.security import SecurityConfig
-from ps_common.transport import Connection, RemoteError, TransportTimeout
+from ps_common.transport import Connection, RemoteError, TransportTimeout, undialable
 
 log = logging.getLogger(__name__)
+
+
+class ShardUnreachable(RuntimeError):
+    """The coordinator's welcome names a shard address that cannot be dialed."""
 
 
 class PullAborted(RuntimeError):
@@ -88,6 +92,11 @@ class ShardClients:
             c0.close()
             raise
         assert isinstance(welcome, P.Welcome)
+        bad = [f"shard {k}: {ep}" for k, ep in enumerate(welcome.shard_endpoints) if undialable(ep)]
+        if bad:
+            c0.close()
+            raise ShardUnreachable(f"the job's shards advertise addresses no machine can dial "
+                                   f"({', '.join(bad)}): restart them with --advertise HOST")
         self.welcome = welcome
         self.token = welcome.token
         self.ranges = [(int(a), int(b)) for a, b in welcome.shard_ranges]

@@ -79,3 +79,17 @@ def test_config_is_frozen_and_digest_tracks_job_settings():
     c = a.with_overrides(["optimizer.lr=0.5"])
     assert a.job_digest() == b.job_digest(), "worker-local settings are not part of the job"
     assert a.job_digest() != c.job_digest()
+
+
+def test_key_paths_in_a_config_file_name_files_beside_it(tmp_path, monkeypatch):
+    d = tmp_path / "job"
+    d.mkdir()
+    (d / "job.yaml").write_text("security: {curve: true, server_public_key: keys/server.key, "
+                                "client_keys_dir: keys, allowed_clients_dir: /etc/lbbsp/allowed}\n")
+    monkeypatch.chdir(tmp_path)                      # started from elsewhere
+    cfg = load_config(d / "job.yaml", env={})
+    assert cfg.security.server_public_key == str(d / "keys" / "server.key")
+    assert cfg.security.client_keys_dir == str(d / "keys")
+    assert cfg.security.allowed_clients_dir == "/etc/lbbsp/allowed"
+    typed = load_config(d / "job.yaml", ["security.client_keys_dir=mine"], env={})
+    assert typed.security.client_keys_dir == "mine", "a path typed on the command line stays as typed"

@@ -86,3 +86,16 @@ def test_server_survives_malformed_messages(procs, tmp_path):
     finally:
         conn.close()
     assert status(ep).version == 0
+
+
+def test_a_shard_on_every_interface_must_say_where_it_is_reached(tmp_path):
+    """Binding 0.0.0.0 without --advertise would tell workers to dial tcp://0.0.0.0:PORT, and
+    they would retry forever: the shard refuses to start and says what to pass."""
+    from ps_common.transport import undialable
+
+    cfg_path, _ = write_config(tmp_path, {"data": {"dataset": "synthetic"}})
+    out = subprocess.run([sys.executable, "-m", "ps_server.cli", "--config", str(cfg_path), "--shard", "0",
+                          "--host", "0.0.0.0", "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--advertise HOST" in out.stderr, out.stderr
+    assert undialable("tcp://0.0.0.0:5555") and undialable("tcp://*:1") and undialable("tcp://[::]:7")
+    assert not undialable("tcp://10.0.0.2:5555") and not undialable("ipc:///tmp/x")
