@@ -220,6 +220,22 @@ class Params(Message):
 
 
 @dataclass
+class ClaimShard(Message):
+    """A follower started without an index (the dmlc contract: ``DMLC_ROLE=server``) asks the
+    coordinator for one. The same ``instance`` always gets the same index."""
+
+    TYPE: ClassVar[str] = "claim_shard"
+    job_digest: str = ""
+    instance: str = ""
+
+
+@dataclass
+class ShardClaimed(Message):
+    TYPE: ClassVar[str] = "shard_claimed"
+    shard: int = 0
+
+
+@dataclass
 class RegisterShard(Message):
     """Follower shard k tells the coordinator where workers reach it and where it stands."""
 
@@ -464,8 +480,8 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (
         Hello, HelloReply, Ack, Join, Welcome, Heartbeat, HeartbeatReply, Leave, Push, OutOfMemory,
-        Reassignment, Pull, Params,
-        RegisterShard, Registered, Have, ShardSync, Commit, PlanMessage, Stop, Finish, Rollback,
+        Reassignment, Pull, Params, ClaimShard, ShardClaimed, RegisterShard, Registered, Have, ShardSync,
+        Commit, PlanMessage, Stop, Finish, Rollback,
         StatusRequest, Status, EvalReport, Shutdown, Error,
         BsmJoin, BsmLeave, BsmReport, BsmAssign, BsmAssignment, BsmStats, BsmStatsReply,
     )

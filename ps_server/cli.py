@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -10,13 +11,16 @@ from ps_common.cli_util import add_common_args, load_cli_config, setup_logging, 
 from ps_common.config import ConfigError
 from ps_common.credentials import CredentialError, generate_master
 from ps_common.datasets import DatasetUnavailable
+from ps_common.dmlc import DmlcEnv, DmlcEnvError, read_dmlc_env
+from ps_common.transport import RemoteError, TransportTimeout
 from ps_server.checkpoint import CheckpointError
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="ps-server", description=__doc__)
     add_common_args(ap)
-    ap.add_argument("--shard", type=int, default=0, help="shard index, 0..cluster.num_shards-1")
+    ap.add_argument("--shard", type=int, default=None,
+                    help="shard index, 0..cluster.num_shards-1 (default 0, or from DMLC_ROLE: see below)")
     ap.add_argument("--host", default=None, help="address to bind (default cluster.host, 127.0.0.1)")
     ap.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one")
     ap.add_argument("--advertise", default=None,
@@ -24,28 +28,83 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--coordinator", default=None, help="shard 0's endpoint (required for shard > 0)")
     ap.add_argument("--resume", action="store_true",
                     help="restart from this shard's newest checkpoint (checkpoint.dir or RUN_DIR/checkpoints)")
+    ap.epilog = ("Without --shard and --coordinator, the dmlc variables (DMLC_ROLE, DMLC_PS_ROOT_URI, "
+                 "DMLC_PS_ROOT_PORT, DMLC_NUM_SERVER, DMLC_NUM_WORKER) say what to run: the scheduler "
+                 "is shard 0, a server a follower shard, a worker a worker (ps_common/dmlc.py).")
     args = ap.parse_args(argv)
     setup_logging(args.log_level)
     watch_parent()
     try:
-        cfg = load_cli_config(args.config, args.set, args.secret_file)
-        _make_secret_if_new(cfg, args.shard)
+        dmlc = read_dmlc_env(os.environ) if args.shard is None and args.coordinator is None else None
+    except DmlcEnvError as exc:
+        print(f"ps-server: error: {exc}", file=sys.stderr)
+        return 2
+    if dmlc is not None and dmlc.role == "worker":
+        return _run_worker(args, dmlc)
+    try:
+        overrides = list(args.set) + (dmlc.overrides() if dmlc is not None else [])
+        cfg = load_cli_config(args.config, overrides, args.secret_file)
+        shard = 0 if args.shard is None else args.shard
+        host, port, advertise, coordinator = args.host, args.port, args.advertise, args.coordinator
+        if dmlc is not None:
+            host = host or "0.0.0.0"
+            advertise = advertise or (dmlc.root_uri if dmlc.role == "scheduler" else dmlc.advertise())
+            if dmlc.role == "scheduler":
+                port = port or dmlc.root_port
+            else:
+                coordinator = dmlc.coordinator
+                shard = _claim_shard(cfg, coordinator)
+        _make_secret_if_new(cfg, shard)
         from ps_server.server import ShardServer
 
-        server = ShardServer(cfg, args.shard, host=args.host, port=args.port,
-                             advertise_host=args.advertise, coordinator=args.coordinator,
-                             run_dir=args.run_dir, resume=args.resume)
-    except (ConfigError, DatasetUnavailable, ValueError, CheckpointError, CredentialError) as exc:
+        server = ShardServer(cfg, shard, host=host, port=port, advertise_host=advertise,
+                             coordinator=coordinator, run_dir=args.run_dir, resume=args.resume)
+    except (ConfigError, DatasetUnavailable, ValueError, CheckpointError, CredentialError,
+            TransportTimeout, RemoteError) as exc:
         print(f"ps-server: error: {exc}", file=sys.stderr)
         return 2
     server.install_signal_handlers()
-    print(f"ps-server shard {args.shard} listening on {server.endpoint}", flush=True)
+    print(f"ps-server shard {shard} listening on {server.endpoint}", flush=True)
     try:
         server.run()
     except RuntimeError as exc:
         print(f"ps-server: error: {exc}", file=sys.stderr)
         return 1
     return server.exit_code
+
+
+def _claim_shard(cfg, coordinator: str) -> int:
+    """A follower index from the coordinator (dmlc servers are started without one)."""
+    import uuid
+
+    import zmq
+
+    from ps_common import protocol as P
+    from ps_common.transport import Connection
+
+    conn = Connection(zmq.Context.instance(), coordinator, role="shard", security=cfg.security,
+                      timeout_s=cfg.transport.connect_timeout_s)
+    try:
+        reply = conn.request(P.ClaimShard(job_digest=cfg.job_digest(), instance=uuid.uuid4().hex),
+                             P.ShardClaimed)
+    finally:
+        conn.close()
+    assert isinstance(reply, P.ShardClaimed)
+    return reply.shard
+
+
+def _run_worker(args: argparse.Namespace, dmlc: DmlcEnv) -> int:
+    """``DMLC_ROLE=worker``: the same command line runs a worker (dmlc-submit starts one command
+    for every role)."""
+    from ps_worker import cli as worker_cli
+
+    argv = ["--config", args.config, "--log-level", args.log_level,
+            *[x for kv in args.set for x in ("--set", kv)]]
+    if args.run_dir:
+        argv += ["--run-dir", args.run_dir]
+    if args.secret_file:
+        argv += ["--secret-file", args.secret_file]
+    return worker_cli.main(argv)
 
 
 def _make_secret_if_new(cfg, shard: int) -> None:

@@ -56,6 +56,7 @@ class Lead:
         self.followers = Followers(server.router_reply)
         self.shard_endpoints: dict[int, str] = {0: server.endpoint}
         self.pending_joins: list[tuple[bytes, str, P.Join]] = []
+        self.claims: dict[str, int] = {}  # follower instance -> index (dmlc: servers have none)
         self.metrics = MetricsWriter(server.run_dir / "metrics" / "coordinator.jsonl" if server.run_dir else None)
         self.stop_announced = False
         self.stop_time = 0.0
@@ -66,6 +67,7 @@ class Lead:
     def handlers(self) -> dict[type, Any]:
         return {P.Join: self._on_join, P.Heartbeat: self._on_heartbeat, P.Leave: self._on_leave,
                 P.EvalReport: self._on_eval, P.RegisterShard: self._on_register_shard,
+                P.ClaimShard: self._on_claim_shard,
                 P.Have: self._on_have, P.ShardSync: self._on_shard_sync,
                 P.OutOfMemory: self._on_out_of_memory}
 
@@ -353,6 +355,25 @@ class Lead:
             self.server.pulls_changed()
 
     # ----- the follower shards ----------------------------------------------------------------
+    def _on_claim_shard(self, ident: bytes, role: str, msg: P.ClaimShard) -> P.Message:
+        """The lowest follower index nobody has registered or claimed; the same instance asking
+        again (its answer was lost) gets the same one."""
+        self._check_digest(msg.job_digest)
+        if not msg.instance:
+            raise Refused("malformed", "a shard claim needs its process's instance id")
+        k = self.claims.get(msg.instance)
+        if k is None:
+            taken = set(self.shard_endpoints) | set(self.claims.values())
+            free = [i for i in range(1, self.cfg.cluster.num_shards) if i not in taken]
+            if not free:
+                raise Refused("no_free_shard", f"all {self.cfg.cluster.num_shards - 1} follower shards are "
+                                               "claimed or registered")
+            if len(self.claims) >= 4 * self.cfg.cluster.num_shards:
+                raise Refused("busy", "too many shard claims")
+            k = self.claims[msg.instance] = free[0]
+            log.info("shard index %d claimed by %s", k, msg.instance)
+        return P.ShardClaimed(shard=k)
+
     def _on_register_shard(self, ident: bytes, role: str, msg: P.RegisterShard) -> None:
         coord, server = self.coord, self.server
         self._check_digest(msg.job_digest)

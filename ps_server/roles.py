@@ -23,6 +23,7 @@ SHARD_PERMISSIONS: dict[type[P.Message], frozenset[str]] = {
     P.Pull: frozenset({"worker", "evaluator", "operator"}),
     P.EvalReport: frozenset({"evaluator"}),
     P.Shutdown: frozenset({"operator"}),
+    P.ClaimShard: frozenset({"shard"}),
     P.RegisterShard: frozenset({"shard"}),
     P.Have: frozenset({"shard"}),
     P.ShardSync: frozenset({"shard"}),

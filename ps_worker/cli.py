@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 
 from ps_common.cli_util import add_common_args, load_cli_config, setup_logging, watch_parent
 from ps_common.config import ConfigError
 from ps_common.datasets import DatasetUnavailable
+from ps_common.dmlc import DmlcEnvError, read_dmlc_env
 from ps_common.transport import RemoteError, TransportTimeout
 
 
@@ -19,7 +21,9 @@ def _raise_interrupt(*_: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="ps-worker", description=__doc__)
     add_common_args(ap)
-    ap.add_argument("--server", required=True, help="shard 0 (coordinator) endpoint, tcp://HOST:PORT")
+    ap.add_argument("--server", default=None,
+                    help="shard 0 (coordinator) endpoint, tcp://HOST:PORT (default: from DMLC_PS_ROOT_URI "
+                         "and DMLC_PS_ROOT_PORT)")
     ap.add_argument("--name", default=None, help="a name for logs (default host:pid)")
     ap.add_argument("--device", default=None, help="override worker.device (cpu, cuda, cuda:N, auto)")
     ap.add_argument("--max-iterations", type=int, default=None, help="leave after this many iterations")
@@ -30,6 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     watch_parent()
     try:
         overrides = list(args.set)
+        if args.server is None:
+            dmlc = read_dmlc_env(os.environ)
+            if dmlc is None:
+                ap.error("--server is required (or the dmlc variables: DMLC_ROLE=worker, DMLC_PS_ROOT_URI, ...)")
+            args.server = dmlc.coordinator
+            overrides += dmlc.overrides()
         if args.device:
             overrides.append(f"worker.device={args.device}")
         cfg = load_cli_config(args.config, overrides, args.secret_file)
@@ -43,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except KeyboardInterrupt:
         return 130
-    except (ConfigError, DatasetUnavailable, TransportTimeout, RemoteError, RuntimeError, ValueError) as exc:
+    except (ConfigError, DatasetUnavailable, TransportTimeout, RemoteError, RuntimeError, ValueError,
+            DmlcEnvError) as exc:
         print(f"ps-worker: error: {exc}", file=sys.stderr)
         return 2
 

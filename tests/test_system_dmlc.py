@@ -1,0 +1,64 @@
+"""The dmlc environment contract: a job started the way dmlc-submit starts ps-lite jobs.
+
+Every process gets the same command line and its role in ``DMLC_ROLE``; nothing else says which
+shard it is or where shard 0 listens. The scheduler is shard 0, the two servers claim follower
+indices from it, and the workers join through the scheduler's address, one of them through
+``ps-server`` itself (``DMLC_ROLE=worker`` runs a worker).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from ps_common.dmlc import DmlcEnvError, read_dmlc_env
+from tests.cluster_util import consistent_end, wait_exit, write_config
+
+pytestmark = pytest.mark.system
+
+
+def dmlc(role: str, port: int) -> dict[str, str]:
+    return {"DMLC_ROLE": role, "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(port),
+            "DMLC_NUM_SERVER": "2", "DMLC_NUM_WORKER": "2"}
+
+
+@pytest.mark.timeout(240)
+def test_a_job_started_from_dmlc_variables_alone(procs, tmp_path):
+    cfg_path, _ = write_config(tmp_path, {
+        "model": {"name": "mlp"}, "data": {"dataset": "synthetic", "synthetic_train": 512},
+        "training": {"global_batch": 64, "max_iterations": 25, "finish_timeout_s": 10},
+        "cluster": {"num_shards": 1, "num_workers": 1},          # the contract's numbers win
+        "evaluator": {"enabled": False}})
+    run_dir = tmp_path / "run"
+    common = ["--config", str(cfg_path), "--run-dir", str(run_dir)]
+    # The scheduler binds DMLC_PS_ROOT_PORT; 0 lets the test take a free one and tell the rest.
+    scheduler = procs.start("scheduler", "ps_server.cli", common, env=dmlc("scheduler", 0))
+    root = procs.wait_endpoint(scheduler, 60)
+    port = int(re.search(r":(\d+)$", root).group(1))
+    servers = [procs.start(f"server-{i}", "ps_server.cli", common, env=dmlc("server", port)) for i in range(2)]
+    workers = [procs.start("worker-a", "ps_server.cli", common, env=dmlc("worker", port)),
+               procs.start("worker-b", "ps_worker.cli", common, env=dmlc("worker", port))]
+    wait_exit(workers, timeout_s=180)
+    wait_exit([scheduler, *servers], timeout_s=60)
+    for ch in [scheduler, *servers, *workers]:
+        assert ch.proc.returncode == 0, ch.tail()
+    claimed = sorted(int(re.search(r"ps-server shard (\d+) listening", ch.tail()).group(1)) for ch in servers)
+    assert claimed == [1, 2], "each server claimed its own follower index"
+    params, version = consistent_end(run_dir, 3)                # DMLC_NUM_SERVER + 1 shards
+    assert version == 25 and params.size > 0
+
+
+def test_the_contract_names_what_is_missing_or_wrong():
+    assert read_dmlc_env({}) is None
+    full = {"DMLC_ROLE": "server", "DMLC_PS_ROOT_URI": "10.0.0.1", "DMLC_PS_ROOT_PORT": "9091",
+            "DMLC_NUM_SERVER": "4", "DMLC_NUM_WORKER": "8"}
+    d = read_dmlc_env(full)
+    assert d.coordinator == "tcp://10.0.0.1:9091"
+    assert d.overrides() == ["cluster.num_shards=5", "cluster.num_workers=8"]
+    assert read_dmlc_env({**full, "DMLC_NODE_HOST": "node7"}).advertise() == "node7"
+    for change, text in [({"DMLC_ROLE": "boss"}, "expected one of"), ({"DMLC_PS_ROOT_URI": ""}, "DMLC_PS_ROOT_URI"),
+                         ({"DMLC_PS_ROOT_PORT": "x"}, "not an integer"), ({"DMLC_PS_ROOT_PORT": "0"}, ">= 1"),
+                         ({"DMLC_NUM_WORKER": "0"}, "DMLC_NUM_WORKER=0")]:
+        with pytest.raises(DmlcEnvError, match=text):
+            read_dmlc_env({**full, **change})
