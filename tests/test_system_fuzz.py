@@ -64,6 +64,8 @@ def forgeries(rng: random.Random, sizes: list[int], digest: str):
             msg = P.RegisterShard(shard=rng.choice([0, 1, 5]), endpoint="tcp://10.0.0.66:1",
                                   job_digest=rng.choice(["", digest]), version=rng.randrange(5),
                                   resumed=rng.random() < 0.5)
+        elif kind == "claim_shard":
+            msg = P.ClaimShard(job_digest=rng.choice(["", digest]), instance=token())
         elif kind == "have":
             msg = P.Have(shard=1, entries=[[rng.randrange(3), rng.randrange(400), 32]])
         elif kind == "shard_sync":
@@ -102,7 +104,7 @@ def forgeries(rng: random.Random, sizes: list[int], digest: str):
         yield kind, P.encode(msg), k
 
 
-KINDS = ["shutdown", "eval_report", "register_shard", "have", "shard_sync", "rollback", "join", "push",
+KINDS = ["shutdown", "eval_report", "claim_shard", "register_shard", "have", "shard_sync", "rollback", "join", "push",
          "out_of_memory", "pull", "heartbeat", "hello_status", "malformed"]
 
 
@@ -234,3 +236,4 @@ def test_hostile_clients_change_nothing(procs, tmp_path):
     assert codes["malformed"] > 0 and codes["hello_reply"] + codes["status"] > 0
     assert "ack" not in codes, "no forged Shutdown, EvalReport, Leave or Rollback may be acknowledged"
     assert "welcome" not in codes and "registered" not in codes and "reassignment" not in codes
+    assert "shard_claimed" not in codes
