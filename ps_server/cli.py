@@ -16,7 +16,7 @@ from ps_common.transport import RemoteError, TransportTimeout
 from ps_server.checkpoint import CheckpointError
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ps-server", description=__doc__)
     add_common_args(ap)
     ap.add_argument("--shard", type=int, default=None,
@@ -31,7 +31,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.epilog = ("Without --shard and --coordinator, the dmlc variables (DMLC_ROLE, DMLC_PS_ROOT_URI, "
                  "DMLC_PS_ROOT_PORT, DMLC_NUM_SERVER, DMLC_NUM_WORKER) say what to run: the scheduler "
                  "is shard 0, a server a follower shard, a worker a worker (ps_common/dmlc.py).")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
     watch_parent()
     try:

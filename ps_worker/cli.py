@@ -18,17 +18,24 @@ def _raise_interrupt(*_: object) -> None:
     raise KeyboardInterrupt
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ps-worker", description=__doc__)
     add_common_args(ap)
     ap.add_argument("--server", default=None,
                     help="shard 0 (coordinator) endpoint, tcp://HOST:PORT (default: from DMLC_PS_ROOT_URI "
                          "and DMLC_PS_ROOT_PORT)")
-    ap.add_argument("--name", default=None, help="a name for logs (default host:pid)")
+    ap.add_argument("--name", default=None,
+                    help="this worker's stable name: logs, and the memory caps learned for it across "
+                         "rejoins and restarts (default host:pid, which changes with every process)")
     ap.add_argument("--device", default=None, help="override worker.device (cpu, cuda, cuda:N, auto)")
     ap.add_argument("--max-iterations", type=int, default=None, help="leave after this many iterations")
     ap.add_argument("--scenario-index", type=int, default=None,
                     help="which scenario.workers entry applies to this worker (default: its worker id)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     setup_logging(args.log_level)
     watch_parent()
