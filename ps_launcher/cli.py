@@ -16,6 +16,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config value, e.g. --set cluster.num_workers=4")
     ap.add_argument("--run-dir", default=None, help="output directory (default run.run_dir/NAME-TIME)")
+    ap.add_argument("--backend", choices=("local", "slurm"), default="local",
+                    help="local: start every process here; slurm: with --print, write the run directory's "
+                         "config and print an sbatch script that runs the job on a Slurm allocation")
+    ap.add_argument("--print", dest="print_only", action="store_true",
+                    help="(--backend slurm) print the sbatch script instead of running anything")
     ap.add_argument("--overwrite", action="store_true",
                     help="replace the run already in --run-dir (refused otherwise: metrics would mix)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -27,9 +32,29 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"ps-launch: {exc}", file=sys.stderr)
         return 2
-    from ps_launcher.launcher import LocalCluster, RunFailed
-    from ps_launcher.run_dir import RunDirInUse
+    from ps_launcher.launcher import LocalCluster, RunFailed, new_run_dir
+    from ps_launcher.run_dir import RunDirInUse, prepare_run_dir
     from ps_launcher.summary import summary_markdown
+
+    if args.backend == "slurm":
+        if not args.print_only:
+            print("ps-launch: --backend slurm writes a script: add --print, then submit it with sbatch",
+                  file=sys.stderr)
+            return 2
+        from pathlib import Path
+
+        from ps_common.config import dump_yaml
+        from ps_launcher.slurm import sbatch_script
+
+        run_dir = Path(args.run_dir or new_run_dir(cfg)).resolve()
+        try:
+            prepare_run_dir(run_dir, args.overwrite)
+        except RunDirInUse as exc:
+            print(f"ps-launch: {exc}", file=sys.stderr)
+            return 2
+        (run_dir / "config.yaml").write_text(dump_yaml(cfg))
+        print(sbatch_script(cfg, run_dir / "config.yaml", run_dir), end="")
+        return 0
 
     cluster = LocalCluster(cfg, args.run_dir, progress=not args.no_progress, overwrite=args.overwrite)
     interrupt_on_signals()

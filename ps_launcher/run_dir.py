@@ -13,7 +13,12 @@ from pathlib import Path
 
 #: What ``ps-launch`` and the processes it starts write into a run directory.
 RUN_ENTRIES = frozenset({"config.yaml", "final", "logs", "metrics", "secrets", "checkpoints",
-                         "summary.json", "summary.md", "accuracy.png", "workers.png", "lab"})
+                         "summary.json", "summary.md", "accuracy.png", "workers.png", "lab",
+                         "job.secret", "coordinator.endpoint"})  # the last two: Slurm runs
+
+
+def _is_run_entry(name: str) -> bool:
+    return name in RUN_ENTRIES or (name.startswith("slurm-") and name.endswith(".out"))
 
 
 class RunDirInUse(RuntimeError):
@@ -30,7 +35,7 @@ def prepare_run_dir(run_dir: Path, overwrite: bool = False) -> None:
             raise RunDirInUse(f"run directory {run_dir} already holds a run ({', '.join(entries[:6])}"
                               f"{', ...' if len(entries) > 6 else ''}): choose another, or pass "
                               "--overwrite to replace it")
-        foreign = [e for e in entries if e not in RUN_ENTRIES]
+        foreign = [e for e in entries if not _is_run_entry(e)]
         if foreign:
             raise RunDirInUse(f"run directory {run_dir} holds files a run does not write "
                               f"({', '.join(foreign[:6])}); not overwriting it")

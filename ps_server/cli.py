@@ -26,6 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--advertise", default=None,
                     help="host name other machines use to reach this shard (multi-host runs)")
     ap.add_argument("--coordinator", default=None, help="shard 0's endpoint (required for shard > 0)")
+    ap.add_argument("--endpoint-file", default=None,
+                    help="write the endpoint this shard listens on into this file once bound (for "
+                         "launchers on a shared file system: bind port 0, let the others read it)")
     ap.add_argument("--resume", action="store_true",
                     help="restart from this shard's newest checkpoint (checkpoint.dir or RUN_DIR/checkpoints)")
     ap.epilog = ("Without --shard and --coordinator, the dmlc variables (DMLC_ROLE, DMLC_PS_ROOT_URI, "
@@ -69,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     server.install_signal_handlers()
     print(f"ps-server shard {shard} listening on {server.endpoint}", flush=True)
+    if args.endpoint_file:
+        tmp = Path(f"{args.endpoint_file}.tmp")
+        tmp.write_text(server.endpoint + "\n")
+        tmp.replace(args.endpoint_file)  # atomic: a reader never sees half of it
     try:
         server.run()
     except RuntimeError as exc:
