@@ -35,7 +35,7 @@ class ProcessGroup:
     children: list[Child] = field(default_factory=list)
 
     def start(self, role: str, module: str, args: list[str], env: dict[str, str] | None = None,
-              prefix: list[str] | None = None) -> Child:
+              prefix: list[str] | None = None, cwd: Path | None = None) -> Child:
         """Start ``python -m module args`` in a session of its own (``prefix``, such as
         ``ip netns exec NS``, runs it elsewhere; it must exec the command, not fork it)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -44,7 +44,7 @@ class ProcessGroup:
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         proc = subprocess.Popen([*(prefix or []), sys.executable, "-m", module, *args], stdout=fh,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env,
-                                start_new_session=True)
+                                start_new_session=True, cwd=cwd)
         fh.close()
         child = Child(role, proc, log_path)
         self.children.append(child)
