@@ -56,8 +56,9 @@ def test_lbbsp_balances_static_heterogeneity(tmp_path):
     # BSP). Not the compute times: the slow worker's noise is tripled by the emulation, and the
     # policy gives it less work for that.
     lb_spread, bsp_spread = finish_spread(lb[-30:]), finish_spread(bsp[-30:])
-    assert lb_spread < 1.6, f"finish times not balanced: {lb_spread:.2f} (BSP {bsp_spread:.2f})"
-    assert bsp_spread > 1.8, f"the scenario must be unbalanced under BSP: {bsp_spread:.2f}"
+    # Measured over 7 runs on 2 shared cores: LB-BSP 1.10-1.62, BSP 2.42-2.82.
+    assert lb_spread < 1.8, f"finish times not balanced: {lb_spread:.2f} (BSP {bsp_spread:.2f})"
+    assert bsp_spread > 2.1, f"the scenario must be unbalanced under BSP: {bsp_spread:.2f}"
     assert all(sum(r["batch_sizes"].values()) == 192 for r in lb)
     t_bsp = statistics.median(r["duration"] for r in bsp[10:])
     t_lb = statistics.median(r["duration"] for r in lb[-30:])
