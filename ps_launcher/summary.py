@@ -81,19 +81,20 @@ def summarize(run_dir: str | Path, *, global_batch: int, target_accuracy: float 
                       "iterations": e["samples"] / global_batch,
                       "elapsed": None if elapsed is None else max(0.0, elapsed),
                       "accuracy": e["accuracy"], "loss": e["loss"]})
-    workers: dict[str, dict[str, Any]] = {}
-    for path in sorted(m.glob("worker-*.jsonl")):
-        recs = _records(path)
-        if not recs:
-            continue
-        wid = path.stem.split("-", 1)[1]
-        workers[wid] = {
-            "iterations": len(recs),
-            "mean_batch": statistics.fmean(r["batch_size"] for r in recs),
-            "mean_compute_s": statistics.fmean(r["compute_s"] for r in recs),
-            "mean_wait_s": statistics.fmean(r["wait_s"] for r in recs),
-            "mean_iteration_s": statistics.fmean(r["iteration_s"] for r in recs),
-        }
+    if not evals:  # the evaluator ran elsewhere: shard 0 kept what it reported
+        at = {0: 0.0, **{r["version"]: r["elapsed"] for r in coord}}
+        seen: set[int] = set()
+        for e in events:
+            if e["event"] == "eval" and e["version"] not in seen:  # the final report repeats one
+                seen.add(e["version"])
+                curve.append({"version": e["version"], "samples": e["samples"],
+                              "iterations": e["samples"] / global_batch, "elapsed": at.get(e["version"]),
+                              "accuracy": e["accuracy"], "loss": e["loss"]})
+    events = [e for e in events if e["event"] != "eval"]
+    workers = _worker_stats(m)
+    workers_from = "workers' metrics"
+    if not workers and coord:  # workers ran elsewhere: what their pushes told shard 0
+        workers, workers_from = _worker_stats_from_coordinator(coord), "shard 0's records"
     marks = sorted({*ACCURACY_MARKS, *([target_accuracy] if target_accuracy else [])})
     summary: dict[str, Any] = {
         "run_dir": str(run_dir),
@@ -115,11 +116,48 @@ def summarize(run_dir: str | Path, *, global_batch: int, target_accuracy: float 
         "accuracy_curve": curve,
         "membership_events": events,
         "workers": workers,
+        "workers_from": workers_from,
         "final": final_versions(run_dir),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     (run_dir / "summary.md").write_text(summary_markdown(summary))
     return summary
+
+
+def _worker_stats(m: Path) -> dict[str, dict[str, Any]]:
+    workers: dict[str, dict[str, Any]] = {}
+    for path in sorted(m.glob("worker-*.jsonl")):
+        recs = _records(path)
+        if not recs:
+            continue
+        wid = path.stem.split("-", 1)[1]
+        workers[wid] = {
+            "iterations": len(recs),
+            "mean_batch": statistics.fmean(r["batch_size"] for r in recs),
+            "mean_compute_s": statistics.fmean(r["compute_s"] for r in recs),
+            "mean_wait_s": statistics.fmean(r["wait_s"] for r in recs),
+            "mean_iteration_s": statistics.fmean(r["iteration_s"] for r in recs),
+        }
+    return workers
+
+
+def _worker_stats_from_coordinator(coord: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per-worker means from the telemetry each committed push carried to shard 0 (wait and
+    iteration times are the previous iteration's, as the worker reports them)."""
+    per: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+    for r in coord:
+        for wid, tel in r.get("workers", {}).items():
+            if int(wid) in r.get("accepted", []):
+                per.setdefault(wid, []).append((r["batch_sizes"][wid], tel))
+    out = {}
+    for wid in sorted(per, key=int):
+        rows = per[wid]
+        out[wid] = {"iterations": len(rows),
+                    "mean_batch": statistics.fmean(x for x, _ in rows),
+                    "mean_compute_s": statistics.fmean(t.get("compute_s", 0.0) for _, t in rows),
+                    "mean_wait_s": statistics.fmean(t.get("prev_wait_s", 0.0) for _, t in rows),
+                    "mean_iteration_s": statistics.fmean(t.get("iteration_s", 0.0) for _, t in rows)}
+    return out
 
 
 def _fmt(v: Any, spec: str = ".3f") -> str:
@@ -158,3 +196,40 @@ def summary_markdown(s: dict[str, Any]) -> str:
             lines.append(f"| {wid} | {w['iterations']} | {w['mean_batch']:.1f} | {w['mean_compute_s']:.4f} "
                          f"| {w['mean_wait_s']:.4f} | {w['mean_iteration_s']:.4f} |")
     return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``ps-summary RUN_DIR``: the summary and plots of a run directory, e.g. shard 0's of a job
+    started by hand across hosts (the evaluator's reports and the workers' telemetry reach
+    shard 0, so its directory alone suffices)."""
+    import argparse
+    import sys
+
+    from ps_common.config import ConfigError, load_config
+
+    ap = argparse.ArgumentParser(prog="ps-summary", description=main.__doc__)
+    ap.add_argument("run_dir")
+    ap.add_argument("--config", default=None, help="the job's config (default RUN_DIR/config.yaml)")
+    args = ap.parse_args(argv)
+    run_dir = Path(args.run_dir)
+    cfg_path = Path(args.config) if args.config else run_dir / "config.yaml"
+    if not (run_dir / "metrics" / "coordinator.jsonl").exists():
+        print(f"ps-summary: {run_dir} holds no coordinator records (metrics/coordinator.jsonl): give "
+              "shard 0's --run-dir", file=sys.stderr)
+        return 2
+    try:
+        cfg = load_config(cfg_path, env={})
+    except ConfigError as exc:
+        print(f"ps-summary: {exc}", file=sys.stderr)
+        return 2
+    from ps_launcher.plots import plot_run
+
+    summary = summarize(run_dir, global_batch=cfg.training.global_batch,
+                        target_accuracy=cfg.training.target_accuracy)
+    plot_run(run_dir, summary)
+    print(summary_markdown(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -70,6 +70,13 @@ def main(argv: list[str] | None = None) -> int:
             TransportTimeout, RemoteError) as exc:
         print(f"ps-server: error: {exc}", file=sys.stderr)
         return 2
+    if shard == 0 and args.run_dir:  # the config beside shard 0's records, for ps-summary
+        cfg_file = Path(args.run_dir) / "config.yaml"
+        if not cfg_file.exists():
+            from ps_common.config import dump_yaml
+
+            cfg_file.parent.mkdir(parents=True, exist_ok=True)
+            cfg_file.write_text(dump_yaml(cfg))
     server.install_signal_handlers()
     print(f"ps-server shard {shard} listening on {server.endpoint}", flush=True)
     if args.endpoint_file:

@@ -276,6 +276,10 @@ class Lead:
     def _on_eval(self, ident: bytes, role: str, msg: P.EvalReport) -> P.Message:
         coord = self.coord
         coord.on_eval(msg.accuracy, final=msg.final)
+        # Kept with the coordinator's records, so shard 0's run directory alone gives the whole
+        # summary of a job whose processes ran on other hosts (ps-summary).
+        self.metrics.write(event="eval", version=msg.version, samples=msg.samples, accuracy=msg.accuracy,
+                           loss=msg.loss, final=msg.final)
         t = self.cfg.training.target_accuracy
         if t is not None and msg.accuracy >= t:
             coord.request_stop(f"reached target_accuracy={t} (version {msg.version})")

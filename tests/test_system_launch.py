@@ -99,3 +99,33 @@ def test_a_shard_on_every_interface_must_say_where_it_is_reached(tmp_path):
     assert out.returncode == 2 and "--advertise HOST" in out.stderr, out.stderr
     assert undialable("tcp://0.0.0.0:5555") and undialable("tcp://*:1") and undialable("tcp://[::]:7")
     assert not undialable("tcp://10.0.0.2:5555") and not undialable("ipc:///tmp/x")
+
+
+def test_shard_zeros_run_directory_alone_summarizes_a_hand_started_job(procs, tmp_path):
+    """Processes on different hosts write different run directories: the workers' and the
+    evaluator's are elsewhere, yet ps-summary on shard 0's gives the whole summary (the
+    evaluator's reports and the workers' telemetry reach shard 0)."""
+    from tests.cluster_util import start_workers, wait_exit
+
+    cfg_path, cfg = write_config(tmp_path, {
+        "model": {"name": "mlp"}, "data": {"dataset": "synthetic", "synthetic_train": 512},
+        "training": {"global_batch": 64, "max_iterations": 30, "finish_timeout_s": 20},
+        "cluster": {"num_shards": 2, "num_workers": 2}, "evaluator": {"every_iterations": 10, "nice": 0}})
+    shard0_dir, elsewhere = tmp_path / "host-a", tmp_path / "host-c"
+    eps = start_servers(procs, cfg_path, 2, shard0_dir)
+    workers = start_workers(procs, cfg_path, eps[0], 2, elsewhere)
+    evaluator = procs.start("evaluator", "ps_worker.evaluator_cli",
+                            ["--config", str(cfg_path), "--server", eps[0], "--run-dir", str(elsewhere)])
+    wait_exit([*workers, evaluator, *[c for c in procs.children if c.role.startswith("shard")]], timeout_s=120)
+    assert not list((shard0_dir / "metrics").glob("worker-*.jsonl"))
+    out = subprocess.run([sys.executable, "-m", "ps_launcher.summary", str(shard0_dir)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    summary = json.loads((shard0_dir / "summary.json").read_text())
+    assert summary["iterations"] == 30 and summary["final"]["agree"]
+    assert summary["workers_from"] == "shard 0's records" and len(summary["workers"]) == 2
+    assert sum(w["iterations"] for w in summary["workers"].values()) == 60
+    own = [json.loads(ln) for ln in (elsewhere / "metrics" / "evaluator.jsonl").read_text().splitlines()]
+    assert [p["version"] for p in summary["accuracy_curve"]] == [e["version"] for e in own]
+    assert summary["final_accuracy"] == own[-1]["accuracy"] and summary["final_accuracy_version"] == 30
+    assert summary["time_to_accuracy"]["0.9"] is not None
