@@ -197,6 +197,22 @@ class TransportConfig(StrictModel):
     shard_sync_s: float = Field(1.0, gt=0, description="how often a follower shard reports to shard 0")
 
 
+class RayConfig(StrictModel):
+    """``ps-launch --backend ray``: what each process asks Ray for. Custom resources double as
+    node labels (a node started with ``--resources '{"gpu_a100": 4}'`` is the only one that
+    satisfies ``worker_resources: {gpu_a100: 1}``)."""
+
+    shard_cpus: float = Field(1.0, ge=0)
+    shard_resources: dict[str, float] = Field(default_factory=dict)
+    spread_shards: bool = Field(True, description="a placement group spreads the shards over nodes")
+    worker_cpus: float = Field(1.0, ge=0)
+    worker_gpus: float = Field(0.0, ge=0)
+    worker_memory_mb: Optional[float] = Field(None, gt=0)
+    worker_resources: dict[str, float] = Field(default_factory=dict)
+    evaluator_cpus: float = Field(0.5, ge=0)
+    evaluator_resources: dict[str, float] = Field(default_factory=dict)
+
+
 class JobConfig(StrictModel):
     """The whole job. Cross-field rules are checked here so errors still name the key."""
 
@@ -215,6 +231,7 @@ class JobConfig(StrictModel):
     elastic: ElasticConfig = ElasticConfig()
     scenario: ScenarioConfig = ScenarioConfig()
     security: SecurityConfig = SecurityConfig()  # per host: not part of the job digest
+    ray: RayConfig = RayConfig()                 # how ps-launch --backend ray places processes
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "JobConfig":

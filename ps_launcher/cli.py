@@ -16,9 +16,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config value, e.g. --set cluster.num_workers=4")
     ap.add_argument("--run-dir", default=None, help="output directory (default run.run_dir/NAME-TIME)")
-    ap.add_argument("--backend", choices=("local", "slurm"), default="local",
-                    help="local: start every process here; slurm: with --print, write the run directory's "
+    ap.add_argument("--backend", choices=("local", "ray", "slurm"), default="local",
+                    help="local: start every process here; ray: on a Ray cluster (the ray: section places "
+                         "them; pip install lbbsp-ps[ray]); slurm: with --print, write the run directory's "
                          "config and print an sbatch script that runs the job on a Slurm allocation")
+    ap.add_argument("--address", default="auto",
+                    help="(--backend ray) the Ray cluster: auto (RAY_ADDRESS or a local one), or HOST:PORT")
     ap.add_argument("--print", dest="print_only", action="store_true",
                     help="(--backend slurm) print the sbatch script instead of running anything")
     ap.add_argument("--overwrite", action="store_true",
@@ -56,7 +59,20 @@ def main(argv: list[str] | None = None) -> int:
         print(sbatch_script(cfg, run_dir / "config.yaml", run_dir), end="")
         return 0
 
-    cluster = LocalCluster(cfg, args.run_dir, progress=not args.no_progress, overwrite=args.overwrite)
+    if args.backend == "ray":
+        try:
+            from ps_launcher.ray_backend import RayCluster
+        except ImportError:
+            print("ps-launch: --backend ray needs Ray: pip install 'lbbsp-ps[ray]'", file=sys.stderr)
+            return 2
+        try:
+            cluster = RayCluster(cfg, args.run_dir, address=args.address, progress=not args.no_progress,
+                                 overwrite=args.overwrite)
+        except ValueError as exc:
+            print(f"ps-launch: {exc}", file=sys.stderr)
+            return 2
+    else:
+        cluster = LocalCluster(cfg, args.run_dir, progress=not args.no_progress, overwrite=args.overwrite)
     interrupt_on_signals()
     try:
         summary = cluster.run()

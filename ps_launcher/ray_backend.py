@@ -1,0 +1,295 @@
+"""Run a job on a Ray cluster: ``ps-launch CONFIG --backend ray [--address auto|HOST:PORT]``.
+
+Every shard, worker and the evaluator is the same command line as under the local launcher,
+run as a child process of a Ray actor placed by the ``ray:`` config section (shards in a
+placement group that spreads them over nodes; workers with their CPUs, GPUs, memory and custom
+resources, which serve as node labels). The child is told to die with its actor (parent-death
+signal), so a node that leaves the cluster takes its processes with it. Shards bind every
+interface and advertise their node's address. Nothing needs a shared file system: the config
+and each role's job secret travel with the actor, each process writes a node-local run
+directory, and at the end the driver gathers them into one run directory, writes the summary
+and plots, as ``ps-launch`` does locally.
+
+Failures: a worker lost with its node is a lost worker to the job (training goes on), the
+evaluator lost with its node ends the measurements; a shard lost with its node fails the run
+(restart it by hand with ``ps-server --resume``). Ctrl-C,
+SIGTERM or a failure stops every process and kills every actor.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from ps_common.cli_util import PARENT_ENV
+from ps_common.config import JobConfig
+from ps_launcher.launcher import LocalCluster, RunFailed
+
+log = logging.getLogger(__name__)
+
+#: ``returncode`` of a process whose actor (and so node) is gone.
+LOST = -1000
+_ENDPOINT_RE = re.compile(r"listening on (\S+)")
+
+
+@ray.remote(num_cpus=0)
+class ProcessActor:
+    """One process of the job on the node Ray placed this actor on."""
+
+    def __init__(self, name: str, files: dict[str, bytes]) -> None:
+        self.name = name
+        self.dir = Path(tempfile.mkdtemp(prefix=f"lbbsp-ray-{name}-"))
+        for rel, data in files.items():
+            path = self.dir / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+            if rel.endswith(".secret"):
+                path.chmod(0o600)
+        self.proc: subprocess.Popen | None = None
+
+    def _fill(self, s: str) -> str:
+        return s.replace("{dir}", str(self.dir)).replace("{node_ip}", ray.util.get_node_ip_address())
+
+    def start(self, module: str, args: list[str], env: dict[str, str]) -> int:
+        full = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid()),
+                **{k: self._fill(v) for k, v in env.items()}}
+        with open(self.dir / "process.log", "w") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", module, *[self._fill(a) for a in args]],
+                                         stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=full, start_new_session=True)
+        return self.proc.pid
+
+    def endpoint(self, timeout_s: float) -> str:
+        """The address a shard printed once bound (raises if it exited first)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            m = _ENDPOINT_RE.search((self.dir / "process.log").read_text(errors="replace"))
+            if m:
+                return m.group(1)
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
+            time.sleep(0.05)
+        raise RuntimeError(f"{self.name} printed no endpoint within {timeout_s:.0f}s:\n{self.tail()}")
+
+    def poll(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join((self.dir / "process.log").read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, grace_s: float) -> int | None:
+        """SIGTERM, then SIGKILL after ``grace_s``; the exit code."""
+        p = self.proc
+        if p is None:
+            return None
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+            try:
+                p.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        return p.returncode
+
+    def collect(self) -> dict[str, bytes]:
+        """What the process wrote (its run directory) and its log, then the node-local copy goes."""
+        out = {f"logs/{self.name}.log": (self.dir / "process.log").read_bytes()}
+        run = self.dir / "run"
+        if run.exists():
+            for path in run.rglob("*"):
+                if path.is_file():
+                    out[str(path.relative_to(run))] = path.read_bytes()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        return out
+
+
+class RemoteProc:
+    """The part of ``subprocess.Popen`` the local launcher's monitor uses, over an actor."""
+
+    def __init__(self, actor: Any, pid: int) -> None:
+        self.actor, self.pid = actor, pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                self.returncode = ray.get(self.actor.poll.remote(), timeout=30)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                self.returncode = LOST
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired("ray actor", timeout or 0)
+            time.sleep(0.2)
+        assert self.returncode is not None
+        return self.returncode
+
+
+class RemoteChild:
+    def __init__(self, role: str, actor: Any, proc: RemoteProc, log_path: Path) -> None:
+        self.role, self.actor, self.proc, self.log_path = role, actor, proc, log_path
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            return ray.get(self.actor.tail.remote(lines), timeout=10)
+        except Exception:  # noqa: BLE001 - the actor is gone: what was collected, if anything
+            try:
+                return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+            except OSError:
+                return "(lost with its node)"
+
+
+class RayProcessGroup:
+    """The local launcher's process group, on Ray actors."""
+
+    def __init__(self, cfg: JobConfig, run_dir: Path) -> None:
+        self.cfg, self.run_dir = cfg, run_dir
+        self.children: list[RemoteChild] = []
+        self.files: dict[str, bytes] = {}
+        self.role_files: dict[str, dict[str, bytes]] = {}
+        self.pg = None
+        self.lost: list[str] = []
+
+    def _options(self, name: str) -> dict[str, Any]:
+        r = self.cfg.ray
+        if name.startswith("shard-"):
+            opts: dict[str, Any] = {"num_cpus": r.shard_cpus, "resources": dict(r.shard_resources)}
+            if self.pg is not None:
+                from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+                opts = {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    self.pg, placement_group_bundle_index=int(name.split("-")[1]))}
+            return opts
+        if name.startswith("worker-"):
+            opts = {"num_cpus": r.worker_cpus, "num_gpus": r.worker_gpus, "resources": dict(r.worker_resources)}
+            if r.worker_memory_mb:
+                opts["memory"] = int(r.worker_memory_mb * 2**20)
+            return opts
+        return {"num_cpus": r.evaluator_cpus, "resources": dict(r.evaluator_resources)}
+
+    def place_shards(self, timeout_s: float) -> None:
+        r = self.cfg.ray
+        if not r.spread_shards:
+            return
+        from ray.util.placement_group import placement_group
+
+        bundle = {"CPU": r.shard_cpus, **r.shard_resources} if r.shard_cpus else dict(r.shard_resources)
+        self.pg = placement_group([dict(bundle) or {"CPU": 0.01}] * self.cfg.cluster.num_shards,
+                                  strategy="SPREAD")
+        if not self.pg.wait(timeout_s):
+            raise RunFailed(f"Ray could not place {self.cfg.cluster.num_shards} shards ({bundle} each, spread "
+                            f"over nodes) within {timeout_s:.0f}s")
+
+    def start(self, name: str, module: str, args: list[str], env: dict[str, str], role: str) -> RemoteChild:
+        files = {**self.files, **self.role_files.get(role, {})}
+        actor = ProcessActor.options(name=None, **self._options(name)).remote(name, files)
+        pid = ray.get(actor.start.remote(module, args, env))
+        child = RemoteChild(name, actor, RemoteProc(actor, pid), self.run_dir / "logs" / f"{name}.log")
+        self.children.append(child)
+        return child
+
+    def wait_endpoint(self, child: RemoteChild, timeout_s: float) -> str:
+        try:
+            return ray.get(child.actor.endpoint.remote(timeout_s), timeout=timeout_s + 30)
+        except ray.exceptions.RayTaskError as exc:
+            raise RunFailed(str(exc.cause if hasattr(exc, "cause") else exc)) from None
+
+    def failed(self) -> RemoteChild | None:
+        """A process that failed. A worker lost with its node is the job's business, not a failure;
+        so is the evaluator (no more measurements; shard 0 waits for its final one at most
+        ``training.finish_timeout_s``)."""
+        for c in self.children:
+            rc = c.proc.poll()
+            if rc == LOST and (c.role.startswith("worker-") or c.role == "evaluator"):
+                if c.role not in self.lost:
+                    self.lost.append(c.role)
+                    log.warning("%s was lost with its node; the job goes on without it", c.role)
+                continue
+            if rc not in (None, 0):
+                return c
+        return None
+
+    def stop_all(self, grace_s: float = 5.0) -> None:
+        """Stop every process, gather what each wrote into the run directory, kill the actors."""
+        for c in self.children:
+            try:
+                ray.get(c.actor.stop.remote(grace_s), timeout=grace_s + 30)
+            except Exception:  # noqa: BLE001 - lost with its node
+                pass
+            try:
+                files = ray.get(c.actor.collect.remote(), timeout=60)
+            except Exception:  # noqa: BLE001
+                files = {}
+            for rel, data in files.items():
+                path = self.run_dir / rel
+                path.parent.mkdir(parents=True, exist_ok=True)
+                if rel.startswith("metrics/") and rel.endswith(".jsonl") and path.exists():
+                    path.write_bytes(path.read_bytes() + data)  # a rejoined worker id: never here
+                else:
+                    path.write_bytes(data)
+            ray.kill(c.actor, no_restart=True)
+        if self.pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.pg)
+            self.pg = None
+
+
+class RayCluster(LocalCluster):
+    """The local launcher's run (credentials, monitor, summary) with processes on Ray."""
+
+    def __init__(self, cfg: JobConfig, run_dir: Path | None = None, *, address: str | None = "auto",
+                 progress: bool = True, overwrite: bool = False) -> None:
+        super().__init__(cfg, run_dir, progress=progress, overwrite=overwrite)
+        sc, n = cfg.scenario, cfg.cluster.num_workers
+        if sc.needs_quotas(n) or sc.needs_hosts(n):
+            raise ValueError("the lab's CPU quotas and shaped links are local mechanisms: not with --backend ray")
+        self.address = address
+        self.group = RayProcessGroup(cfg, self.run_dir)  # type: ignore[assignment]
+
+    def run(self) -> dict[str, Any]:
+        if not ray.is_initialized():
+            ray.init(address=self.address, log_to_driver=False, configure_logging=False)
+        return super().run()
+
+    def _open_lab(self) -> None:
+        group: RayProcessGroup = self.group  # type: ignore[assignment]
+        group.cfg = self.cfg
+        group.files = {"config.yaml": (self.run_dir / "config.yaml").read_bytes()}
+        for role, env in self.role_env.items():   # each role gets its own job secret, no other
+            group.role_files[role] = {f"{role}.secret": Path(env["LBBSP__SECURITY__SECRET_FILE"]).read_bytes()}
+        group.place_shards(self.startup_timeout_s)
+
+    def _common(self, cfg_path: Path) -> list[str]:
+        return ["--config", "{dir}/config.yaml", "--run-dir", "{dir}/run"]
+
+    def _host(self, shard: int) -> list[str]:
+        return ["--host", "0.0.0.0", "--advertise", "{node_ip}"]
+
+    def _start_child(self, name: str, module: str, args: list[str], role: str):
+        env = {"LBBSP__SECURITY__SECRET_FILE": f"{{dir}}/{role}.secret"} if role in self.role_env else {}
+        return self.group.start(name, module, args, env, role)  # type: ignore[call-arg]
+
+    def _raise_if_a_child_failed(self) -> None:
+        failed = self.group.failed()
+        if failed is not None:
+            what = "was lost with its node" if failed.proc.returncode == LOST else \
+                f"exited with code {failed.proc.returncode}"
+            raise RunFailed(f"{failed.role} {what}; last lines:\n{failed.tail()}")
