@@ -62,7 +62,10 @@ def fault_env(delay_s: float) -> dict[str, str]:
         {"worker": w, "iteration": t, "shards": shards, "delay_s": delay_s} for w, t, shards in KILLS]})}
 
 
-def check_run(run_dir, cfg, partial_seen: bool = True) -> None:
+def check_run(run_dir, cfg, partial_seen: bool = True, late_ok: bool = False) -> None:
+    """``late_ok`` (backup workers): the iteration a victim pushed to may already be committed
+    with the first N gradients; its partial push then arrives late, is dropped on arrival and
+    is held nowhere, so no drop record names it. It must still be applied nowhere."""
     params, version = consistent_end(run_dir, 3)
     recs = [r for r in read_jsonl(run_dir / "metrics" / "coordinator.jsonl") if "event" not in r]
     events = [r for r in read_jsonl(run_dir / "metrics" / "coordinator.jsonl") if "event" in r]
@@ -82,12 +85,14 @@ def check_run(run_dir, cfg, partial_seen: bool = True) -> None:
         killed_in = ids.get(w, 0)
         if partial_seen:  # with backup workers the next assignment may skip iterations
             later = sorted(it for ww, it in dropped if ww == w and it >= killed_in)
-            assert len(later) == 1, f"worker {w}: expected one partial push dropped, got {later}"
-            killed_in = later[0]
+            assert len(later) == 1 or (late_ok and not later), \
+                f"worker {w}: expected one partial push dropped, got {later}"
+            killed_in = later[0] if later else killed_in
         for r in recs:
             if r["iteration"] >= killed_in:
                 assert w not in r["accepted"], f"worker {w}'s partial push of iteration {killed_in} was applied"
-        if partial_seen:  # the partial push did reach some shard, and every shard dropped it
+        if partial_seen and not (late_ok and (w, killed_in) not in dropped):
+            # the partial push did reach some shard, and every shard dropped it
             assert (w, killed_in) in dropped, f"worker {w}'s partial push of iteration {killed_in} never seen"
     # Exactly once per epoch, over what was committed.
     seen: dict[int, list[int]] = {}
@@ -127,7 +132,7 @@ def test_kill_in_every_push_point_loopback(procs, tmp_path, sync, policy):
         else:
             assert ch.proc.returncode == 0, ch.tail()
     wait_exit([c for c in procs.children if c.role.startswith("shard")], timeout_s=60)
-    check_run(run_dir, cfg)
+    check_run(run_dir, cfg, late_ok=sync == "backup")
 
 
 @pytest.mark.timeout(300)
