@@ -20,8 +20,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="local: start every process here; ray: on a Ray cluster (the ray: section places "
                          "them; pip install lbbsp-ps[ray]); slurm: with --print, write the run directory's "
                          "config and print an sbatch script that runs the job on a Slurm allocation")
-    ap.add_argument("--address", default="auto",
-                    help="(--backend ray) the Ray cluster: auto (RAY_ADDRESS or a local one), or HOST:PORT")
+    ap.add_argument("--address", default=None,
+                    help="(--backend ray) the Ray cluster: HOST:PORT of its head, or auto (a running one); "
+                         "default: RAY_ADDRESS, else a Ray started on this host for the run")
     ap.add_argument("--print", dest="print_only", action="store_true",
                     help="(--backend slurm) print the sbatch script instead of running anything")
     ap.add_argument("--overwrite", action="store_true",

@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -197,10 +198,19 @@ class RayProcessGroup:
             raise RunFailed(f"Ray could not place {self.cfg.cluster.num_shards} shards ({bundle} each, spread "
                             f"over nodes) within {timeout_s:.0f}s")
 
-    def start(self, name: str, module: str, args: list[str], env: dict[str, str], role: str) -> RemoteChild:
+    def start(self, name: str, module: str, args: list[str], env: dict[str, str], role: str,
+              timeout_s: float = 120.0) -> RemoteChild:
         files = {**self.files, **self.role_files.get(role, {})}
-        actor = ProcessActor.options(name=None, **self._options(name)).remote(name, files)
-        pid = ray.get(actor.start.remote(module, args, env))
+        opts = self._options(name)
+        actor = ProcessActor.options(**opts).remote(name, files)
+        try:
+            pid = ray.get(actor.start.remote(module, args, env), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            ray.kill(actor, no_restart=True)
+            free = ray.available_resources()
+            raise RunFailed(f"Ray could not place {name} within {timeout_s:.0f}s: it asks for "
+                            f"{ {k: v for k, v in opts.items() if k != 'scheduling_strategy'} }, the cluster "
+                            f"has {free} free (the ray: section sets what each process asks for)") from None
         child = RemoteChild(name, actor, RemoteProc(actor, pid), self.run_dir / "logs" / f"{name}.log")
         self.children.append(child)
         return child
@@ -227,15 +237,17 @@ class RayProcessGroup:
         return None
 
     def stop_all(self, grace_s: float = 5.0) -> None:
-        """Stop every process, gather what each wrote into the run directory, kill the actors."""
-        for c in self.children:
+        """Stop every process, gather what each wrote into the run directory, kill the actors.
+        All at once and bounded: a node that is gone costs a timeout, not one per process."""
+        live = [c for c in self.children if c.proc.returncode != LOST]
+        stops = [c.actor.stop.remote(grace_s) for c in live]
+        ray.wait(stops, num_returns=len(stops), timeout=grace_s + 15)
+        refs = {c.role: c.actor.collect.remote() for c in live}
+        ray.wait(list(refs.values()), num_returns=len(refs), timeout=60)
+        for c in live:
             try:
-                ray.get(c.actor.stop.remote(grace_s), timeout=grace_s + 30)
-            except Exception:  # noqa: BLE001 - lost with its node
-                pass
-            try:
-                files = ray.get(c.actor.collect.remote(), timeout=60)
-            except Exception:  # noqa: BLE001
+                files = ray.get(refs[c.role], timeout=0)
+            except Exception:  # noqa: BLE001 - lost with its node, or too slow: what we have
                 files = {}
             for rel, data in files.items():
                 path = self.run_dir / rel
@@ -244,18 +256,26 @@ class RayProcessGroup:
                     path.write_bytes(path.read_bytes() + data)  # a rejoined worker id: never here
                 else:
                     path.write_bytes(data)
-            ray.kill(c.actor, no_restart=True)
+        for c in self.children:
+            try:
+                ray.kill(c.actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
         if self.pg is not None:
             from ray.util.placement_group import remove_placement_group
 
-            remove_placement_group(self.pg)
+            # It can block for good after a SIGTERM (seen with a Ray started by the driver);
+            # the placement group also goes when the job's driver disconnects.
+            t = threading.Thread(target=remove_placement_group, args=(self.pg,), daemon=True)
+            t.start()
+            t.join(5.0)
             self.pg = None
 
 
 class RayCluster(LocalCluster):
     """The local launcher's run (credentials, monitor, summary) with processes on Ray."""
 
-    def __init__(self, cfg: JobConfig, run_dir: Path | None = None, *, address: str | None = "auto",
+    def __init__(self, cfg: JobConfig, run_dir: Path | None = None, *, address: str | None = None,
                  progress: bool = True, overwrite: bool = False) -> None:
         super().__init__(cfg, run_dir, progress=progress, overwrite=overwrite)
         sc, n = cfg.scenario, cfg.cluster.num_workers
@@ -266,8 +286,25 @@ class RayCluster(LocalCluster):
 
     def run(self) -> dict[str, Any]:
         if not ray.is_initialized():
-            ray.init(address=self.address, log_to_driver=False, configure_logging=False)
+            local = self.address is None and not os.environ.get("RAY_ADDRESS")
+            # A Ray started here for this run counts at least one logical CPU per process, as the
+            # local launcher runs them all on this host whatever its core count.
+            need = self._cpus_needed() if local else None
+            ray.init(address=self.address, log_to_driver=False, configure_logging=False,
+                     **({"num_cpus": max(os.cpu_count() or 1, need)} if need else {}))
+            # ray.init installs its own SIGTERM handler, which ends the driver at once: put back
+            # the launcher's (SIGTERM, SIGHUP -> the Ctrl-C path that stops and gathers everything)
+            from ps_common.cli_util import interrupt_on_signals
+
+            if threading.current_thread() is threading.main_thread():
+                interrupt_on_signals()
         return super().run()
+
+    def _cpus_needed(self) -> int:
+        r, c = self.cfg.ray, self.cfg.cluster
+        total = (r.shard_cpus * c.num_shards + r.worker_cpus * c.num_workers
+                 + (r.evaluator_cpus if self.cfg.evaluator.enabled else 0.0))
+        return int(total + 0.999)
 
     def _open_lab(self) -> None:
         group: RayProcessGroup = self.group  # type: ignore[assignment]
@@ -285,7 +322,7 @@ class RayCluster(LocalCluster):
 
     def _start_child(self, name: str, module: str, args: list[str], role: str):
         env = {"LBBSP__SECURITY__SECRET_FILE": f"{{dir}}/{role}.secret"} if role in self.role_env else {}
-        return self.group.start(name, module, args, env, role)  # type: ignore[call-arg]
+        return self.group.start(name, module, args, env, role, self.startup_timeout_s)  # type: ignore[call-arg]
 
     def _raise_if_a_child_failed(self) -> None:
         failed = self.group.failed()

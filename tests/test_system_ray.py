@@ -6,6 +6,7 @@ one run directory with every process's records and the summary."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
@@ -16,6 +17,21 @@ ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'lbbs
 from ps_common.config import load_config  # noqa: E402
 
 pytestmark = pytest.mark.system
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_node_dirs():
+    """A removed node's processes leave their node-local directories (on a real cluster they go
+    with the node; here every node is this host): remove what the test made."""
+    import glob
+    import shutil
+    import tempfile
+
+    pattern = f"{tempfile.gettempdir()}/lbbsp-ray-*"
+    before = set(glob.glob(pattern))
+    yield
+    for d in set(glob.glob(pattern)) - before:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture
@@ -78,3 +94,33 @@ def test_a_ray_job_survives_losing_a_workers_node(ray_cluster, tmp_path):
     assert len(job.group.lost) == 1, job.group.lost
     assert (run_dir / "summary.json").exists() and (run_dir / "logs" / "shard-0.log").exists()
     assert summary["final_accuracy"] is not None
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_to_ps_launch_on_ray_stops_everything_and_keeps_the_records(tmp_path):
+    """The CLI starts a Ray of its own for the run; SIGTERM mid-run stops every process, gathers
+    their records, writes the summary and ends the Ray it started."""
+    import signal
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "ps_launcher.cli", "configs/quick_synthetic.yaml", "--backend",
+                             "ray", "--run-dir", str(run_dir), "--no-progress", "--set", "training.max_iterations=null",
+                             "--set", "training.max_seconds=120"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        time.sleep(25)
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, out[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["iterations"] > 0 and summary["stop_reason"].startswith("interrupted"), summary["stop_reason"]
+    assert len(summary["workers"]) == 2 and (run_dir / "logs" / "evaluator.log").exists()
+    pids = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True).stdout.split()
+    assert not pids, f"processes of the run outlived it: {pids}"
