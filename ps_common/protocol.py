@@ -183,7 +183,6 @@ class OutOfMemory(Message):
     token: str = ""
     iteration: int = 0
     batch_size: int = 0
-    telemetry: dict[str, float] = field(default_factory=dict)  # the worker's memory numbers, logged
 
 
 @dataclass

@@ -302,7 +302,7 @@ class Worker:
         try:
             reply = self.client.send_to_coordinator(
                 P.OutOfMemory(worker_id=self.worker_id, token=self.client.token, iteration=a.iteration,
-                              batch_size=a.batch_size, telemetry={}), P.Reassignment)
+                              batch_size=a.batch_size), P.Reassignment)
         except RemoteError as exc:
             if exc.code == "cannot_fit":
                 self._leave("a single sample does not fit in memory")

@@ -140,3 +140,25 @@ def consistent_end(run_dir: Path, num_shards: int) -> tuple[np.ndarray, int]:
     for k in range(1, num_shards):
         assert logs[k] == logs[0], f"shard {k} applied other gradient sets than shard 0"
     return params, versions.pop()
+
+
+def committed_batches(recs: list[dict], seed: int, num_train: int) -> list[np.ndarray]:
+    """The sample indices each commit applied, in version order; asserts that no sample was
+    applied twice in an epoch and that every epoch before the last is complete."""
+    from ps_common.datasets import sample_order
+
+    seen: dict[int, list[int]] = {}
+    batches = []
+    for r in sorted(recs, key=lambda r: r["version"]):
+        idx: list[int] = []
+        for w in r["accepted"]:
+            for e, a, b in r["ranges"][str(w)]:
+                got = sample_order(seed, e, num_train)[a:b].tolist()
+                seen.setdefault(e, []).extend(got)
+                idx.extend(got)
+        batches.append(np.array(idx))
+    for e, got in seen.items():
+        assert len(got) == len(set(got)), f"epoch {e}: a sample was applied twice"
+    for e in range(max(seen)):
+        assert sorted(seen[e]) == list(range(num_train)), f"epoch {e}: samples missing"
+    return batches

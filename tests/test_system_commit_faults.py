@@ -23,10 +23,10 @@ import os
 import numpy as np
 import pytest
 
-from ps_common.datasets import load_dataset, sample_order
+from ps_common.datasets import load_dataset
 from ps_common.metrics import read_jsonl
 from ps_common.reference import train_reference_batches
-from tests.cluster_util import consistent_end, start_servers, start_workers, wait_exit, write_config
+from tests.cluster_util import committed_batches, consistent_end, start_servers, start_workers, wait_exit, write_config
 
 pytestmark = pytest.mark.system
 
@@ -95,20 +95,7 @@ def check_run(run_dir, cfg, partial_seen: bool = True, late_ok: bool = False) ->
             # the partial push did reach some shard, and every shard dropped it
             assert (w, killed_in) in dropped, f"worker {w}'s partial push of iteration {killed_in} never seen"
     # Exactly once per epoch, over what was committed.
-    seen: dict[int, list[int]] = {}
-    batches = []
-    for r in sorted(recs, key=lambda r: r["version"]):
-        idx = []
-        for w in r["accepted"]:
-            for e, a, b in r["ranges"][str(w)]:
-                ids_ = sample_order(SEED, e, N_TRAIN)[a:b].tolist()
-                seen.setdefault(e, []).extend(ids_)
-                idx.extend(ids_)
-        batches.append(np.array(idx))
-    for e, got in seen.items():
-        assert len(got) == len(set(got)), f"epoch {e}: a sample was applied twice"
-    for e in range(max(seen)):
-        assert sorted(seen[e]) == list(range(N_TRAIN)), f"epoch {e}: samples missing"
+    batches = committed_batches(recs, SEED, N_TRAIN)
     # The final parameters are single-process SGD over the committed samples.
     data = load_dataset("synthetic", seed=SEED, synthetic_train=N_TRAIN, synthetic_test=100)
     ref = train_reference_batches("mlp", SEED, data, batches, lr=0.05, momentum=0.9)
