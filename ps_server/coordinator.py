@@ -403,6 +403,26 @@ class Coordinator:
         mine[key] = a
         return a
 
+    def waiting_reason(self, worker_id: int, key: int, version: int) -> str:
+        """Why :meth:`assignment` has nothing for this worker now (a diagnostic, never a decision)."""
+        if self.stop:
+            return "the job is stopping"
+        if worker_id not in self.workers:
+            return "not a member"
+        if not self.started:
+            return f"the job has not started ({len(self.workers)} of {self.cfg.cluster.num_workers} workers joined)"
+        if self.round_based:
+            if key != self.iteration:
+                return f"shard version {version} is not the planned iteration {self.iteration}"
+            if worker_id not in self.plan:
+                return (f"not in iteration {self.iteration}'s plan (planned: {sorted(self.plan)}; "
+                        f"replan pending: {self.replan_pending})")
+            return f"its assignment of iteration {self.iteration} is due (answered next pass)"
+        mine = self.outstanding.get(worker_id, {})
+        if len(mine) >= MAX_OUTSTANDING:
+            return f"{len(mine)} of its gradients are not committed yet"
+        return f"the sync policy holds clock {key} back (clocks: {[(w, i.clock) for w, i in self.workers.items()]})"
+
     # ----- gradients and commits ------------------------------------------------------------
     def expected(self, worker_id: int, iteration: int) -> int | None:
         """The batch size a push of (worker, iteration) must carry, or None if none is due."""

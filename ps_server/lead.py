@@ -158,6 +158,7 @@ class Lead:
                 self.remove_worker(w, f"lost (silent for more than {self.cfg.heartbeat.timeout_s}s)")
         if coord.check_time():
             self.advance()
+        self._explain_long_waits(now)
         ck = self.cfg.checkpoint
         if (ck.every_seconds and coord.started and not coord.stop
                 and now - server.last_checkpoint_time >= ck.every_seconds):
@@ -167,6 +168,23 @@ class Lead:
                 server.finish("every worker and the evaluator have the final version")
             elif now - self.stop_time > self.cfg.training.finish_timeout_s:
                 server.finish(f"finish_timeout_s={self.cfg.training.finish_timeout_s} passed")
+
+    def _explain_long_waits(self, now: float) -> None:
+        """A member's pull unanswered for longer than the heartbeat timeout is logged once, with
+        why it waits: a worker that times out on it later leaves a trace of the cause here."""
+        server = self.server
+        patience = max(self.cfg.heartbeat.timeout_s, self.cfg.transport.timeout_s / 4)
+        for p in server.pulls.waiting_longer_than(patience, now):
+            if p.worker_id < 0:
+                continue
+            version = server.state.version
+            if server.policy.round_based and version < p.min_version:
+                why = f"the shard is at version {version}"
+            else:
+                key = version if server.policy.round_based else p.min_version
+                why = self.coord.waiting_reason(p.worker_id, key, version)
+            log.warning("worker %d's pull (min_version %d) has waited %.1fs: %s", p.worker_id, p.min_version,
+                        now - p.since, why)
 
     def finishing(self, reason: str) -> None:
         self.followers.broadcast(P.Finish(reason=reason))

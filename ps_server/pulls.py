@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, TypeVar
 
 from ps_server.router import Refused
@@ -18,6 +19,8 @@ class PendingPull:
     min_version: int
     exact: bool = False
     after_push: bool = False  # rides on a push: async modes answer once that push is settled
+    since: float = field(default_factory=time.monotonic)
+    explained: bool = False  # a long wait has been logged with its reason
 
 
 class PendingPulls:
@@ -56,6 +59,13 @@ class PendingPulls:
                 if not self._per_ident[p.ident]:
                     del self._per_ident[p.ident]
         self._pulls = still
+        return out
+
+    def waiting_longer_than(self, seconds: float, now: float) -> list[PendingPull]:
+        """Pulls that have waited over ``seconds`` and were not reported yet (each once)."""
+        out = [p for p in self._pulls if not p.explained and now - p.since > seconds]
+        for p in out:
+            p.explained = True
         return out
 
     def clear(self) -> list[PendingPull]:

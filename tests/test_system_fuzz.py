@@ -20,6 +20,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+import warnings
 from collections import Counter
 
 import msgpack
@@ -213,6 +214,20 @@ def run_job(procs, tmp_path, name: str, hostile: bool):
     return params, version, stats
 
 
+def stall_evidence(procs, run) -> str:
+    """What shard 0 and the workers said about a stalled pull: the clues to keep from a run
+    that showed the stall (it has only been seen in full-suite runs)."""
+    lines = []
+    for child in procs.children:
+        if child.role in ("shard-0", "worker-0", "worker-1"):
+            text = child.log_path.read_text(errors="replace").splitlines()
+            lines += [f"{child.role}: {ln[-300:]}" for ln in text
+                      if any(k in ln for k in ("has waited", "joined", "no parameters", "Timeout", "rejoin"))][:12]
+    ends = [r for r in read_jsonl(run / "metrics" / "shard-0.jsonl") if r.get("event") == "shutdown"]
+    dropped = {k: v for k, v in (ends[-1]["counters"] if ends else {}).items() if "dropped" in k or "pull" in k}
+    return f"shard-0 counters {dropped}; log lines: " + " | ".join(lines)
+
+
 @pytest.mark.timeout(900)
 def test_hostile_clients_change_nothing(procs, tmp_path):
     control, v0, _ = run_job(procs, tmp_path, "control", False)
@@ -243,7 +258,9 @@ def test_hostile_clients_change_nothing(procs, tmp_path):
         # honest workers' first pull to shard 0 went unanswered for the transport timeout during
         # the flood, they joined again, and the sample order (so the parameters) changed. The
         # other checks above held; the bit-identical one cannot, so the test says so (xfail).
+        evidence = stall_evidence(procs, tmp_path / "hostile" / "run")
+        warnings.warn(f"fuzz stall evidence: {evidence}", stacklevel=1)  # the warnings summary shows it whole
         pytest.xfail(f"honest workers rejoined during the flood (known stall, under investigation): "
-                     f"{[r['reason'] for r in rejoined]}")
+                     f"{[r['reason'] for r in rejoined]}; {evidence}")
     assert np.array_equal(control, fuzzed), (
         f"hostile clients changed the parameters: max diff {np.abs(control - fuzzed).max():.3e}")
