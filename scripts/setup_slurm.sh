@@ -6,9 +6,16 @@
 #   bash scripts/setup_slurm.sh stop     # stop the daemons this script started
 set -euo pipefail
 if [ "${1:-}" = stop ]; then
+  # Each daemon leads its own process group (setsid below): signal the group, so a wrapper
+  # (runuser) and the daemon it runs both go, then make sure.
   for p in slurmd slurmctld munged; do
-    [ -f "/run/lbbsp-$p.pid" ] && kill "$(cat "/run/lbbsp-$p.pid")" 2>/dev/null || true
-    rm -f "/run/lbbsp-$p.pid"
+    f="/run/lbbsp-$p.pid"
+    [ -f "$f" ] || continue
+    pid=$(cat "$f")
+    kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
+    for _ in $(seq 1 50); do kill -0 -- "-$pid" 2>/dev/null || break; sleep 0.1; done
+    kill -KILL -- "-$pid" 2>/dev/null || true
+    rm -f "$f"
   done
   exit 0
 fi
@@ -48,7 +55,7 @@ CONF
 start() {  # name, pid file, command...
   local name=$1; shift
   if [ -f "/run/lbbsp-$name.pid" ] && kill -0 "$(cat "/run/lbbsp-$name.pid")" 2>/dev/null; then return; fi
-  "$@" >"/var/log/slurm/lbbsp-$name.out" 2>&1 &
+  setsid "$@" >"/var/log/slurm/lbbsp-$name.out" 2>&1 &
   echo $! > "/run/lbbsp-$name.pid"
 }
 start munged runuser -u munge -- /usr/sbin/munged -F
