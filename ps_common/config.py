@@ -211,6 +211,11 @@ class RayConfig(StrictModel):
     worker_resources: dict[str, float] = Field(default_factory=dict)
     evaluator_cpus: float = Field(0.5, ge=0)
     evaluator_resources: dict[str, float] = Field(default_factory=dict)
+    records_every_s: float = Field(2.0, gt=0, description="how often the driver brings back new log lines "
+                                                          "and metrics records")
+    restart_lost_shards: int = Field(
+        3, ge=0, description="times a follower shard lost with its node is started again elsewhere from "
+                             "its last checkpoint (needs checkpoint.dir on storage every node shares)")
 
 
 class JobConfig(StrictModel):

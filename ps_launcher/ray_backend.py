@@ -10,10 +10,16 @@ and each role's job secret travel with the actor, each process writes a node-loc
 directory, and at the end the driver gathers them into one run directory, writes the summary
 and plots, as ``ps-launch`` does locally.
 
+The driver brings every process's new log lines and metrics records back every
+``ray.records_every_s`` while the job runs, so the run directory can be watched live and what a
+lost node's processes wrote is kept.
+
 Failures: a worker lost with its node is a lost worker to the job (training goes on), the
-evaluator lost with its node ends the measurements; a shard lost with its node fails the run
-(restart it by hand with ``ps-server --resume``). Ctrl-C,
-SIGTERM or a failure stops every process and kills every actor.
+evaluator lost with its node ends the measurements. A follower shard lost with its node is
+started again on another node from its last checkpoint when ``checkpoint.dir`` is on storage
+every node shares (``ray.restart_lost_shards`` times at most); shard 0, or a follower without
+shared checkpoints, fails the run. Ctrl-C, SIGTERM or a failure stops every process and kills
+every actor.
 """
 
 from __future__ import annotations
@@ -48,14 +54,15 @@ _ENDPOINT_RE = re.compile(r"listening on (\S+)")
 class ProcessActor:
     """One process of the job on the node Ray placed this actor on."""
 
-    def __init__(self, name: str, files: dict[str, bytes]) -> None:
+    def __init__(self, name: str, files: dict[str, bytes], log_name: str = "") -> None:
         self.name = name
+        self.log_name = log_name or f"{name}.log"
         self.dir = Path(tempfile.mkdtemp(prefix=f"lbbsp-ray-{name}-"))
         for rel, data in files.items():
             path = self.dir / rel
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(data)
-            if rel.endswith(".secret"):
+            if rel.endswith((".secret", ".key_secret")):
                 path.chmod(0o600)
         self.proc: subprocess.Popen | None = None
 
@@ -106,15 +113,35 @@ class ProcessActor:
                 p.wait()
         return p.returncode
 
-    def collect(self) -> dict[str, bytes]:
-        """What the process wrote (its run directory) and its log, then the node-local copy goes."""
-        out = {f"logs/{self.name}.log": (self.dir / "process.log").read_bytes()}
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def read_new(self, offsets: dict[str, int], final: bool = False) -> dict[str, bytes]:
+        """What the process wrote since ``offsets`` (relative path -> bytes already taken): the
+        appended complete lines of its log and metrics while it runs; with ``final``, the rest of
+        those and every other file of its run directory (checkpoints, final parameters), after
+        which the node-local copy goes."""
+        files = {f"logs/{self.log_name}": self.dir / "process.log"}
         run = self.dir / "run"
         if run.exists():
-            for path in run.rglob("*"):
-                if path.is_file():
-                    out[str(path.relative_to(run))] = path.read_bytes()
-        shutil.rmtree(self.dir, ignore_errors=True)
+            files.update({str(p.relative_to(run)): p for p in run.rglob("*") if p.is_file()})
+        out: dict[str, bytes] = {}
+        for rel, path in files.items():
+            streamed = rel.endswith((".jsonl", ".log"))
+            if not (streamed or final):
+                continue
+            try:
+                with open(path, "rb") as fh:
+                    fh.seek(offsets.get(rel, 0) if streamed else 0)
+                    data = fh.read()
+            except OSError:
+                continue
+            if streamed and not final:
+                data = data[:data.rfind(b"\n") + 1]  # whole lines only: a record is never split
+            if data or (final and rel.startswith("logs/")):  # every process has a log, if empty
+                out[rel] = data
+        if final:
+            shutil.rmtree(self.dir, ignore_errors=True)
         return out
 
 
@@ -146,6 +173,7 @@ class RemoteProc:
 class RemoteChild:
     def __init__(self, role: str, actor: Any, proc: RemoteProc, log_path: Path) -> None:
         self.role, self.actor, self.proc, self.log_path = role, actor, proc, log_path
+        self.taken: dict[str, int] = {}  # bytes of each streamed file already on the driver
 
     def tail(self, lines: int = 30) -> str:
         try:
@@ -167,12 +195,16 @@ class RayProcessGroup:
         self.role_files: dict[str, dict[str, bytes]] = {}
         self.pg = None
         self.lost: list[str] = []
+        self.retired: list[RemoteChild] = []  # shards lost with their node and started again
+        self._lock = threading.Lock()
+        self._streaming = threading.Event()
+        self._streamer: threading.Thread | None = None
 
     def _options(self, name: str) -> dict[str, Any]:
         r = self.cfg.ray
         if name.startswith("shard-"):
             opts: dict[str, Any] = {"num_cpus": r.shard_cpus, "resources": dict(r.shard_resources)}
-            if self.pg is not None:
+            if self.pg is not None:  # a shard started again gets its bundle, which Ray moved off the lost node
                 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
                 opts = {"scheduling_strategy": PlacementGroupSchedulingStrategy(
@@ -199,10 +231,11 @@ class RayProcessGroup:
                             f"over nodes) within {timeout_s:.0f}s")
 
     def start(self, name: str, module: str, args: list[str], env: dict[str, str], role: str,
-              timeout_s: float = 120.0) -> RemoteChild:
+              timeout_s: float = 120.0, log_name: str = "") -> RemoteChild:
         files = {**self.files, **self.role_files.get(role, {})}
         opts = self._options(name)
-        actor = ProcessActor.options(**opts).remote(name, files)
+        log_name = log_name or f"{name}.log"
+        actor = ProcessActor.options(**opts).remote(name, files, log_name)
         try:
             pid = ray.get(actor.start.remote(module, args, env), timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -211,9 +244,61 @@ class RayProcessGroup:
             raise RunFailed(f"Ray could not place {name} within {timeout_s:.0f}s: it asks for "
                             f"{ {k: v for k, v in opts.items() if k != 'scheduling_strategy'} }, the cluster "
                             f"has {free} free (the ray: section sets what each process asks for)") from None
-        child = RemoteChild(name, actor, RemoteProc(actor, pid), self.run_dir / "logs" / f"{name}.log")
+        child = RemoteChild(name, actor, RemoteProc(actor, pid), self.run_dir / "logs" / log_name)
         self.children.append(child)
         return child
+
+    def retire(self, child: RemoteChild) -> None:
+        """A shard lost with its node, about to be started again: no longer watched."""
+        self.children.remove(child)
+        self.retired.append(child)
+
+    def node_of(self, role: str) -> str:
+        """The Ray node id a live process runs on."""
+        child = next(c for c in self.children if c.role == role)
+        return ray.get(child.actor.node_id.remote(), timeout=30)
+
+    # ----- records, streamed --------------------------------------------------------------
+    def start_streaming(self, every_s: float) -> None:
+        """Bring every process's new log lines and metrics records to the driver's run
+        directory every ``every_s`` seconds, so they can be watched live and what a lost node's
+        processes wrote up to then is kept."""
+        def loop() -> None:
+            while not self._streaming.wait(every_s):
+                try:
+                    self.gather(final=False, timeout_s=every_s * 4)
+                except Exception:  # noqa: BLE001 - a node going away mid-read: next round
+                    log.debug("streaming records failed this round", exc_info=True)
+
+        self._streamer = threading.Thread(target=loop, name="ray-records", daemon=True)
+        self._streamer.start()
+
+    def stop_streaming(self) -> None:
+        self._streaming.set()
+        if self._streamer is not None:
+            self._streamer.join(30)
+            self._streamer = None
+
+    def gather(self, *, final: bool, timeout_s: float) -> None:
+        """Read what each live process wrote since the last time, append it on the driver."""
+        with self._lock:
+            live = [c for c in self.children if c.proc.returncode != LOST]
+            refs = {c.role: c.actor.read_new.remote(dict(c.taken), final) for c in live}
+            ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+            for c in live:
+                try:
+                    files = ray.get(refs[c.role], timeout=0)
+                except Exception:  # noqa: BLE001 - lost with its node, or too slow: next time
+                    continue
+                for rel, data in files.items():
+                    path = self.run_dir / rel
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    if rel.endswith((".jsonl", ".log")):
+                        with open(path, "ab") as fh:  # one file may collect several processes' lines
+                            fh.write(data)
+                        c.taken[rel] = c.taken.get(rel, 0) + len(data)
+                    else:
+                        path.write_bytes(data)
 
     def wait_endpoint(self, child: RemoteChild, timeout_s: float) -> str:
         try:
@@ -239,24 +324,12 @@ class RayProcessGroup:
     def stop_all(self, grace_s: float = 5.0) -> None:
         """Stop every process, gather what each wrote into the run directory, kill the actors.
         All at once and bounded: a node that is gone costs a timeout, not one per process."""
+        self.stop_streaming()
         live = [c for c in self.children if c.proc.returncode != LOST]
         stops = [c.actor.stop.remote(grace_s) for c in live]
         ray.wait(stops, num_returns=len(stops), timeout=grace_s + 15)
-        refs = {c.role: c.actor.collect.remote() for c in live}
-        ray.wait(list(refs.values()), num_returns=len(refs), timeout=60)
-        for c in live:
-            try:
-                files = ray.get(refs[c.role], timeout=0)
-            except Exception:  # noqa: BLE001 - lost with its node, or too slow: what we have
-                files = {}
-            for rel, data in files.items():
-                path = self.run_dir / rel
-                path.parent.mkdir(parents=True, exist_ok=True)
-                if rel.startswith("metrics/") and rel.endswith(".jsonl") and path.exists():
-                    path.write_bytes(path.read_bytes() + data)  # a rejoined worker id: never here
-                else:
-                    path.write_bytes(data)
-        for c in self.children:
+        self.gather(final=True, timeout_s=60)
+        for c in self.children + self.retired:
             try:
                 ray.kill(c.actor, no_restart=True)
             except Exception:  # noqa: BLE001 - already gone
@@ -283,6 +356,8 @@ class RayCluster(LocalCluster):
             raise ValueError("the lab's CPU quotas and shaped links are local mechanisms: not with --backend ray")
         self.address = address
         self.group = RayProcessGroup(cfg, self.run_dir)  # type: ignore[assignment]
+        self.restarts: dict[str, int] = {}
+        self.curve_env: dict[str, dict[str, str]] = {}  # per role: where its shipped CURVE keys are
 
     def run(self) -> dict[str, Any]:
         if not ray.is_initialized():
@@ -312,7 +387,41 @@ class RayCluster(LocalCluster):
         group.files = {"config.yaml": (self.run_dir / "config.yaml").read_bytes()}
         for role, env in self.role_env.items():   # each role gets its own job secret, no other
             group.role_files[role] = {f"{role}.secret": Path(env["LBBSP__SECURITY__SECRET_FILE"]).read_bytes()}
+        if self.cfg.security.curve:
+            self._ship_curve_keys(group)
         group.place_shards(self.startup_timeout_s)
+        group.start_streaming(self.cfg.ray.records_every_s)
+
+    def _ship_curve_keys(self, group: "RayProcessGroup") -> None:
+        """With CURVE, each role's key files travel with its actors, as the job secret does
+        without it: shards get the servers' key pair and the allowed clients' public keys; a
+        worker or the evaluator gets its own key pair and the servers' public key, never the
+        servers' secret one. No node needs the keys beforehand."""
+        sec = self.cfg.security
+        sec.require_server()
+        if not sec.server_public_key:
+            raise ValueError("security.server_public_key: with CURVE on Ray, set the servers' public key file, "
+                             "so that clients are not sent the servers' secret key file")
+        public = Path(sec.server_public_key).expanduser().read_bytes()
+        allowed = Path(sec.allowed_clients_dir or "").expanduser()
+        group.role_files["shard"] = {
+            "curve/server.key_secret": Path(sec.server_secret_key or "").expanduser().read_bytes(),
+            "curve/server.key": public,
+            **{f"curve/allowed/{p.name}": p.read_bytes() for p in sorted(allowed.glob("*.key"))}}
+        pre = "LBBSP__SECURITY__"
+        self.curve_env["shard"] = {f"{pre}SERVER_SECRET_KEY": "{dir}/curve/server.key_secret",
+                                   f"{pre}SERVER_PUBLIC_KEY": "{dir}/curve/server.key",
+                                   f"{pre}ALLOWED_CLIENTS_DIR": "{dir}/curve/allowed"}
+        for role in ("worker", "evaluator"):
+            own = (Path(sec.client_secret_key) if sec.client_secret_key
+                   else Path(sec.client_keys_dir) / f"{role}.key_secret" if sec.client_keys_dir else None)
+            if own is None:
+                raise ValueError("security.client_secret_key or security.client_keys_dir: with CURVE on Ray, "
+                                 "clients need their own key pair (ps-keys init), not the servers' secret key")
+            group.role_files[role] = {"curve/client.key_secret": own.expanduser().read_bytes(),
+                                      "curve/server.key": public}
+            self.curve_env[role] = {f"{pre}CLIENT_SECRET_KEY": "{dir}/curve/client.key_secret",
+                                    f"{pre}SERVER_PUBLIC_KEY": "{dir}/curve/server.key"}
 
     def _common(self, cfg_path: Path) -> list[str]:
         return ["--config", "{dir}/config.yaml", "--run-dir", "{dir}/run"]
@@ -322,10 +431,49 @@ class RayCluster(LocalCluster):
 
     def _start_child(self, name: str, module: str, args: list[str], role: str):
         env = {"LBBSP__SECURITY__SECRET_FILE": f"{{dir}}/{role}.secret"} if role in self.role_env else {}
+        env.update(self.curve_env.get(role, {}))
         return self.group.start(name, module, args, env, role, self.startup_timeout_s)  # type: ignore[call-arg]
+
+    def _restartable(self, child: RemoteChild) -> str | None:
+        """Why a lost shard cannot be started again, or None if it can."""
+        ck, role = self.cfg.checkpoint, child.role
+        if role == "shard-0":
+            return ("shard 0 is the coordinator, whose address every process holds: restart the job, or "
+                    "shard 0 by hand with ps-server --resume on a host with its checkpoints")
+        if not (ck.dir and Path(ck.dir).is_absolute() and (ck.every_iterations or ck.every_seconds)):
+            return ("its checkpoints were on the lost node: set checkpoint.dir to an absolute path on storage "
+                    "every node shares, and checkpoint.every_iterations or every_seconds")
+        if self.restarts.get(role, 0) >= self.cfg.ray.restart_lost_shards:
+            return f"it was started again {self.restarts.get(role, 0)} times already (ray.restart_lost_shards)"
+        return None
+
+    def _restart_shard(self, child: RemoteChild) -> None:
+        """A follower lost with its node starts again on another node from its last checkpoint
+        (``--resume``): it registers with shard 0, which rolls every shard back to their last
+        common checkpoint, and the workers join again and learn its new address."""
+        group: RayProcessGroup = self.group  # type: ignore[assignment]
+        k = int(child.role.split("-")[1])
+        n = self.restarts[child.role] = self.restarts.get(child.role, 0) + 1
+        log.warning("%s was lost with its node: starting it again from its last checkpoint (restart %d)",
+                    child.role, n)
+        group.retire(child)
+        args = [*self._common(Path()), "--shard", str(k), "--port", "0", *self._host(k),
+                "--coordinator", self.shard_endpoints[0], "--resume"]
+        env = {"LBBSP__SECURITY__SECRET_FILE": "{dir}/shard.secret"} if "shard" in self.role_env else {}
+        env.update(self.curve_env.get("shard", {}))
+        again = group.start(child.role, "ps_server.cli", args, env, "shard", self.startup_timeout_s,
+                            log_name=f"{child.role}.restart-{n}.log")
+        self.shard_endpoints[k] = group.wait_endpoint(again, self.startup_timeout_s)
 
     def _raise_if_a_child_failed(self) -> None:
         failed = self.group.failed()
+        if failed is not None and failed.proc.returncode == LOST and failed.role.startswith("shard-"):
+            why = self._restartable(failed)  # type: ignore[arg-type]
+            if why is None:
+                self._restart_shard(failed)  # type: ignore[arg-type]
+                return
+            raise RunFailed(f"{failed.role} was lost with its node and cannot be started again: {why}; "
+                            f"last lines:\n{failed.tail()}")
         if failed is not None:
             what = "was lost with its node" if failed.proc.returncode == LOST else \
                 f"exited with code {failed.proc.returncode}"

@@ -24,6 +24,10 @@ from ps_common.transport import Connection, RemoteError, TransportTimeout, undia
 log = logging.getLogger(__name__)
 
 
+#: Error codes from shard 0 after which a worker joins again (new membership, new connections).
+REJOIN_CODES = ("unknown_worker", "rolled_back", "unauthorized")
+
+
 class ShardUnreachable(RuntimeError):
     """The coordinator's welcome names a shard address that cannot be dialed."""
 
@@ -173,6 +177,12 @@ class ShardClients:
                 try:
                     reply = conn.recv(0)
                 except RemoteError as exc:
+                    if k == 0 and exc.code in REJOIN_CODES:
+                        # The coordinator ended this membership (rolled back, declared lost): the
+                        # worker joins again on new connections, so nothing left queued on these
+                        # can be mistaken for a later answer, and a shard that died is not waited for.
+                        self._drain(waiting - {0}, 0.2)
+                        raise
                     # Keep draining the other shards' answers, so none is left queued to be
                     # mistaken for the answer to a later request.
                     error = error or exc

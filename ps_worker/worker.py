@@ -20,7 +20,7 @@ from ps_common.metrics import MetricsWriter
 from ps_common.models import FlatParameters, build_model
 from ps_common.protocol import Assignment
 from ps_common.transport import AuthenticationFailed, RemoteError, TransportTimeout
-from ps_worker.client import PullAborted, ShardClients
+from ps_worker.client import REJOIN_CODES, PullAborted, ShardClients
 from ps_worker.contention import CommDelay, ContentionDriver, EmulatedSlowdown
 from ps_worker.heartbeat import Heartbeat
 from ps_worker.memory import MemoryLimit, bound_kernel_cache, is_out_of_memory
@@ -30,7 +30,6 @@ log = logging.getLogger(__name__)
 
 #: Refusals after which a worker joins again: dropped as lost, the job rolled back to a
 #: checkpoint, or a restarted coordinator that no longer knows this worker's token.
-REJOIN_CODES = ("unknown_worker", "rolled_back", "unauthorized")
 LEAVE_TIMEOUT_S = 2.0  # a goodbye on the way out; the heartbeat timeout covers a lost one
 #: Smallest batch a start-up memory probe tries first (then doubles).
 PROBE_START = 16

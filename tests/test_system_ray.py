@@ -34,6 +34,18 @@ def no_leftover_node_dirs():
         shutil.rmtree(d, ignore_errors=True)
 
 
+def wait_for_commits(run_dir, n: int, timeout_s: float = 120.0) -> None:
+    """Until shard 0's records, streamed to the driver, show ``n`` commits: the job has started,
+    however long Ray and the processes took to come up on a loaded host."""
+    path = run_dir / "metrics" / "coordinator.jsonl"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists() and sum('"event"' not in ln for ln in path.read_text().splitlines()) >= n:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"fewer than {n} commits streamed to the driver within {timeout_s:.0f}s")
+
+
 @pytest.fixture
 def ray_cluster():
     from ray.cluster_utils import Cluster
@@ -67,7 +79,8 @@ def test_a_ray_job_survives_losing_a_workers_node(ray_cluster, tmp_path):
     removed_at: list[float] = []
 
     def remove_later() -> None:
-        time.sleep(9)                      # well after the start (Ray and the processes: ~5 s)
+        wait_for_commits(run_dir, 30)      # training has started (records stream to the driver)
+        time.sleep(2)
         removed_at.append(time.time())
         cluster.remove_node(nodes[1])      # the node holding exactly one worker
 
@@ -92,6 +105,13 @@ def test_a_ray_job_survives_losing_a_workers_node(ray_cluster, tmp_path):
           f"first commit after the removal {after[0] - t_removed:.2f} s later; "
           f"{len(after)} commits after it, {len(commits)} in all")
     assert len(job.group.lost) == 1, job.group.lost
+    # Streamed while it ran: the lost worker's log and its iterations up to about its node's
+    # removal are on the driver, although its node-local files went with the node.
+    lost_log = (run_dir / "logs" / f"{job.group.lost[0]}.log").read_text()
+    assert lost_log.strip(), "nothing of the lost worker's log reached the driver"
+    lost_id = removed[0]["worker"]
+    lost_its = [json.loads(ln) for ln in (run_dir / "metrics" / f"worker-{lost_id}.jsonl").read_text().splitlines()]
+    assert lost_its and max(r["wall_time"] for r in lost_its if "wall_time" in r) > t_removed - 5, lost_its[-1:]
     assert (run_dir / "summary.json").exists() and (run_dir / "logs" / "shard-0.log").exists()
     assert summary["final_accuracy"] is not None
 
@@ -110,7 +130,7 @@ def test_sigterm_to_ps_launch_on_ray_stops_everything_and_keeps_the_records(tmp_
                              "--set", "training.max_seconds=120"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:
-        time.sleep(25)
+        wait_for_commits(run_dir, 5)  # mid-run, however long a loaded host took to start it
         assert proc.poll() is None, proc.communicate()[0][-3000:]
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=90)
@@ -124,3 +144,73 @@ def test_sigterm_to_ps_launch_on_ray_stops_everything_and_keeps_the_records(tmp_
     assert len(summary["workers"]) == 2 and (run_dir / "logs" / "evaluator.log").exists()
     pids = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True).stdout.split()
     assert not pids, f"processes of the run outlived it: {pids}"
+
+
+@pytest.mark.timeout(300)
+def test_a_follower_shard_lost_with_its_node_starts_again_from_its_checkpoint(tmp_path):
+    """CURVE on, keys shipped by the driver (the key directory is moved away mid-run, so the shard
+    started again can only use what travelled with its actor); shards on their own nodes, the
+    node of shard 1 removed mid-run: shard 1 starts again on the spare node from the shared
+    checkpoints, every shard rolls back to their common checkpoint, the workers join again, the
+    run ends with one history; the records shard 1 wrote before its node went are on the driver."""
+    from ray.cluster_utils import Cluster
+
+    from ps_common.security import init_local_keys
+    from ps_launcher.ray_backend import RayCluster
+
+    keys = init_local_keys(tmp_path / "keys")
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"trainer": 4}})
+    shard_nodes = [cluster.add_node(num_cpus=1, resources={"server": 1}) for _ in range(3)]
+    ray.init(address=cluster.address, log_to_driver=False)
+    cluster.wait_for_nodes()
+    try:
+        cfg = load_config("configs/quick_synthetic.yaml", [
+            "training.max_iterations=null", "training.max_seconds=30", "training.global_batch=64",
+            "cluster.num_shards=2", "cluster.num_workers=2", "evaluator.enabled=false",
+            "heartbeat.interval_s=0.2", "heartbeat.timeout_s=3", "transport.timeout_s=15",
+            f"checkpoint.dir={tmp_path / 'shared-checkpoints'}", "checkpoint.every_iterations=20",
+            "security.curve=true", f"security.server_secret_key={keys.server_secret_key}",
+            f"security.server_public_key={keys.server_public_key}",
+            f"security.allowed_clients_dir={keys.allowed_clients_dir}",
+            f"security.client_keys_dir={keys.client_keys_dir}",
+            "ray.shard_resources={server: 1}", "ray.shard_cpus=0.5", "ray.worker_cpus=0.5",
+            "ray.worker_resources={trainer: 1}", "ray.records_every_s=1"], env={})
+        run_dir = tmp_path / "run"
+        job = RayCluster(cfg, run_dir, address=cluster.address, progress=False)
+        removed_at: list[float] = []
+        before: list[str] = []
+
+        def remove_later() -> None:
+            wait_for_commits(run_dir, 60)  # past the first checkpoints (every 20 iterations)
+            node_id = job.group.node_of("shard-1")
+            node = next(n for n in shard_nodes if n.node_id == node_id)
+            before.extend((run_dir / "metrics" / "shard-1.jsonl").read_text().splitlines())
+            (tmp_path / "keys").rename(tmp_path / "keys-gone")  # only the shipped copies remain
+            removed_at.append(time.time())
+            cluster.remove_node(node)
+
+        killer = threading.Thread(target=remove_later, daemon=True)
+        killer.start()
+        summary = job.run()
+        killer.join(30)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    assert removed_at, "the node was never removed"
+    assert job.restarts == {"shard-1": 1}, job.restarts
+    assert summary["final"]["agree"] and len(summary["final"]["shards"]) == 2, summary["final"]
+    coord = [json.loads(ln) for ln in (run_dir / "metrics" / "coordinator.jsonl").read_text().splitlines()]
+    rollbacks = [e for e in coord if e.get("event") == "rollback"]
+    assert len(rollbacks) == 1, rollbacks
+    commits_after = [r for r in coord if "event" not in r and r["wall_time"] > rollbacks[0]["wall_time"]]
+    assert commits_after, "training did not go on after the shard came back"
+    # Streamed while it ran: shard 1's first life's records reached the driver before its node went.
+    assert any("event" not in json.loads(ln) for ln in before), "nothing of shard 1 was streamed in time"
+    shard1 = (run_dir / "metrics" / "shard-1.jsonl").read_text().splitlines()
+    assert shard1[:len(before)] == before
+    assert any(json.loads(ln).get("event") == "restored" for ln in shard1[len(before):])
+    assert "listening on" in (run_dir / "logs" / "shard-1.restart-1.log").read_text()
+    back = commits_after[0]["wall_time"] - removed_at[0]
+    print(f"\nshard 1's node removed; every shard rolled back to version {rollbacks[0]['version']} "
+          f"{rollbacks[0]['wall_time'] - removed_at[0]:.1f} s later; first commit after the rollback {back:.1f} s "
+          f"after the removal; {len(commits_after)} commits after it")
