@@ -16,13 +16,15 @@ from typing import Any, Sequence
 import zmq
 
 from ps_common import protocol
+from ps_common.errors import PsError
 from ps_common.protocol import Message
-from ps_common.security import SecurityConfig, close_socket, secure_client_socket, secure_server_socket, timeout_hint
+from ps_common.security.settings import SecurityConfig
+from ps_common.security.sockets import close_socket, secure_client_socket, secure_server_socket, timeout_hint
 
 log = logging.getLogger(__name__)
 
 
-class TransportTimeout(TimeoutError):
+class TransportTimeout(PsError, TimeoutError):
     """No reply within the allotted time: the peer is slow, gone, or never existed."""
 
 
@@ -215,7 +217,7 @@ class AuthenticationFailed(TransportTimeout):
     """The server refused this client's credentials in the handshake (wrong secret or key)."""
 
 
-class RemoteError(RuntimeError):
+class RemoteError(PsError, RuntimeError):
     """The server answered with an Error message."""
 
     def __init__(self, code: str, message: str, endpoint: str) -> None:

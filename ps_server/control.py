@@ -21,7 +21,7 @@ from typing import Callable
 import zmq
 
 from ps_common import protocol as P
-from ps_common.security import SecurityConfig
+from ps_common.security.settings import SecurityConfig
 from ps_common.transport import Connection, TransportTimeout
 
 log = logging.getLogger(__name__)

@@ -37,13 +37,13 @@ import zmq
 
 from ps_common import protocol as P
 from ps_common.config import JobConfig
-from ps_common.layout import partition
 from ps_common.metrics import MetricsWriter
-from ps_common.models import FlatParameters, build_model
-from ps_common.security import close_socket
+from ps_common.security.sockets import close_socket
 from ps_common.transport import WILDCARD_HOSTS, advertised, bind_address, make_router
+from ps_ml.models import FlatParameters, build_model
 from ps_server.checkpoint import CheckpointError, CheckpointWriter, find_checkpoint, load_checkpoint, save_checkpoint
 from ps_server.follow import Follow
+from ps_server.layout import partition
 from ps_server.lead import Lead
 from ps_server.pulls import PendingPull, PendingPulls
 from ps_server.roles import SHARD_PERMISSIONS

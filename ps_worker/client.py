@@ -17,18 +17,19 @@ import numpy as np
 import zmq
 
 from ps_common import protocol as P
+from ps_common.errors import PsError
 from ps_common.faults import kill_in_push
-from ps_common.security import SecurityConfig
+from ps_common.security.settings import SecurityConfig
 from ps_common.transport import Connection, RemoteError, TransportTimeout, undialable
 
 log = logging.getLogger(__name__)
 
 
-class ShardUnreachable(RuntimeError):
+class ShardUnreachable(PsError, RuntimeError):
     """The coordinator's welcome names a shard address that cannot be dialed."""
 
 
-class PullAborted(RuntimeError):
+class PullAborted(PsError, RuntimeError):
     """A pull given up because the membership or the coordinator changed under it."""
 
 

@@ -15,7 +15,8 @@ import time
 import zmq
 
 from ps_common import protocol as P
-from ps_common.security import SecurityConfig, secure_client_socket
+from ps_common.security.settings import SecurityConfig
+from ps_common.security.sockets import secure_client_socket
 from ps_common.transport import send
 
 log = logging.getLogger(__name__)

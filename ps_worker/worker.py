@@ -15,15 +15,17 @@ import zmq
 
 from ps_common import protocol as P
 from ps_common.config import JobConfig
-from ps_common.datasets import ArrayDataset, dataset_from_config, sample_order
+from ps_common.errors import PsError
 from ps_common.metrics import MetricsWriter
-from ps_common.models import FlatParameters, build_model
 from ps_common.protocol import Assignment
 from ps_common.transport import AuthenticationFailed, RemoteError, TransportTimeout
+from ps_ml.datasets import ArrayDataset, dataset_from_config, sample_order
+from ps_ml.models import FlatParameters, build_model
 from ps_worker.client import PullAborted, ShardClients
 from ps_worker.contention import CommDelay, ContentionDriver, EmulatedSlowdown
 from ps_worker.heartbeat import Heartbeat
 from ps_worker.memory import MemoryLimit, bound_kernel_cache, is_out_of_memory
+from ps_worker.scenario_runtime import runtime_for
 from ps_worker.telemetry import ResourceProbe
 
 log = logging.getLogger(__name__)
@@ -36,7 +38,7 @@ LEAVE_TIMEOUT_S = 2.0  # a goodbye on the way out; the heartbeat timeout covers 
 PROBE_START = 16
 
 
-class CannotFitInMemory(RuntimeError):
+class CannotFitInMemory(PsError, RuntimeError):
     """Not even one sample fits in this worker's memory limit."""
 
 
@@ -180,7 +182,7 @@ class Worker:
         self.worker_id = welcome.worker_id
         if self.contention is None:
             idx = self.scenario_index if self.scenario_index is not None else self.worker_id
-            self.scenario = self.cfg.scenario.for_worker(idx).runtime(idx)
+            self.scenario = runtime_for(self.cfg.scenario, idx)
             if self.memory.limit_mb is None and self.scenario.spec.memory_limit_mb is not None:
                 self.memory = MemoryLimit(self.scenario.spec.memory_limit_mb, self.device)
             self.slowdown = EmulatedSlowdown(self.scenario)
