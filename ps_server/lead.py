@@ -189,10 +189,11 @@ class Lead:
         for k, ep in meta.get("shard_endpoints", {}).items():
             if int(k) == 0:
                 continue
-            conn = Connection(server.ctx, ep, role="shard", security=self.cfg.security, timeout_s=2.0)
+            conn = Connection(server.ctx, ep, role="shard", security=self.cfg.security,
+                              timeout_s=server.timeouts.rollback_send_s)
             try:
                 conn.request(P.Rollback(version=server.state.version, coordinator=server.endpoint),
-                             P.Ack, timeout_s=5.0)
+                             P.Ack, timeout_s=server.timeouts.rollback_reply_s)
             except Exception as exc:  # a follower that is gone registers when it is back
                 log.warning("shard %s at %s not told to roll back: %s", k, ep, exc)
             finally:
