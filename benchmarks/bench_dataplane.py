@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 import zmq  # noqa: E402
 
 from ps_common.config import validate  # noqa: E402
-from ps_common.models import build_model, count_parameters  # noqa: E402
+from ps_ml.models import build_model, count_parameters  # noqa: E402
 
 MODEL = "mlp10m"
 
@@ -37,7 +37,7 @@ MODEL = "mlp10m"
 def job(num_shards: int, num_workers: int, iterations: int):
     import tempfile
 
-    from ps_common.credentials import generate_master
+    from ps_common.security.credentials import generate_master
 
     secret = Path(tempfile.mkdtemp(prefix="lbps-bench-")) / "job.secret"
     generate_master(secret)

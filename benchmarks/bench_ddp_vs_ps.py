@@ -50,11 +50,11 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 from ps_common.config import JobConfig, load_config  # noqa: E402
-from ps_common.datasets import load_dataset  # noqa: E402
-from ps_common.models import build_model, count_parameters  # noqa: E402
-from ps_common.reference import global_batch_indices  # noqa: E402
 from ps_launcher.launcher import LocalCluster  # noqa: E402
 from ps_launcher.summary import percentile, time_to_accuracy  # noqa: E402
+from ps_ml.datasets import load_dataset  # noqa: E402
+from ps_ml.models import build_model, count_parameters  # noqa: E402
+from ps_ml.reference import global_batch_indices  # noqa: E402
 from ps_worker.evaluator import evaluate  # noqa: E402
 
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "mnist_bsp.yaml"

@@ -35,9 +35,9 @@ import torch.nn.functional as F  # noqa: E402
 
 from ps_common.config import load_config  # noqa: E402
 from ps_common.metrics import read_jsonl  # noqa: E402
-from ps_common.models import build_model  # noqa: E402
 from ps_launcher.launcher import LocalCluster  # noqa: E402
 from ps_launcher.summary import percentile  # noqa: E402
+from ps_ml.models import build_model  # noqa: E402
 from ps_worker.memory import bound_kernel_cache, is_out_of_memory  # noqa: E402
 
 

@@ -46,8 +46,8 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 from batchsize_manager.integrations.torch_ddp import DDPBatchBalancer, LBBSPSampler  # noqa: E402
-from ps_common.datasets import load_dataset  # noqa: E402
-from ps_common.models import build_model  # noqa: E402
+from ps_ml.datasets import load_dataset  # noqa: E402
+from ps_ml.models import build_model  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from predictors.base import predictor_names
+from ps_common.errors import PsError
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         return int(args.func(args))
-    except (ValueError, OSError) as e:
+    except (PsError, ValueError, OSError) as e:
         print(f"ps-predict: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -126,7 +126,7 @@ def record_trace(iterations: int = 300, schedule: Schedule | None = None, *, see
     import torch
     import torch.nn.functional as F
 
-    from ps_common.models import build_model
+    from ps_ml.models import build_model
 
     if iterations < 1 or batch_size < 1 or steps_per_iteration < 1 or warmup < 0:
         raise ValueError("need iterations >= 1, batch_size >= 1, steps_per_iteration >= 1, warmup >= 0")

@@ -17,13 +17,14 @@ from typing import Any, Literal, Mapping, Optional, Sequence
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ps_common.errors import PsError
 from ps_common.scenario import ScenarioConfig
-from ps_common.security import SecurityConfig
+from ps_common.security.settings import SecurityConfig
 
 ENV_PREFIX = "LBBSP__"
 
 
-class ConfigError(ValueError):
+class ConfigError(PsError, ValueError):
     """A configuration problem, with a message that names the key."""
 
 
@@ -43,7 +44,7 @@ class ModelConfig(StrictModel):
     @field_validator("name")
     @classmethod
     def _known(cls, v: str) -> str:
-        from ps_common.models import model_names
+        from ps_ml.models import model_names
 
         if v not in model_names():
             raise ValueError(f"unknown model {v!r}; known models: {', '.join(model_names())}")

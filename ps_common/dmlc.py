@@ -22,10 +22,12 @@ import socket
 from dataclasses import dataclass
 from typing import Mapping
 
+from ps_common.errors import PsError
+
 ROLES = ("scheduler", "server", "worker")
 
 
-class DmlcEnvError(ValueError):
+class DmlcEnvError(PsError, ValueError):
     """The dmlc variables are present but incomplete or malformed."""
 
 

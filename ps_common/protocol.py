@@ -23,6 +23,8 @@ from typing import Any, Callable, ClassVar, Sequence, Union
 import msgpack
 import numpy as np
 
+from ps_common.errors import PsError
+
 MAGIC = b"LBPS"
 VERSION = 2
 HEADER_PREFIX = MAGIC + bytes([VERSION])
@@ -30,7 +32,7 @@ MAX_HEADER_BYTES = 1 << 20
 ALLOWED_DTYPES = frozenset({"<f4", "<f8", "<i8", "<i4", "|u1"})
 
 
-class ProtocolError(ValueError):
+class ProtocolError(PsError, ValueError):
     """A frame list that is not a valid message of this protocol version."""
 
 

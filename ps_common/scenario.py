@@ -1,4 +1,4 @@
-"""Heterogeneity scenarios: how each worker is slowed, as config plus a pure runtime.
+"""Heterogeneity scenarios as config: the ``scenario:`` section, how each worker is slowed.
 
 A scenario says, per worker, which slowdowns apply. Two kinds exist and reports keep them apart:
 
@@ -12,30 +12,21 @@ factor of the step schedule, every active burst, every active random on/off entr
 value. Every factor is >= 1, so the product is >= 1. Real load adds up: the number of burner
 processes is the **sum** of the ``processes`` of every active ``cpu_load`` entry.
 
-Everything here is pure: the runtime is a function of (iteration, seconds since the worker's
-time origin) and of the config; it owns no clock, sleeps never and starts no process. Random
-on/off schedules depend only on (seed, mean_on_s, mean_off_s, start_on), so every mode in a
-comparison meets the same schedule; identical parameters give identical switch times (use that
-to hit two workers with one co-tenant; use different seeds for independent schedules).
+The section is part of the job config, which every role loads and checks (a worker's join is
+refused when its config differs), so the schema lives here; what it means at run time is
+computed by :mod:`ps_worker.scenario_runtime` (the worker's emulated slowdowns and burners) and
+:mod:`ps_launcher.lab.schedule` (the lab's CPU quotas and shaped links).
 
 This module must not import :mod:`ps_common.config` (that module imports this one).
 """
 
 from __future__ import annotations
 
-import bisect
-import csv
 import math
-import threading
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Sequence
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-
-
-class ScenarioError(ValueError):
-    """A scenario problem found at runtime (e.g. an unreadable trace), naming the key."""
 
 
 class _Strict(BaseModel):
@@ -309,9 +300,16 @@ class WorkerScenario(_Strict):
     def static_slowdown(self) -> float:
         return 1.0 if self.slowdown is None else float(self.slowdown)
 
-    def runtime(self, worker_index: int = 0, base_dir: str | Path | None = None) -> "ScenarioRuntime":
-        """The pure runtime; reads the trace file now (errors name the key)."""
-        return ScenarioRuntime(self, worker_index, base_dir)
+    @property
+    def emulates_compute(self) -> bool:
+        """This worker sleeps to stretch its compute phase."""
+        return (self.static_slowdown != 1.0 or any(s.slowdown != 1.0 for s in self.steps)
+                or bool(self.bursts) or bool(self.random) or self.trace is not None)
+
+    @property
+    def emulates_comm(self) -> bool:
+        """This worker sleeps before each message it sends."""
+        return self.comm_delay_ms > 0 or self.comm_bandwidth_mb_s is not None
 
 
 class ScenarioConfig(_Strict):
@@ -379,8 +377,8 @@ class ScenarioConfig(_Strict):
         ws = [self.for_worker(i) for i in range(n)]
         return {
             "scenario": self.name,
-            "emulated": any(_emulated_compute(w) or _emulated_comm(w) for w in ws),
-            "emulated_comm": any(_emulated_comm(w) for w in ws),
+            "emulated": any(w.emulates_compute or w.emulates_comm for w in ws),
+            "emulated_comm": any(w.emulates_comm for w in ws),
             "real_load": any(bool(w.cpu_load) for w in ws),
             "real_quota": self.rotation is not None or any(w.cpu_quota is not None for w in ws),
             "real_link": any(w.link is not None for w in ws),
@@ -414,15 +412,6 @@ class ScenarioConfig(_Strict):
                     update={"trace": q.trace.model_copy(update={"path": p})})})
             workers.append(w)
         return self.model_copy(update={"workers": tuple(workers)})
-
-
-def _emulated_compute(w: WorkerScenario) -> bool:
-    return (w.static_slowdown != 1.0 or any(s.slowdown != 1.0 for s in w.steps)
-            or bool(w.bursts) or bool(w.random) or w.trace is not None)
-
-
-def _emulated_comm(w: WorkerScenario) -> bool:
-    return w.comm_delay_ms > 0 or w.comm_bandwidth_mb_s is not None
 
 
 def _fmt(x: float) -> str:
@@ -474,245 +463,17 @@ def describe_worker(w: WorkerScenario, index: int) -> str:
         parts.append(text + " [real]")
     if w.memory_limit_mb is not None:
         parts.append(f"memory {_fmt(w.memory_limit_mb)} MB [real]")
-    if _emulated_comm(w):
+    if w.emulates_comm:
         comm = f"+{_fmt(w.comm_delay_ms)}ms/msg"
         if w.comm_bandwidth_mb_s is not None:
             comm += f" at {_fmt(w.comm_bandwidth_mb_s)} MB/s"
         parts.append(f"comm {comm}")
-    tag = " [emulated]" if (_emulated_compute(w) or _emulated_comm(w)) else ""
+    tag = " [emulated]" if (w.emulates_compute or w.emulates_comm) else ""
     return f"worker {index}: " + ("; ".join(parts) if parts else "no slowdown") + tag
 
 
-# ---------------------------------------------------------------------------------------------
-# Pure runtime
-
-
-class OnOffSchedule:
-    """Deterministic alternating on/off intervals with exponential durations.
-
-    Switch times are generated lazily in fixed-size chunks from a generator seeded only by
-    ``seed``, so the answer for any t does not depend on which times were asked before.
-    Thread-safe (the worker loop and the contention thread may both ask).
-    """
-
-    _CHUNK = 256
-    _MAX_SWITCHES = 10_000_000  # a guard against absurd means (e.g. 1 us) over long runs
-
-    def __init__(self, seed: int, mean_on_s: float, mean_off_s: float, start_on: bool = False) -> None:
-        self.start_on = start_on
-        self._means = (mean_on_s, mean_off_s) if start_on else (mean_off_s, mean_on_s)
-        self._rng = np.random.default_rng(seed)
-        self._switches: list[float] = []  # _switches[k]: end of interval k (interval 0 from t=0)
-        self._lock = threading.Lock()
-
-    def _extend_to(self, t: float) -> None:
-        while not self._switches or self._switches[-1] <= t:
-            if len(self._switches) >= self._MAX_SWITCHES:
-                raise ScenarioError(f"random on/off schedule: more than {self._MAX_SWITCHES} "
-                                    f"switches before t={t:g}s; are mean_on_s/mean_off_s too small?")
-            draws = self._rng.standard_exponential(self._CHUNK)
-            end = self._switches[-1] if self._switches else 0.0
-            k0 = len(self._switches)
-            for j, d in enumerate(draws):
-                end += float(d) * self._means[(k0 + j) % 2]
-                self._switches.append(end)
-
-    def is_on(self, t: float) -> bool:
-        if t < 0:
-            return False
-        with self._lock:
-            self._extend_to(t)
-            k = bisect.bisect_right(self._switches, t)  # index of the interval holding t
-        return (k % 2 == 0) == self.start_on
-
-    def switch_times(self, until: float) -> list[float]:
-        """Switch times in (0, until]: for tests and reports."""
-        with self._lock:
-            self._extend_to(until)
-            return [s for s in self._switches if s <= until]
-
-
-class TraceTable:
-    """A step function read from a CSV trace: the value of the last key <= x (``before`` until
-    the first key); with ``loop`` the trace repeats, one more step long than its last key."""
-
-    def __init__(self, keys: list[float], values: list[Any], loop: bool, before: Any) -> None:
-        self.keys, self.values, self.loop, self.before = keys, values, loop, before
-        if len(keys) >= 2:
-            self.period = float(keys[-1] + (keys[-1] - keys[-2]))
-        else:
-            self.period = float(keys[-1]) + 1.0
-
-    def at(self, x: float) -> Any:
-        if self.loop and x >= self.period:
-            x = math.fmod(x, self.period)
-        k = bisect.bisect_right(self.keys, x) - 1
-        return self.before if k < 0 else self.values[k]
-
-
-def read_trace(path: Path, key_col: str, col: str, key: str,
-               blank: bool = False) -> tuple[list[float], list[float | None]]:
-    """Keys and values of a CSV trace, checked: keys finite, >= 0 and strictly increasing,
-    values finite (or, with ``blank``, an empty cell read as None). Errors name ``key``."""
-    try:
-        with open(path, newline="") as fh:
-            rows = list(csv.DictReader(fh))
-    except OSError as exc:
-        raise ScenarioError(f"{key}.path: cannot read trace {str(path)!r}: {exc.strerror or exc}") from None
-    if not rows:
-        raise ScenarioError(f"{key}.path: trace {str(path)!r} has no data rows")
-    for c, name in ((key_col, "key_column"), (col, "column")):
-        if c not in rows[0]:
-            raise ScenarioError(f"{key}.{name}: trace {str(path)!r} has no column {c!r} "
-                                f"(columns: {', '.join(rows[0])})")
-    keys: list[float] = []
-    vals: list[float | None] = []
-    for n, row in enumerate(rows, start=2):
-        raw = (row[col] or "").strip()
-        try:
-            k = float(row[key_col])
-            v = None if (blank and raw == "") else float(raw)
-        except (TypeError, ValueError):
-            raise ScenarioError(f"{key}: {str(path)!r} line {n}: not a number") from None
-        if not math.isfinite(k) or (v is not None and not math.isfinite(v)) or k < 0 or (keys and k <= keys[-1]):
-            raise ScenarioError(f"{key}: {str(path)!r} line {n}: keys must be finite, >= 0 and "
-                                "strictly increasing")
-        keys.append(k)
-        vals.append(v)
-    return keys, vals
-
-
-def _load_trace(t: Trace, base_dir: str | Path | None, key: str) -> TraceTable:
-    path = Path(t.path)
-    if not path.is_absolute() and base_dir is not None:
-        path = Path(base_dir) / path
-    keys, vals = read_trace(path, t.key_column or t.by, t.column, key)
-    values = np.asarray(vals, dtype=float)
-    if t.values == "speed":
-        if np.any(values <= 0):
-            raise ScenarioError(f"{key}.column: speeds in {str(path)!r} must be > 0")
-        values = values.max() / values
-    elif np.any(values < 1.0):
-        bad = int(np.argmax(values < 1.0))
-        raise ScenarioError(f"{key}.column: {str(path)!r} line {bad + 2}: slowdown {values[bad]} < 1 "
-                            "(use values: speed for a speed trace)")
-    return TraceTable(keys, [float(v) for v in values], t.loop, before=1.0)
-
-
-class ScenarioRuntime:
-    """Pure, per-worker answers: slowdown factor, burner count, communication delay.
-
-    Times are seconds since the worker's time origin (the caller owns the clock; use the moment
-    the worker got its first assignment, so start-up time does not shift the schedule).
-    """
-
-    def __init__(self, spec: WorkerScenario, worker_index: int = 0,
-                 base_dir: str | Path | None = None) -> None:
-        self.spec = spec
-        self.worker_index = worker_index
-        self._static = spec.static_slowdown
-        self._randoms = [(OnOffSchedule(r.seed, r.mean_on_s, r.mean_off_s, r.start_on), r.slowdown)
-                         for r in spec.random]
-        self._trace = (None if spec.trace is None else
-                       _load_trace(spec.trace, base_dir, f"scenario.workers.{worker_index}.trace"))
-        self._loads = [(c, None if c.random is None else
-                        OnOffSchedule(c.random.seed, c.random.mean_on_s, c.random.mean_off_s,
-                                      c.random.start_on))
-                       for c in spec.cpu_load]
-        self.comm_delay_s: float = spec.comm_delay_ms / 1000.0
-        self._bytes_per_s = (None if spec.comm_bandwidth_mb_s is None
-                             else spec.comm_bandwidth_mb_s * 1e6)
-
-    # -- flags -------------------------------------------------------------------------------
-    @property
-    def is_emulated(self) -> bool:
-        """True when this worker sleeps on purpose (compute or communication)."""
-        return _emulated_compute(self.spec) or _emulated_comm(self.spec)
-
-    @property
-    def emulates_compute(self) -> bool:
-        return _emulated_compute(self.spec)
-
-    @property
-    def has_real_load(self) -> bool:
-        return bool(self.spec.cpu_load)
-
-    # -- compute slowdown --------------------------------------------------------------------
-    def step_factor(self, iteration: int, elapsed_s: float) -> float:
-        """Steps apply in listed order: a step is in force once its trigger and every earlier
-        step's trigger have been reached (the longest reached prefix wins); before that, 1."""
-        f = 1.0
-        for s in self.spec.steps:
-            if s.at_iteration is not None:
-                reached = iteration >= s.at_iteration
-            else:
-                reached = elapsed_s >= (s.at_seconds or 0.0)
-            if not reached:
-                break
-            f = s.slowdown
-        return f
-
-    def burst_factor(self, elapsed_s: float) -> float:
-        f = 1.0
-        for b in self.spec.bursts:
-            t = elapsed_s - b.phase_s
-            if t >= 0 and math.fmod(t, b.period_s) < b.duration_s:
-                f *= b.slowdown
-        return f
-
-    def random_factor(self, elapsed_s: float) -> float:
-        f = 1.0
-        for sched, slow in self._randoms:
-            if sched.is_on(elapsed_s):
-                f *= slow
-        return f
-
-    def trace_factor(self, iteration: int, elapsed_s: float) -> float:
-        if self._trace is None:
-            return 1.0
-        assert self.spec.trace is not None
-        return self._trace.at(float(iteration) if self.spec.trace.by == "iteration" else elapsed_s)
-
-    def slowdown(self, iteration: int, elapsed_s: float) -> float:
-        """The emulated factor in force: static x steps x bursts x random x trace (>= 1)."""
-        return (self._static * self.step_factor(iteration, elapsed_s) * self.burst_factor(elapsed_s)
-                * self.random_factor(elapsed_s) * self.trace_factor(iteration, elapsed_s))
-
-    # -- real load ---------------------------------------------------------------------------
-    def cpu_processes(self, elapsed_s: float) -> int:
-        """Burner processes that should run now: the sum over active ``cpu_load`` entries."""
-        n = 0
-        for c, sched in self._loads:
-            if elapsed_s < c.start_s or (c.stop_s is not None and elapsed_s >= c.stop_s):
-                continue
-            if sched is not None and not sched.is_on(elapsed_s):
-                continue
-            n += c.processes
-        return n
-
-    # -- communication -----------------------------------------------------------------------
-    def message_delay_s(self, nbytes: int = 0) -> float:
-        """Delay to add before sending a message of ``nbytes``: comm_delay + nbytes/bandwidth."""
-        d = self.comm_delay_s
-        if self._bytes_per_s is not None and nbytes > 0:
-            d += nbytes / self._bytes_per_s
-        return d
-
-    def describe(self) -> str:
-        return describe_worker(self.spec, self.worker_index)
-
-    def __repr__(self) -> str:
-        return f"ScenarioRuntime({self.describe()})"
-
-
-def runtime_for(scenario: ScenarioConfig, worker_index: int,
-                base_dir: str | Path | None = None) -> ScenarioRuntime:
-    """Shortcut: ``scenario.for_worker(i).runtime(i, base_dir)``."""
-    return scenario.for_worker(worker_index).runtime(worker_index, base_dir)
-
-
 __all__: Sequence[str] = (
-    "Burst", "CpuLoad", "OnOff", "OnOffSchedule", "RandomSlowdown", "ScenarioConfig",
-    "ScenarioError", "ScenarioRuntime", "StepChange", "Trace", "WorkerScenario",
-    "describe_worker", "runtime_for",
+    "Burst", "CpuLoad", "CpuQuota", "Link", "LinkStep", "OnOff", "QuotaBurst", "QuotaRandom",
+    "QuotaStep", "QuotaTrace", "RandomSlowdown", "Rotation", "ScenarioConfig", "StepChange",
+    "Trace", "WorkerScenario", "describe_worker",
 )

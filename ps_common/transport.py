@@ -16,13 +16,16 @@ from typing import Any, Sequence
 import zmq
 
 from ps_common import protocol
+from ps_common.errors import PsError
 from ps_common.protocol import Message
-from ps_common.security import SecurityConfig, close_socket, secure_client_socket, secure_server_socket, timeout_hint
+from ps_common.security.settings import SecurityConfig
+from ps_common.security.sockets import close_socket, secure_client_socket, secure_server_socket, timeout_hint
+from ps_common.timeouts import DEFAULT_TIMEOUTS, Timeouts
 
 log = logging.getLogger(__name__)
 
 
-class TransportTimeout(TimeoutError):
+class TransportTimeout(PsError, TimeoutError):
     """No reply within the allotted time: the peer is slow, gone, or never existed."""
 
 
@@ -102,12 +105,14 @@ class Connection:
     """A DEALER to one server, authenticated as ``role``, with request/reply helpers and hard
     timeouts."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, *, role: str, timeout_s: float = 30.0,
+    def __init__(self, ctx: zmq.Context, endpoint: str, *, role: str, timeout_s: float | None = None,
                  max_array_bytes: int = 1 << 32, security: SecurityConfig | None = None,
-                 hwm: int = DEFAULT_HWM, identity: bytes | None = None) -> None:
+                 hwm: int = DEFAULT_HWM, identity: bytes | None = None,
+                 timeouts: Timeouts = DEFAULT_TIMEOUTS) -> None:
         self.endpoint = endpoint
         self.role = role
-        self.timeout_s = timeout_s
+        self.timeout_s = timeouts.reply_s if timeout_s is None else timeout_s
+        self.auth_check_s = timeouts.auth_check_s
         self.max_array_bytes = max_array_bytes
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -116,7 +121,7 @@ class Connection:
         if identity is not None:  # a stable routing id survives reconnects
             self.sock.setsockopt(zmq.ROUTING_ID, identity)
         # A DEALER with no live pipe (peer gone, handshake refused) blocks on send: bound it.
-        self.sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+        self.sock.setsockopt(zmq.SNDTIMEO, int(self.timeout_s * 1000))
         self.security = security
         self._monitor: zmq.Socket | None = None
         self.auth_failure: str | None = None
@@ -177,11 +182,11 @@ class Connection:
         deadline = time.monotonic() + t
         while True:
             left = deadline - time.monotonic()
-            frames = recv_frames(self.sock, max(0.0, min(left, 0.25)))
+            frames = recv_frames(self.sock, max(0.0, min(left, self.auth_check_s)))
             if frames is not None:
                 break
             self.check_auth()
-            if left <= 0.25:
+            if left <= self.auth_check_s:
                 raise TransportTimeout(
                     f"no reply from {self.endpoint} within {t:.1f}s{timeout_hint(self.security)}")
         msg = protocol.decode(frames, max_array_bytes=self.max_array_bytes)
@@ -215,7 +220,7 @@ class AuthenticationFailed(TransportTimeout):
     """The server refused this client's credentials in the handshake (wrong secret or key)."""
 
 
-class RemoteError(RuntimeError):
+class RemoteError(PsError, RuntimeError):
     """The server answered with an Error message."""
 
     def __init__(self, code: str, message: str, endpoint: str) -> None:

@@ -6,8 +6,8 @@ import argparse
 import sys
 
 from ps_common.cli_util import interrupt_on_signals, setup_logging
-from ps_common.config import ConfigError, load_config
-from ps_common.datasets import DatasetUnavailable
+from ps_common.config import load_config
+from ps_common.errors import PsError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,13 +31,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-level", default="WARNING")
     args = ap.parse_args(argv)
     setup_logging(args.log_level)
+    from ps_launcher.launcher import RunFailed
+
     try:
-        cfg = load_config(args.config, args.set)
-    except ConfigError as exc:
+        return _launch(args)
+    except RunFailed as exc:
+        print(f"ps-launch: run failed: {exc}", file=sys.stderr)
+        return 1
+    except PsError as exc:  # a bad config, a run directory in use, no dataset...
         print(f"ps-launch: {exc}", file=sys.stderr)
         return 2
-    from ps_launcher.launcher import LocalCluster, RunFailed, new_run_dir
-    from ps_launcher.run_dir import RunDirInUse, prepare_run_dir
+
+
+def _launch(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.set)
+    from ps_launcher.launcher import LocalCluster, new_run_dir
+    from ps_launcher.run_dir import prepare_run_dir
     from ps_launcher.summary import summary_markdown
 
     if args.backend == "slurm":
@@ -51,11 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         from ps_launcher.slurm import sbatch_script
 
         run_dir = Path(args.run_dir or new_run_dir(cfg)).resolve()
-        try:
-            prepare_run_dir(run_dir, args.overwrite)
-        except RunDirInUse as exc:
-            print(f"ps-launch: {exc}", file=sys.stderr)
-            return 2
+        prepare_run_dir(run_dir, args.overwrite)
         (run_dir / "config.yaml").write_text(dump_yaml(cfg))
         print(sbatch_script(cfg, run_dir / "config.yaml", run_dir), end="")
         return 0
@@ -75,17 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         cluster = LocalCluster(cfg, args.run_dir, progress=not args.no_progress, overwrite=args.overwrite)
     interrupt_on_signals()
-    try:
-        summary = cluster.run()
-    except RunDirInUse as exc:
-        print(f"ps-launch: {exc}", file=sys.stderr)
-        return 2
-    except RunFailed as exc:
-        print(f"ps-launch: run failed: {exc}", file=sys.stderr)
-        return 1
-    except DatasetUnavailable as exc:
-        print(f"ps-launch: {exc}", file=sys.stderr)
-        return 2
+    summary = cluster.run()
     print(summary_markdown(summary))
     print(f"run directory: {cluster.run_dir}")
     return 130 if summary["stop_reason"].startswith("interrupted") else 0

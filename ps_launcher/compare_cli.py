@@ -7,8 +7,7 @@ import sys
 from pathlib import Path
 
 from ps_common.cli_util import interrupt_on_signals, setup_logging
-from ps_common.config import ConfigError
-from ps_common.datasets import DatasetUnavailable
+from ps_common.errors import PsError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,14 +24,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     setup_logging(args.log_level)
     from ps_launcher.compare import default_out_dir, load_comparison, report_table, run_comparison
-    from ps_launcher.launcher import RunFailed
     from ps_launcher.run_dir import RunDirInUse
 
     interrupt_on_signals()
 
     try:
         base, comp = load_comparison(args.config, args.set)
-    except ConfigError as exc:
+    except PsError as exc:
         print(f"ps-compare: {exc}", file=sys.stderr)
         return 2
     if args.repeats is not None:
@@ -43,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     except RunDirInUse as exc:
         print(f"ps-compare: {exc}", file=sys.stderr)
         return 2
-    except (RunFailed, DatasetUnavailable) as exc:
+    except PsError as exc:  # a run that failed, no dataset...
         print(f"ps-compare: {exc}", file=sys.stderr)
         return 1
     target = comp.target_accuracy or base.training.target_accuracy or 0.97

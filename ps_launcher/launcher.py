@@ -18,13 +18,14 @@ from tqdm import tqdm
 from ps_common import protocol as P
 from ps_common.cli_util import PARENT_ENV
 from ps_common.config import JobConfig, dump_yaml
-from ps_common.credentials import ROLES, generate_master, load_secret, write_role_secret
-from ps_common.datasets import dataset_from_config
+from ps_common.errors import PsError
+from ps_common.security.credentials import ROLES, generate_master, load_secret, write_role_secret
 from ps_common.transport import Connection, TransportTimeout
 from ps_launcher.plots import plot_run
 from ps_launcher.processes import ProcessGroup
 from ps_launcher.run_dir import prepare_run_dir
 from ps_launcher.summary import summarize
+from ps_ml.datasets import dataset_from_config
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ def new_run_dir(cfg: JobConfig) -> Path:
     return Path(cfg.run.run_dir) / f"{cfg.run.name}-{stamp}"
 
 
-class RunFailed(RuntimeError):
+class RunFailed(PsError, RuntimeError):
     pass
 
 

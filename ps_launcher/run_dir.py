@@ -11,6 +11,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from ps_common.errors import PsError
+
 #: What ``ps-launch`` and the processes it starts write into a run directory.
 RUN_ENTRIES = frozenset({"config.yaml", "final", "logs", "metrics", "secrets", "checkpoints",
                          "summary.json", "summary.md", "accuracy.png", "workers.png", "lab",
@@ -21,7 +23,7 @@ def _is_run_entry(name: str) -> bool:
     return name in RUN_ENTRIES or (name.startswith("slurm-") and name.endswith(".out"))
 
 
-class RunDirInUse(RuntimeError):
+class RunDirInUse(PsError, RuntimeError):
     """The run directory holds a previous run (or other files)."""
 
 

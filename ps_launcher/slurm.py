@@ -63,7 +63,7 @@ def sbatch_script(cfg: JobConfig, config_path: Path, run_dir: Path, *, python: s
               f"rm -f {q(str(run_dir / ENDPOINT_FILE))}"]
     task = [python, "-m", "ps_launcher.slurm", "--config", str(config_path), "--run-dir", str(run_dir)]
     if secret is not None:
-        lines.append(f"[ -e {q(str(secret))} ] || {q(python)} -m ps_common.security secret {q(str(secret))}")
+        lines.append(f"[ -e {q(str(secret))} ] || {q(python)} -m ps_launcher.keys_cli secret {q(str(secret))}")
         task += ["--secret-file", str(secret)]
     lines += ["start=$SECONDS", "status=0",
               "srun --kill-on-bad-exit=1 --label " + " ".join(q(x) for x in task) + " || status=$?",

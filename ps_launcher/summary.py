@@ -205,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import sys
 
-    from ps_common.config import ConfigError, load_config
+    from ps_common.config import load_config
+    from ps_common.errors import PsError
 
     ap = argparse.ArgumentParser(prog="ps-summary", description=main.__doc__)
     ap.add_argument("run_dir")
@@ -219,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         cfg = load_config(cfg_path, env={})
-    except ConfigError as exc:
+    except PsError as exc:
         print(f"ps-summary: {exc}", file=sys.stderr)
         return 2
     from ps_launcher.plots import plot_run

@@ -1,7 +1,7 @@
 """``ps-bsm``: one :class:`~batchsize_manager.manager.BatchSizeManager` served over the protocol.
 
 Training loops in other processes or frameworks (a DDP job, a JAX loop, a shell script through
-:class:`ps_common.bsm_client.BatchSizeClient`) ask it for batch sizes: ``BsmJoin``/``BsmLeave``
+:class:`ps_server.bsm_client.BatchSizeClient`) ask it for batch sizes: ``BsmJoin``/``BsmLeave``
 change membership, ``BsmReport`` feeds one worker's measurements of a finished iteration,
 ``BsmAssign`` returns the next split (``BsmAssignment``) and ``BsmStats`` the counters.
 
@@ -28,7 +28,9 @@ import zmq
 
 from batchsize_manager import BatchSizeManager, WorkerReport
 from ps_common import protocol as P
-from ps_common.security import SecurityConfig, close_socket
+from ps_common.errors import PsError
+from ps_common.security.settings import SecurityConfig
+from ps_common.security.sockets import close_socket
 from ps_common.transport import advertised, bind_address, make_router
 from ps_server.router import Limits, Refused, RouterLoop
 
@@ -263,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                                    policy_args=_json_object(args.policy_args, "--policy-args"))
         service = BatchSizeService(manager, host=args.host, port=args.port,
                                    advertise_host=args.advertise, security=_security(args))
-    except (ValueError, TypeError, zmq.ZMQError) as exc:
+    except (PsError, ValueError, TypeError, zmq.ZMQError) as exc:
         print(f"ps-bsm: error: {exc}", file=sys.stderr)
         return 2
     service.install_signal_handlers()

@@ -16,10 +16,12 @@ from typing import Any
 
 import numpy as np
 
+from ps_common.errors import PsError
+
 _NAME = re.compile(r"^shard-(\d+)-v(\d+)\.npz$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(PsError, RuntimeError):
     pass
 
 

@@ -8,12 +8,9 @@ import sys
 from pathlib import Path
 
 from ps_common.cli_util import add_common_args, load_cli_config, setup_logging, watch_parent
-from ps_common.config import ConfigError
-from ps_common.credentials import CredentialError, generate_master
-from ps_common.datasets import DatasetUnavailable
-from ps_common.dmlc import DmlcEnv, DmlcEnvError, read_dmlc_env
-from ps_common.transport import RemoteError, TransportTimeout
-from ps_server.checkpoint import CheckpointError
+from ps_common.dmlc import DmlcEnv, read_dmlc_env
+from ps_common.errors import PsError
+from ps_common.security.credentials import generate_master
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     watch_parent()
     try:
         dmlc = read_dmlc_env(os.environ) if args.shard is None and args.coordinator is None else None
-    except DmlcEnvError as exc:
+    except PsError as exc:
         print(f"ps-server: error: {exc}", file=sys.stderr)
         return 2
     if dmlc is not None and dmlc.role == "worker":
@@ -66,8 +63,7 @@ def main(argv: list[str] | None = None) -> int:
 
         server = ShardServer(cfg, shard, host=host, port=port, advertise_host=advertise,
                              coordinator=coordinator, run_dir=args.run_dir, resume=args.resume)
-    except (ConfigError, DatasetUnavailable, ValueError, CheckpointError, CredentialError,
-            TransportTimeout, RemoteError) as exc:
+    except (PsError, ValueError) as exc:  # ValueError: also what libraries say of bad input
         print(f"ps-server: error: {exc}", file=sys.stderr)
         return 2
     if shard == 0 and args.run_dir:  # the config beside shard 0's records, for ps-summary
@@ -85,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         tmp.replace(args.endpoint_file)  # atomic: a reader never sees half of it
     try:
         server.run()
-    except RuntimeError as exc:
+    except (PsError, RuntimeError) as exc:
         print(f"ps-server: error: {exc}", file=sys.stderr)
         return 1
     return server.exit_code

@@ -21,7 +21,8 @@ from typing import Callable
 import zmq
 
 from ps_common import protocol as P
-from ps_common.security import SecurityConfig
+from ps_common.security.settings import SecurityConfig
+from ps_common.timeouts import DEFAULT_TIMEOUTS, Timeouts
 from ps_common.transport import Connection, TransportTimeout
 
 log = logging.getLogger(__name__)
@@ -35,8 +36,9 @@ class CoordinatorLink:
     """A follower's connection to the coordinator (shard 0)."""
 
     def __init__(self, ctx: zmq.Context, endpoint: str, *, security: SecurityConfig | None,
-                 hwm: int, timeout_s: float) -> None:
+                 hwm: int, timeout_s: float, timeouts: Timeouts = DEFAULT_TIMEOUTS) -> None:
         self.ctx = ctx
+        self.timeouts = timeouts
         self.endpoint = endpoint
         self.security = security
         self.hwm = hwm
@@ -46,7 +48,7 @@ class CoordinatorLink:
 
     def _connect(self) -> Connection:
         return Connection(self.ctx, self.endpoint, role="shard", security=self.security,
-                          timeout_s=self.timeout_s, hwm=self.hwm)
+                          timeout_s=self.timeout_s, hwm=self.hwm, timeouts=self.timeouts)
 
     @property
     def sock(self) -> zmq.Socket:
@@ -57,7 +59,7 @@ class CoordinatorLink:
         deadline = time.monotonic() + deadline_s
         while True:
             try:
-                reply = self.conn.request(msg, P.Registered, timeout_s=2.0)
+                reply = self.conn.request(msg, P.Registered, timeout_s=self.timeouts.register_attempt_s)
                 assert isinstance(reply, P.Registered)
                 self.last_heard = time.monotonic()
                 return reply

@@ -33,6 +33,7 @@ from batchsize_manager import WorkerReport
 from batchsize_manager.manager import BatchSizeManager
 from batchsize_manager.memory import CannotFit
 from ps_common.config import JobConfig
+from ps_common.errors import PsError
 from ps_common.protocol import Assignment, Plan
 from ps_server.data_cursor import DataCursor, split_ranges
 from ps_server.sync import AsyncPolicy, RoundPolicy, SyncPolicy
@@ -45,7 +46,7 @@ MAX_OUTSTANDING = 3
 SERVER_OBSERVED = ("finish_s",)
 
 
-class NotReassigned(Exception):
+class NotReassigned(PsError):
     """An out-of-memory report the coordinator cannot act on; ``code`` goes back as the Error's."""
 
     def __init__(self, code: str, message: str) -> None:

@@ -157,7 +157,7 @@ class Follow:
         if self.link is not None:
             self.link.close()
         self.link = CoordinatorLink(server.ctx, endpoint, security=self.cfg.security, hwm=self.cfg.transport.hwm,
-                                    timeout_s=self.cfg.transport.timeout_s)
+                                    timeout_s=self.cfg.transport.timeout_s, timeouts=server.timeouts)
         reg = self.link.register(P.RegisterShard(
             shard=server.shard_id, endpoint=server.endpoint, job_digest=server.job_digest,
             version=server.state.version, log_hash=server.state.log_hash, resumed=server.resumed),

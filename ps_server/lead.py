@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 from batchsize_manager import WorkerReport
 from batchsize_manager.manager import BatchSizeManager
 from ps_common import protocol as P
-from ps_common.datasets import dataset_from_config
 from ps_common.faults import fault
 from ps_common.metrics import MetricsWriter
+from ps_ml.datasets import dataset_from_config
 from ps_server.checkpoint import list_checkpoints
 from ps_server.control import Followers
 from ps_server.coordinator import CommitDecision, Coordinator, NotReassigned
@@ -207,10 +207,11 @@ class Lead:
         for k, ep in meta.get("shard_endpoints", {}).items():
             if int(k) == 0:
                 continue
-            conn = Connection(server.ctx, ep, role="shard", security=self.cfg.security, timeout_s=2.0)
+            conn = Connection(server.ctx, ep, role="shard", security=self.cfg.security,
+                              timeout_s=server.timeouts.rollback_send_s)
             try:
                 conn.request(P.Rollback(version=server.state.version, coordinator=server.endpoint),
-                             P.Ack, timeout_s=5.0)
+                             P.Ack, timeout_s=server.timeouts.rollback_reply_s)
             except Exception as exc:  # a follower that is gone registers when it is back
                 log.warning("shard %s at %s not told to roll back: %s", k, ep, exc)
             finally:

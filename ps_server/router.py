@@ -22,6 +22,7 @@ from typing import Any, Callable, Mapping
 import zmq
 
 from ps_common import protocol as P
+from ps_common.errors import PsError
 from ps_server.timings import Timings
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 Handler = Callable[[bytes, str, Any], "P.Message | None"]
 
 
-class Refused(Exception):
+class Refused(PsError):
     """A request answered with ``Error(code, message)``; state is left unchanged."""
 
     def __init__(self, code: str, message: str) -> None:

@@ -37,13 +37,14 @@ import zmq
 
 from ps_common import protocol as P
 from ps_common.config import JobConfig
-from ps_common.layout import partition
 from ps_common.metrics import MetricsWriter
-from ps_common.models import FlatParameters, build_model
-from ps_common.security import close_socket
+from ps_common.security.sockets import close_socket
+from ps_common.timeouts import DEFAULT_TIMEOUTS, Timeouts
 from ps_common.transport import WILDCARD_HOSTS, advertised, bind_address, make_router
+from ps_ml.models import FlatParameters, build_model
 from ps_server.checkpoint import CheckpointError, CheckpointWriter, find_checkpoint, load_checkpoint, save_checkpoint
 from ps_server.follow import Follow
+from ps_server.layout import partition
 from ps_server.lead import Lead
 from ps_server.pulls import PendingPull, PendingPulls
 from ps_server.roles import SHARD_PERMISSIONS
@@ -78,7 +79,7 @@ class ShardServer:
     def __init__(self, cfg: JobConfig, shard: int, *, host: str | None = None, port: int = 0,
                  advertise_host: str | None = None, coordinator: str | None = None,
                  run_dir: str | Path | None = None, ctx: zmq.Context | None = None,
-                 resume: bool = False) -> None:
+                 resume: bool = False, timeouts: Timeouts = DEFAULT_TIMEOUTS) -> None:
         S = cfg.cluster.num_shards
         if not 0 <= shard < S:
             raise ValueError(f"--shard must be in 0..{S - 1} (cluster.num_shards={S})")
@@ -88,6 +89,7 @@ class ShardServer:
             raise ValueError("no credentials: set security.secret_file (a job secret: `ps-keys secret "
                              "FILE`; ps-launch makes one per run) or turn on security.curve")
         self.cfg = cfg
+        self.timeouts = timeouts
         self.shard_id = shard
         torch.set_num_threads(1)  # the coordinator's predictors (NARX, ARIMA) are tiny
         self.ctx = ctx or zmq.Context.instance()
@@ -166,7 +168,7 @@ class ShardServer:
                     if link is not None:
                         poller.register(link, zmq.POLLIN)
                     polled = link
-                events = dict(poller.poll(50))
+                events = dict(poller.poll(int(self.timeouts.loop_poll_s * 1000)))
                 if link is not None and link in events:
                     self.role.on_link_messages()  # type: ignore[union-attr]
                 if self.sock in events:
@@ -175,7 +177,7 @@ class ShardServer:
                 if self._dirty:
                     self.serve_pulls()
                 if time.monotonic() >= next_tick:
-                    next_tick = time.monotonic() + 0.1
+                    next_tick = time.monotonic() + self.timeouts.tick_s
                     self.role.tick(time.monotonic())
         finally:
             self.close()
@@ -212,7 +214,7 @@ class ShardServer:
                            reason=reason)
         log.info("shard %d finished at version %d (%s): %s", self.shard_id, self.state.version,
                  self.state.log_hash, reason)
-        time.sleep(0.2)  # let the last messages leave before the sockets close (linger 0)
+        time.sleep(self.timeouts.finish_linger_s)  # the last messages leave before the sockets close
         self.stop_event.set()
 
     def _write_final(self) -> None:

@@ -19,6 +19,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from ps_common.config import OptimizerConfig
+from ps_common.errors import PsError
 from ps_server.optimizer import SGD
 
 GENESIS_HASH = "0" * 16
@@ -31,7 +32,7 @@ def next_log_hash(prev: str, version: int, iteration: int, entries: Sequence[Seq
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-class GradientRejected(ValueError):
+class GradientRejected(PsError, ValueError):
     """A pushed gradient that must not be stored; ``code`` for the Error reply."""
 
     def __init__(self, code: str, message: str) -> None:
@@ -39,7 +40,7 @@ class GradientRejected(ValueError):
         self.code = code
 
 
-class MissingGradient(RuntimeError):
+class MissingGradient(PsError, RuntimeError):
     """A commit names a gradient this shard does not hold: it cannot apply it."""
 
 

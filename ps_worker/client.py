@@ -17,8 +17,10 @@ import numpy as np
 import zmq
 
 from ps_common import protocol as P
+from ps_common.errors import PsError
 from ps_common.faults import kill_in_push
-from ps_common.security import SecurityConfig
+from ps_common.security.settings import SecurityConfig
+from ps_common.timeouts import DEFAULT_TIMEOUTS, Timeouts
 from ps_common.transport import Connection, RemoteError, TransportTimeout, undialable
 
 log = logging.getLogger(__name__)
@@ -28,11 +30,11 @@ log = logging.getLogger(__name__)
 REJOIN_CODES = ("unknown_worker", "rolled_back", "unauthorized")
 
 
-class ShardUnreachable(RuntimeError):
+class ShardUnreachable(PsError, RuntimeError):
     """The coordinator's welcome names a shard address that cannot be dialed."""
 
 
-class PullAborted(RuntimeError):
+class PullAborted(PsError, RuntimeError):
     """A pull given up because the membership or the coordinator changed under it."""
 
 
@@ -52,8 +54,10 @@ class ShardClients:
     """One DEALER per shard, authenticated as ``role``; shard 0 is reached at the address given."""
 
     def __init__(self, ctx: zmq.Context, server: str, *, timeout_s: float, connect_timeout_s: float,
-                 security: SecurityConfig | None = None, role: str = "worker", hwm: int = 100) -> None:
+                 security: SecurityConfig | None = None, role: str = "worker", hwm: int = 100,
+                 timeouts: Timeouts = DEFAULT_TIMEOUTS) -> None:
         self.security = security
+        self.timeouts = timeouts
         self.role = role
         self.hwm = hwm
         self.ctx = ctx
@@ -71,7 +75,8 @@ class ShardClients:
 
     def _connection(self, endpoint: str, max_array_bytes: int = 1 << 32) -> Connection:
         return Connection(self.ctx, endpoint, role=self.role, timeout_s=self.timeout_s,
-                          max_array_bytes=max_array_bytes, security=self.security, hwm=self.hwm)
+                          max_array_bytes=max_array_bytes, security=self.security, hwm=self.hwm,
+                          timeouts=self.timeouts)
 
     def join(self, name: str, job_digest: str, device: str, *, memory_fits: int = 0,
              memory_fails: int = 0) -> P.Welcome:
@@ -164,7 +169,7 @@ class ShardClients:
                     self.conns[k].check_auth()
                 eps = [self.conns[k].endpoint for k in sorted(waiting)]
                 raise TransportTimeout(f"no parameters from {eps} within {self.timeout_s:.0f}s")
-            events = dict(poller.poll(int(min(left, 0.5) * 1000)))
+            events = dict(poller.poll(int(min(left, self.timeouts.pull_poll_s) * 1000)))
             if not events:
                 for k in sorted(waiting):
                     self.conns[k].check_auth()
@@ -192,7 +197,7 @@ class ShardClients:
                     raise P.ProtocolError(f"{conn.endpoint}: expected params, got {reply.TYPE}")
                 first = first or time.perf_counter()
                 if k == 0 and reply.stop and honor_stop:
-                    self._drain(waiting - {0}, 0.2)
+                    self._drain(waiting - {0}, self.timeouts.stop_drain_s)
                     return PullResult(reply.version, reply.version_time, True, None,
                                       first - t0, time.perf_counter() - first)
                 replies[k] = reply

@@ -1,6 +1,6 @@
 """The I/O side of a heterogeneity scenario: CPU burners, emulated sleeps, communication delay.
 
-:mod:`ps_common.scenario` decides (pure functions of iteration and elapsed seconds); this module
+:mod:`ps_worker.scenario_runtime` decides (pure functions of iteration and elapsed seconds); this module
 carries the decisions out:
 
 * :class:`CpuBurners` runs N CPU-burning processes beside the worker (real co-located load).
@@ -25,7 +25,7 @@ import weakref
 from typing import TYPE_CHECKING, Callable, Iterable, Optional
 
 if TYPE_CHECKING:  # keep this module light: burner tests import it in small child processes
-    from ps_common.scenario import ScenarioRuntime
+    from ps_worker.scenario_runtime import ScenarioRuntime
 
 log = logging.getLogger(__name__)
 

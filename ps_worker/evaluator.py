@@ -20,10 +20,10 @@ import zmq
 
 from ps_common import protocol as P
 from ps_common.config import JobConfig
-from ps_common.datasets import ArrayDataset, dataset_from_config
 from ps_common.metrics import MetricsWriter
-from ps_common.models import FlatParameters, build_model
 from ps_common.transport import RemoteError
+from ps_ml.datasets import ArrayDataset, dataset_from_config
+from ps_ml.models import FlatParameters, build_model
 from ps_worker.client import ShardClients
 
 log = logging.getLogger(__name__)

@@ -7,9 +7,7 @@ import signal
 import sys
 
 from ps_common.cli_util import add_common_args, load_cli_config, setup_logging, watch_parent
-from ps_common.config import ConfigError
-from ps_common.datasets import DatasetUnavailable
-from ps_common.transport import RemoteError, TransportTimeout
+from ps_common.errors import PsError
 
 
 def _raise_interrupt(*_: object) -> None:
@@ -33,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except KeyboardInterrupt:
         return 130
-    except (ConfigError, DatasetUnavailable, TransportTimeout, RemoteError, RuntimeError) as exc:
+    except (PsError, RuntimeError) as exc:  # RuntimeError: what torch raises
         print(f"ps-evaluator: error: {exc}", file=sys.stderr)
         return 2
 

@@ -15,7 +15,9 @@ import time
 import zmq
 
 from ps_common import protocol as P
-from ps_common.security import SecurityConfig, secure_client_socket
+from ps_common.security.settings import SecurityConfig
+from ps_common.security.sockets import secure_client_socket
+from ps_common.timeouts import DEFAULT_TIMEOUTS, Timeouts
 from ps_common.transport import send
 
 log = logging.getLogger(__name__)
@@ -23,8 +25,10 @@ log = logging.getLogger(__name__)
 
 class Heartbeat:
     def __init__(self, ctx: zmq.Context, endpoint: str, worker_id: int, interval_s: float,
-                 security: SecurityConfig | None = None, token: str = "") -> None:
+                 security: SecurityConfig | None = None, token: str = "",
+                 timeouts: Timeouts = DEFAULT_TIMEOUTS) -> None:
         self.token = token
+        self.timeouts = timeouts
         self.security = security
         self.ctx = ctx
         self.endpoint = endpoint
@@ -43,7 +47,7 @@ class Heartbeat:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=self.timeouts.heartbeat_stop_s)
 
     def coordinator_silent_s(self) -> float:
         return time.monotonic() - self.last_reply

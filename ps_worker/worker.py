@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import socket
 import time
 from pathlib import Path
@@ -15,27 +16,27 @@ import zmq
 
 from ps_common import protocol as P
 from ps_common.config import JobConfig
-from ps_common.datasets import ArrayDataset, dataset_from_config, sample_order
+from ps_common.errors import PsError
 from ps_common.metrics import MetricsWriter
-from ps_common.models import FlatParameters, build_model
 from ps_common.protocol import Assignment
+from ps_common.timeouts import DEFAULT_TIMEOUTS, Timeouts
 from ps_common.transport import AuthenticationFailed, RemoteError, TransportTimeout
+from ps_ml.datasets import ArrayDataset, dataset_from_config, sample_order
+from ps_ml.models import FlatParameters, build_model
 from ps_worker.client import REJOIN_CODES, PullAborted, ShardClients
 from ps_worker.contention import CommDelay, ContentionDriver, EmulatedSlowdown
 from ps_worker.heartbeat import Heartbeat
 from ps_worker.memory import MemoryLimit, bound_kernel_cache, is_out_of_memory
+from ps_worker.scenario_runtime import runtime_for
 from ps_worker.telemetry import ResourceProbe
 
 log = logging.getLogger(__name__)
 
-#: Refusals after which a worker joins again: dropped as lost, the job rolled back to a
-#: checkpoint, or a restarted coordinator that no longer knows this worker's token.
-LEAVE_TIMEOUT_S = 2.0  # a goodbye on the way out; the heartbeat timeout covers a lost one
 #: Smallest batch a start-up memory probe tries first (then doubles).
 PROBE_START = 16
 
 
-class CannotFitInMemory(RuntimeError):
+class CannotFitInMemory(PsError, RuntimeError):
     """Not even one sample fits in this worker's memory limit."""
 
 
@@ -70,8 +71,11 @@ class SampleIndexer:
 class Worker:
     def __init__(self, cfg: JobConfig, server: str, *, name: str | None = None,
                  run_dir: str | Path | None = None, ctx: zmq.Context | None = None,
-                 dataset: ArrayDataset | None = None, scenario_index: int | None = None) -> None:
+                 dataset: ArrayDataset | None = None, scenario_index: int | None = None,
+                 timeouts: Timeouts = DEFAULT_TIMEOUTS) -> None:
         self.cfg = cfg
+        self.timeouts = timeouts
+        self._jitter = random.Random()  # not the job's seed: workers must not retry in step
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         self.device = resolve_device(cfg.worker.device)
         if self.device.type == "cpu":
@@ -80,7 +84,8 @@ class Worker:
         self.ctx = ctx or zmq.Context.instance()
         self.client = ShardClients(self.ctx, server, timeout_s=cfg.transport.timeout_s,
                                    connect_timeout_s=cfg.transport.connect_timeout_s,
-                                   security=cfg.security, role="worker", hwm=cfg.transport.hwm)
+                                   security=cfg.security, role="worker", hwm=cfg.transport.hwm,
+                                   timeouts=timeouts)
         self.data = dataset or dataset_from_config(cfg.data, cfg.run.seed)
         self.model = build_model(cfg.model.name, seed=cfg.run.seed).to(self.device)
         self.flat = FlatParameters(self.model)
@@ -113,16 +118,16 @@ class Worker:
         """Train until the coordinator says stop; returns the number of iterations done.
 
         If the coordinator drops this worker (declared lost after a stall) or restarts, the
-        worker joins again, with exponential backoff while the coordinator is unreachable.
-        Leaving early (``max_iterations``, SIGTERM) tells the coordinator, so no barrier waits.
+        worker joins again, with jittered exponential backoff (``timeouts.rejoin``, growing with
+        every rejoin) while the coordinator is unreachable. Leaving early (``max_iterations``,
+        SIGTERM) tells the coordinator, so no barrier waits.
         """
-        backoff = 0.25
         try:
             while True:
                 welcome = self._join()
                 hb = Heartbeat(self.ctx, self.client.server, self.worker_id,
                                self.cfg.heartbeat.interval_s, security=self.cfg.security,
-                               token=self.client.token).start()
+                               token=self.client.token, timeouts=self.timeouts).start()
                 try:
                     outcome = self._loop(welcome.version, max_iterations, hb)
                 except KeyboardInterrupt:
@@ -134,6 +139,7 @@ class Worker:
                     code = getattr(exc, "code", "")
                     if isinstance(exc, RemoteError) and code not in REJOIN_CODES:
                         raise
+                    backoff = self.timeouts.rejoin.delay(self.rejoins, self._jitter)
                     log.warning("worker %d: %s; joining again in %.2fs", self.worker_id, exc, backoff)
                     outcome = "rejoin"
                 finally:
@@ -145,7 +151,6 @@ class Worker:
                 self.rejoins += 1
                 self.client.close()
                 time.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
         finally:
             self.probe.stop()
             if self.contention is not None:
@@ -179,7 +184,7 @@ class Worker:
         self.worker_id = welcome.worker_id
         if self.contention is None:
             idx = self.scenario_index if self.scenario_index is not None else self.worker_id
-            self.scenario = self.cfg.scenario.for_worker(idx).runtime(idx)
+            self.scenario = runtime_for(self.cfg.scenario, idx)
             if self.memory.limit_mb is None and self.scenario.spec.memory_limit_mb is not None:
                 self.memory = MemoryLimit(self.scenario.spec.memory_limit_mb, self.device)
             self.slowdown = EmulatedSlowdown(self.scenario)
@@ -201,7 +206,7 @@ class Worker:
             # goodbye must not keep the process alive for the transport timeout (120 s).
             self.client.send_to_coordinator(
                 P.Leave(worker_id=self.worker_id, reason=reason, token=self.client.token), P.Ack,
-                timeout_s=min(LEAVE_TIMEOUT_S, self.cfg.transport.timeout_s))
+                timeout_s=min(self.timeouts.leave_s, self.cfg.transport.timeout_s))
         except Exception as exc:  # best effort: the heartbeat timeout covers a failed leave
             log.info("leave not acknowledged: %s", exc)
 

@@ -11,8 +11,8 @@ import zmq
 
 from ps_common import protocol as P
 from ps_common.config import JobConfig, load_config
-from ps_common.credentials import generate_master
 from ps_common.metrics import read_jsonl
+from ps_common.security.credentials import generate_master
 from ps_common.transport import Connection
 from ps_launcher.processes import ProcessGroup
 from ps_worker.client import ShardClients
@@ -145,7 +145,7 @@ def consistent_end(run_dir: Path, num_shards: int) -> tuple[np.ndarray, int]:
 def committed_batches(recs: list[dict], seed: int, num_train: int) -> list[np.ndarray]:
     """The sample indices each commit applied, in version order; asserts that no sample was
     applied twice in an epoch and that every epoch before the last is complete."""
-    from ps_common.datasets import sample_order
+    from ps_ml.datasets import sample_order
 
     seen: dict[int, list[int]] = {}
     batches = []

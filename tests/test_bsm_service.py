@@ -12,9 +12,9 @@ import zmq
 
 from batchsize_manager import BatchSizeManager, WorkerReport
 from ps_common import protocol as P
-from ps_common.bsm_client import BatchSizeClient, RemoteError, TransportTimeout
 from ps_common.transport import recv_frames
 from ps_server import bsm_service
+from ps_server.bsm_client import BatchSizeClient, RemoteError, TransportTimeout
 from ps_server.bsm_service import BatchSizeService
 
 X = 512
@@ -185,7 +185,8 @@ def test_client_observe_accepts_worker_reports_and_times_out(service):
 def test_curve_clients_must_be_allowed(tmp_path):
     if not zmq.has("curve"):
         pytest.skip("libzmq without CURVE")
-    from ps_common.security import init_local_keys, stop_authenticators
+    from ps_common.security.authenticator import stop_authenticators
+    from ps_common.security.settings import init_local_keys
 
     sec = init_local_keys(tmp_path / "keys")
     ctx = zmq.Context()                                # its own authenticator

@@ -14,12 +14,13 @@ import pytest
 
 from ps_common.scenario import WorkerScenario
 from ps_worker.contention import BURNER_TAG, CommDelay, ContentionDriver, CpuBurners, EmulatedSlowdown, kill_pid
+from ps_worker.scenario_runtime import ScenarioRuntime
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def rt(**spec):
-    return WorkerScenario.model_validate(spec).runtime(0)
+    return ScenarioRuntime(WorkerScenario.model_validate(spec), 0)
 
 
 def gone(pid: int) -> bool:

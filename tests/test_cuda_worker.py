@@ -10,8 +10,8 @@ import torch
 import zmq
 
 from ps_common.config import validate
-from ps_common.datasets import load_dataset
-from ps_common.reference import train_reference
+from ps_ml.datasets import load_dataset
+from ps_ml.reference import train_reference
 from ps_server.server import ShardServer
 from ps_worker.worker import Worker
 

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ps_common.datasets import sample_order
+from ps_ml.datasets import sample_order
 from ps_server.data_cursor import DataCursor, ranges_size
 
 

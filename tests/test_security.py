@@ -11,8 +11,11 @@ import pytest
 import zmq
 from pydantic import ValidationError
 
-from ps_common import security as S
-from ps_common.security import SecurityConfig, SecurityError
+from ps_common.security.authenticator import ZAP_DOMAIN, authenticator_running, stop_authenticators
+from ps_common.security.keys import SecurityError, generate_keypair, load_keypair, load_public_key, role_of_key_file
+from ps_common.security.settings import SecurityConfig, init_local_keys
+from ps_common.security.sockets import close_socket, secure_client_socket, secure_server_socket, timeout_hint
+from ps_launcher.keys_cli import main as keys_main
 
 pytestmark = [
     pytest.mark.timeout(20),
@@ -27,10 +30,10 @@ OK_WAIT_MS = 5000
 def keys(tmp_path_factory):
     """Server pair, an allowed client, a stranger; allowed/ holds only the allowed client."""
     d = tmp_path_factory.mktemp("keys")
-    cfg = S.init_local_keys(d)
-    _, stranger = S.generate_keypair(d, "worker-stranger")
-    _, impostor = S.generate_keypair(d, "impostor-server")
-    _, unnamed = S.generate_keypair(d, "laptop")
+    cfg = init_local_keys(d)
+    _, stranger = generate_keypair(d, "worker-stranger")
+    _, impostor = generate_keypair(d, "impostor-server")
+    _, unnamed = generate_keypair(d, "laptop")
     return {"dir": d, "cfg": cfg, "stranger": str(stranger), "impostor": str(impostor),
             "worker": str(d / "worker.key_secret"), "unnamed": str(unnamed)}
 
@@ -44,8 +47,8 @@ def ctx():
     _OPEN[id(c)] = []
     yield c
     for s in _OPEN.pop(id(c)):
-        S.close_socket(s)
-    S.stop_authenticators(c)
+        close_socket(s)
+    stop_authenticators(c)
     c.term()
 
 
@@ -53,7 +56,7 @@ def _router(ctx, cfg: SecurityConfig) -> tuple[zmq.Socket, str]:
     sock = ctx.socket(zmq.ROUTER)
     _OPEN[id(ctx)].append(sock)
     sock.setsockopt(zmq.LINGER, 0)
-    S.secure_server_socket(sock, cfg, ctx)
+    secure_server_socket(sock, cfg, ctx)
     sock.bind("tcp://127.0.0.1:*")
     return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
@@ -62,7 +65,7 @@ def _dealer(ctx, endpoint: str, cfg: SecurityConfig | None, role: str = "worker"
     sock = ctx.socket(zmq.DEALER)
     _OPEN[id(ctx)].append(sock)
     sock.setsockopt(zmq.LINGER, 0)
-    S.secure_client_socket(sock, cfg, role)
+    secure_client_socket(sock, cfg, role)
     sock.connect(endpoint)
     return sock
 
@@ -98,28 +101,28 @@ def _refused(router: zmq.Socket, dealer: zmq.Socket) -> None:
 
 # ----- keys and CLI ---------------------------------------------------------------------------
 def test_generate_load_round_trip_and_cli(tmp_path, capsys):
-    public, secret = S.generate_keypair(tmp_path, "w1")
+    public, secret = generate_keypair(tmp_path, "w1")
     assert (public.name, secret.name) == ("w1.key", "w1.key_secret")
     assert stat.S_IMODE(secret.stat().st_mode) == 0o600
-    pub, sec = S.load_keypair(secret)
+    pub, sec = load_keypair(secret)
     assert len(pub) == len(sec) == 40
-    assert S.load_public_key(public) == pub == S.load_public_key(secret)
+    assert load_public_key(public) == pub == load_public_key(secret)
     assert zmq.curve_public(sec) == pub
     assert not list(tmp_path.glob(".ps-keys-*")), "temporary directory left behind"
     with pytest.raises(SecurityError, match="refusing to overwrite"):
-        S.generate_keypair(tmp_path, "w1")
+        generate_keypair(tmp_path, "w1")
     with pytest.raises(SecurityError, match="no secret key"):
-        S.load_keypair(public)
+        load_keypair(public)
 
-    assert S.main(["generate", str(tmp_path / "cli"), "w2"]) == 0
+    assert keys_main(["generate", str(tmp_path / "cli"), "w2"]) == 0
     out = capsys.readouterr().out.split()
     assert out == [str(tmp_path / "cli" / "w2.key"), str(tmp_path / "cli" / "w2.key_secret")]
     assert stat.S_IMODE((tmp_path / "cli" / "w2.key_secret").stat().st_mode) == 0o600
-    assert S.main(["show", out[0]]) == 0
-    assert capsys.readouterr().out.strip() == S.load_public_key(out[1]).decode()
-    assert S.main(["show", str(tmp_path / "missing.key")]) == 2
+    assert keys_main(["show", out[0]]) == 0
+    assert capsys.readouterr().out.strip() == load_public_key(out[1]).decode()
+    assert keys_main(["show", str(tmp_path / "missing.key")]) == 2
     assert "no such file" in capsys.readouterr().err
-    assert S.main(["init", str(tmp_path / "local")]) == 0
+    assert keys_main(["init", str(tmp_path / "local")]) == 0
     assert "curve: true" in capsys.readouterr().out
 
 
@@ -127,8 +130,8 @@ def test_generate_load_round_trip_and_cli(tmp_path, capsys):
 def test_allowed_client_round_trip(ctx, keys):
     router, ep = _router(ctx, _server_cfg(keys))
     assert router.getsockopt(zmq.CURVE_SERVER) == 1
-    assert router.getsockopt_string(zmq.ZAP_DOMAIN) == S.ZAP_DOMAIN
-    assert S.authenticator_running(ctx)
+    assert router.getsockopt_string(zmq.ZAP_DOMAIN) == ZAP_DOMAIN
+    assert authenticator_running(ctx)
     for role in ("worker", "evaluator", "operator"):
         body = _round_trip(router, _dealer(ctx, ep, _client_cfg(keys), role))
         # ZAP tells the server who the client is: the role its key's file name grants
@@ -144,9 +147,9 @@ def test_a_key_whose_file_name_names_no_role_is_refused(ctx, keys, tmp_path):
     server = _server_cfg(keys).model_copy(update={"allowed_clients_dir": str(allowed)})
     router, ep = _router(ctx, server)
     _refused(router, _dealer(ctx, ep, _client_cfg(keys, client_secret_key=keys["unnamed"])))
-    assert S.role_of_key_file("worker-hostA.key") == "worker"
-    assert S.role_of_key_file("operator.key") == "operator"
-    assert S.role_of_key_file("workers.key") is None and S.role_of_key_file("laptop.key") is None
+    assert role_of_key_file("worker-hostA.key") == "worker"
+    assert role_of_key_file("operator.key") == "operator"
+    assert role_of_key_file("workers.key") is None and role_of_key_file("laptop.key") is None
 
 
 def test_client_not_in_allowed_dir_is_refused_until_its_key_is_added(ctx, keys, tmp_path):
@@ -187,23 +190,23 @@ def test_one_authenticator_per_context_refcounted_and_fail_closed(ctx, keys, tmp
     _round_trip(r2, _dealer(ctx, ep2, _client_cfg(keys)))
     other = server.model_copy(update={"allowed_clients_dir": str(tmp_path)})
     with pytest.raises(SecurityError, match="one set of credentials"):
-        S.secure_server_socket(ctx.socket(zmq.ROUTER), other, ctx)
-    S.close_socket(r2)
-    assert S.authenticator_running(ctx), "released while r1 still uses it"
+        secure_server_socket(ctx.socket(zmq.ROUTER), other, ctx)
+    close_socket(r2)
+    assert authenticator_running(ctx), "released while r1 still uses it"
     # stopped with a CURVE socket still open: that socket refuses everyone (ZAP_ENFORCE_DOMAIN)
-    S.stop_authenticators(ctx)
-    assert not S.authenticator_running(ctx)
+    stop_authenticators(ctx)
+    assert not authenticator_running(ctx)
     _refused(r1, _dealer(ctx, ep1, _client_cfg(keys)))
-    S.close_socket(r1)  # releasing after a forced stop is harmless
+    close_socket(r1)  # releasing after a forced stop is harmless
 
 
 def test_last_release_stops_the_authenticator(keys):
     c = zmq.Context()
     sock = c.socket(zmq.ROUTER)
-    handle = S.secure_server_socket(sock, _server_cfg(keys), c)
-    assert handle is not None and S.authenticator_running(c)
-    S.close_socket(sock)
-    assert not S.authenticator_running(c)
+    handle = secure_server_socket(sock, _server_cfg(keys), c)
+    assert handle is not None and authenticator_running(c)
+    close_socket(sock)
+    assert not authenticator_running(c)
     handle.close()  # idempotent
     c.term()  # would hang if the authenticator's sockets were still open
 
@@ -215,10 +218,10 @@ def test_curve_off_helpers_are_noops(ctx):
     off.require_client()
     router, ep = _router(ctx, off)
     assert router.getsockopt(zmq.CURVE_SERVER) == 0
-    assert not S.authenticator_running(ctx)
-    assert S.secure_server_socket(router, None, ctx) is None
+    assert not authenticator_running(ctx)
+    assert secure_server_socket(router, None, ctx) is None
     _round_trip(router, _dealer(ctx, ep, off))
-    assert S.timeout_hint(off) == ""
+    assert timeout_hint(off) == ""
 
 
 # ----- validation -----------------------------------------------------------------------------
@@ -249,19 +252,19 @@ def test_validation_errors_name_the_key(keys, tmp_path):
     with zmq.Context() as c2:
         s = c2.socket(zmq.DEALER)
         with pytest.raises(SecurityError, match="client_secret_key .or client_keys_dir. is required"):
-            S.secure_client_socket(s, SecurityConfig(curve=True, server_public_key=c.server_public_key))
+            secure_client_socket(s, SecurityConfig(curve=True, server_public_key=c.server_public_key))
         s.close(linger=0)
     with pytest.raises(ValidationError):
         SecurityConfig(curve=True, sever_secret_key="typo")  # extra keys are errors
     with pytest.raises(ValidationError):
         c.curve = False  # frozen
-    assert "allowed_clients_dir" in S.timeout_hint(c)
+    assert "allowed_clients_dir" in timeout_hint(c)
 
 
 # ----- the job secret (PLAIN) -----------------------------------------------------------------
 @pytest.fixture
 def secrets(tmp_path):
-    from ps_common import credentials as C
+    from ps_common.security import credentials as C
 
     master = C.generate_master(tmp_path / "job.secret")
     files = {"master": str(tmp_path / "job.secret")}
@@ -294,7 +297,7 @@ def test_wrong_or_missing_secrets_cannot_connect(ctx, secrets):
     _OPEN[id(ctx)].append(forged)
     forged.setsockopt(zmq.LINGER, 0)
     forged.setsockopt(zmq.PLAIN_USERNAME, b"operator")
-    from ps_common.credentials import load_secret
+    from ps_common.security.credentials import load_secret
 
     forged.setsockopt(zmq.PLAIN_PASSWORD, load_secret(secrets["worker"]).secret_for("worker").encode())
     forged.connect(ep)
@@ -302,7 +305,7 @@ def test_wrong_or_missing_secrets_cannot_connect(ctx, secrets):
 
 
 def test_a_role_file_grants_that_role_only(secrets):
-    from ps_common.credentials import CredentialError, load_secret
+    from ps_common.security.credentials import CredentialError, load_secret
 
     worker = load_secret(secrets["worker"])
     assert worker.roles == ("worker",)
@@ -314,17 +317,18 @@ def test_a_role_file_grants_that_role_only(secrets):
 
 
 def test_secret_files_cli_and_errors(tmp_path, capsys):
-    from ps_common.credentials import CredentialError, load_secret
+    from ps_common.security.credentials import CredentialError, load_secret
 
-    assert S.main(["secret", str(tmp_path / "m.secret")]) == 0
+    assert keys_main(["secret", str(tmp_path / "m.secret")]) == 0
     assert stat.S_IMODE((tmp_path / "m.secret").stat().st_mode) == 0o600
-    assert S.main(["secret", str(tmp_path / "w.secret"), "--role", "worker", "--from", str(tmp_path / "m.secret")]) == 0
+    assert keys_main(["secret", str(tmp_path / "w.secret"), "--role", "worker",
+                      "--from", str(tmp_path / "m.secret")]) == 0
     worker = load_secret(tmp_path / "w.secret").secret_for("worker")
     assert worker == load_secret(tmp_path / "m.secret").secret_for("worker")
     capsys.readouterr()
-    assert S.main(["secret", str(tmp_path / "m.secret")]) == 2
+    assert keys_main(["secret", str(tmp_path / "m.secret")]) == 2
     assert "refusing to overwrite" in capsys.readouterr().err
-    assert S.main(["secret", str(tmp_path / "x.secret"), "--role", "worker"]) == 2
+    assert keys_main(["secret", str(tmp_path / "x.secret"), "--role", "worker"]) == 2
     (tmp_path / "junk").write_text("hello")
     with pytest.raises(CredentialError, match="not an lbbsp secret file"):
         load_secret(tmp_path / "junk")

@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ps_common.datasets import load_dataset, sample_order
 from ps_common.metrics import read_jsonl
-from ps_common.reference import train_reference
+from ps_ml.datasets import load_dataset, sample_order
+from ps_ml.reference import train_reference
 from tests.cluster_util import consistent_end, start_servers, start_workers, status, wait_exit, write_config
 
 pytestmark = pytest.mark.system

@@ -23,9 +23,9 @@ import os
 import numpy as np
 import pytest
 
-from ps_common.datasets import load_dataset
 from ps_common.metrics import read_jsonl
-from ps_common.reference import train_reference_batches
+from ps_ml.datasets import load_dataset
+from ps_ml.reference import train_reference_batches
 from tests.cluster_util import committed_batches, consistent_end, start_servers, start_workers, wait_exit, write_config
 
 pytestmark = pytest.mark.system

@@ -13,9 +13,9 @@ import time
 import numpy as np
 import pytest
 
-from ps_common.datasets import load_dataset, sample_order
 from ps_common.metrics import read_jsonl
-from ps_common.reference import train_reference
+from ps_ml.datasets import load_dataset, sample_order
+from ps_ml.reference import train_reference
 from tests.cluster_util import consistent_end, start_servers, start_workers, status, wait_exit, write_config
 
 pytestmark = pytest.mark.system
@@ -82,7 +82,7 @@ def shards_exit(procs, timeout_s=60):
 
 
 def accuracy_of(params, seed=2):
-    from ps_common.models import FlatParameters, build_model
+    from ps_ml.models import FlatParameters, build_model
     from ps_worker.evaluator import evaluate
 
     model = build_model("mlp", seed=seed)

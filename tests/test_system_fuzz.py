@@ -29,9 +29,10 @@ import pytest
 import zmq
 
 from ps_common import protocol as P
-from ps_common.credentials import generate_master
 from ps_common.metrics import read_jsonl
-from ps_common.security import SecurityConfig, secure_client_socket
+from ps_common.security.credentials import generate_master
+from ps_common.security.settings import SecurityConfig
+from ps_common.security.sockets import secure_client_socket
 from tests.cluster_util import consistent_end, start_servers, start_workers, wait_exit, write_config
 
 pytestmark = pytest.mark.system
@@ -168,7 +169,7 @@ def run_job(procs, tmp_path, name: str, hostile: bool):
     cfg_path, cfg = write_config(tmp_path / name, JOB)
     run = tmp_path / name / "run"
     eps = start_servers(procs, cfg_path, 2, run)
-    from ps_common.layout import partition
+    from ps_server.layout import partition
     from ps_server.server import initial_parameters
 
     sizes = [b - a for a, b in partition(initial_parameters(cfg).size, 2)]
@@ -177,7 +178,7 @@ def run_job(procs, tmp_path, name: str, hostile: bool):
     stop = threading.Event()
     if hostile:
         # The insider holds a worker's role file of this job; the stranger another job's master.
-        from ps_common.credentials import load_secret, write_role_secret
+        from ps_common.security.credentials import load_secret, write_role_secret
 
         write_role_secret(tmp_path / name / "insider.secret", load_secret(cfg.security.secret_file), "worker")
         generate_master(tmp_path / name / "stranger.secret")

@@ -18,9 +18,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ps_common.datasets import load_dataset
 from ps_common.metrics import read_jsonl
-from ps_common.reference import train_reference_batches
+from ps_ml.datasets import load_dataset
+from ps_ml.reference import train_reference_batches
 from tests.cluster_util import committed_batches, consistent_end, start_servers, wait_exit, write_config
 
 pytestmark = pytest.mark.system

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.system
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = {"ps-server": "ps_server.cli", "ps-worker": "ps_worker.cli", "ps-evaluator": "ps_worker.evaluator_cli",
-           "ps-keys": "ps_common.security"}
+           "ps-keys": "ps_launcher.keys_cli"}
 JOB = {"run": {"name": "multihost", "seed": 1}, "model": {"name": "mlp"},
        "data": {"dataset": "synthetic", "synthetic_train": 1024, "synthetic_test": 256},
        "training": {"global_batch": 64, "max_iterations": 40, "finish_timeout_s": 30},
@@ -100,7 +100,7 @@ def test_the_readme_multi_host_instructions_work_as_written(procs, tmp_path, lab
         (keys / "allowed").mkdir(parents=True)
         clients = {"c": "worker-hostC", "d": "worker-hostD", "e": "evaluator-hostE"}
         for name in ["server", *clients.values()]:
-            out = subprocess.run([sys.executable, "-m", "ps_common.security", "generate", str(keys), name],
+            out = subprocess.run([sys.executable, "-m", "ps_launcher.keys_cli", "generate", str(keys), name],
                                  capture_output=True, text=True, timeout=60)
             assert out.returncode == 0, out.stderr
         for name in clients.values():

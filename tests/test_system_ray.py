@@ -155,7 +155,7 @@ def test_a_follower_shard_lost_with_its_node_starts_again_from_its_checkpoint(tm
     run ends with one history; the records shard 1 wrote before its node went are on the driver."""
     from ray.cluster_utils import Cluster
 
-    from ps_common.security import init_local_keys
+    from ps_common.security.settings import init_local_keys
     from ps_launcher.ray_backend import RayCluster
 
     keys = init_local_keys(tmp_path / "keys")

@@ -11,7 +11,8 @@ import pytest
 import zmq
 
 from ps_common import protocol as P
-from ps_common.security import generate_keypair, init_local_keys
+from ps_common.security.keys import generate_keypair
+from ps_common.security.settings import init_local_keys
 from ps_common.transport import AuthenticationFailed, Connection, RemoteError, TransportTimeout
 from tests.cluster_util import consistent_end, start_servers, start_workers, wait_exit, write_config
 

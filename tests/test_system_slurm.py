@@ -41,7 +41,7 @@ def test_tasks_map_to_roles_and_the_script_asks_for_one_task_each(tmp_path):
         role_of(cfg, 8)
     script = sbatch_script(cfg, tmp_path / "job.yaml", tmp_path / "run")
     assert "#SBATCH --ntasks=8" in script and "srun --kill-on-bad-exit=1" in script
-    assert f"security secret {tmp_path / 'run' / 'job.secret'}" in script, "no security: a job secret is made"
+    assert f"keys_cli secret {tmp_path / 'run' / 'job.secret'}" in script, "no security: a job secret is made"
     curve = validate({"cluster": {"num_workers": 1}, "evaluator": {"enabled": False},
                       "security": {"curve": True, "server_secret_key": "/k/server.key_secret"}})
     assert "job.secret" not in sbatch_script(curve, tmp_path / "j.yaml", tmp_path / "r")

@@ -9,7 +9,7 @@ gradient of rank ``i``'s *mean* loss over its ``x_i`` samples. Three pieces make
 * :func:`weighted_allreduce_hook` with a :class:`WeightedHookState`: a DDP communication hook
   that all-reduces ``(x_i / X) g_i`` instead of ``g_i / world_size``.
 * :class:`LBBSPSampler`: one global sample order (the same stream as
-  ``ps_common.reference.global_batch_indices``), iteration ``t`` takes the next ``X`` samples
+  ``ps_ml.reference.global_batch_indices``), iteration ``t`` takes the next ``X`` samples
   and rank ``r`` the contiguous slice ``[sum_{j<r} x_j, sum_{j<=r} x_j)``, so every sample is
   used exactly once per epoch whatever the sizes, and the run equals single-process SGD.
 * :class:`DDPBatchBalancer` (alias ``LBBSPHelper``): per iteration it gathers every rank's
@@ -167,7 +167,7 @@ def weighted_allreduce_hook(
 
 
 def _default_order(seed: int, epoch: int, n: int) -> np.ndarray:
-    """The epoch's shuffled order; identical to ``ps_common.datasets.sample_order``.
+    """The epoch's shuffled order; identical to ``ps_ml.datasets.sample_order``.
 
     Mirrored rather than imported so this package does not depend on ``ps_common``; the
     tests check that both streams agree.
@@ -196,7 +196,7 @@ class LBBSPSampler:
     and rank ``r`` the contiguous slice starting at ``sum_{j<r} x_j``. The split depends only
     on ``(iteration, sizes)``: nothing is consumed, so sizes may change every iteration, any
     rank can be asked about any iteration (resume is free), and the concatenation over ranks
-    is exactly the single-process global batch of ``ps_common.reference.global_batch_indices``.
+    is exactly the single-process global batch of ``ps_ml.reference.global_batch_indices``.
     """
 
     def __init__(

@@ -6,8 +6,10 @@ missing or failing mechanism raises :class:`LabUnavailable` with a sentence a us
 
 from __future__ import annotations
 
+from ps_common.errors import PsError
 
-class LabError(RuntimeError):
+
+class LabError(PsError, RuntimeError):
     """Base class: a lab mechanism failed (a command or a kernel interface refused)."""
 
 

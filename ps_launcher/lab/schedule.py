@@ -12,7 +12,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from ps_common.scenario import CpuQuota, Link, OnOffSchedule, Rotation, ScenarioConfig, TraceTable, read_trace
+from ps_common.scenario import CpuQuota, Link, Rotation, ScenarioConfig
+from ps_worker.scenario_runtime import OnOffSchedule, TraceTable, read_trace
 
 
 def _min(a: float | None, b: float | None) -> float | None:

@@ -34,6 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ps_common.errors import PsError
+
 try:  # POSIX only; elsewhere the atomic rename alone has to do.
     import fcntl
 except ImportError:  # pragma: no cover - non-POSIX
@@ -60,7 +62,7 @@ IMAGE_SHAPE: tuple[int, int, int] = (1, 28, 28)
 _LOCK_NAME = ".mnist.lock"
 
 
-class DatasetUnavailable(RuntimeError):
+class DatasetUnavailable(PsError, RuntimeError):
     """A dataset cannot be provided; the message says how to fix it."""
 
 
@@ -473,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     handler = {"fetch": _cmd_fetch, "info": _cmd_info}[args.command]
     try:
         return handler(args)
-    except (DatasetUnavailable, OSError, ValueError) as e:
+    except (PsError, OSError, ValueError) as e:
         print(f"ps-data {args.command}: error: {e}", file=sys.stderr)
         return 1
 

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ps_common.datasets import ArrayDataset, sample_order
-from ps_common.models import build_model
+from ps_ml.datasets import ArrayDataset, sample_order
+from ps_ml.models import build_model
 
 log = logging.getLogger(__name__)
 

@@ -29,6 +29,8 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from ps_common.errors import PsError
+
 log = logging.getLogger(__name__)
 
 ROLES = ("shard", "worker", "evaluator", "operator")
@@ -36,7 +38,7 @@ _MAGIC = "lbbsp-secret"
 _FORMAT = "v1"
 
 
-class CredentialError(ValueError, RuntimeError):
+class CredentialError(PsError, ValueError, RuntimeError):
     """A secret file is missing, malformed or does not grant the role asked for."""
 
 

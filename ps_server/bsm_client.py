@@ -24,7 +24,7 @@ from typing import Any, Mapping
 import zmq
 
 from ps_common import protocol as P
-from ps_common.security import SecurityConfig
+from ps_common.security.settings import SecurityConfig
 from ps_common.transport import Connection, RemoteError, TransportTimeout
 
 __all__ = ["BatchSizeClient", "RemoteError", "TransportTimeout"]
