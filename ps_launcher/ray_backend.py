@@ -40,7 +40,7 @@ from typing import Any
 import ray
 
 from ps_common.cli_util import PARENT_ENV
-from ps_common.config import JobConfig
+from ps_common.config import ConfigError, JobConfig
 from ps_launcher.launcher import LocalCluster, RunFailed
 
 log = logging.getLogger(__name__)
@@ -400,7 +400,7 @@ class RayCluster(LocalCluster):
         sec = self.cfg.security
         sec.require_server()
         if not sec.server_public_key:
-            raise ValueError("security.server_public_key: with CURVE on Ray, set the servers' public key file, "
+            raise ConfigError("security.server_public_key: with CURVE on Ray, set the servers' public key file, "
                              "so that clients are not sent the servers' secret key file")
         public = Path(sec.server_public_key).expanduser().read_bytes()
         allowed = Path(sec.allowed_clients_dir or "").expanduser()
@@ -416,7 +416,7 @@ class RayCluster(LocalCluster):
             own = (Path(sec.client_secret_key) if sec.client_secret_key
                    else Path(sec.client_keys_dir) / f"{role}.key_secret" if sec.client_keys_dir else None)
             if own is None:
-                raise ValueError("security.client_secret_key or security.client_keys_dir: with CURVE on Ray, "
+                raise ConfigError("security.client_secret_key or security.client_keys_dir: with CURVE on Ray, "
                                  "clients need their own key pair (ps-keys init), not the servers' secret key")
             group.role_files[role] = {"curve/client.key_secret": own.expanduser().read_bytes(),
                                       "curve/server.key": public}
