@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ps_common import protocol as P
 from ps_common.metrics import read_jsonl
 from ps_ml.datasets import load_dataset
 from ps_ml.reference import train_reference_batches
@@ -129,3 +130,68 @@ def test_a_start_up_probe_and_reported_headroom_keep_the_split_within_memory(pro
     rows = list(read_jsonl(run_dir / "metrics" / f"worker-{p['worker']}.jsonl"))
     assert all(r["mem_per_sample_mb"] > 0 and r["mem_headroom_mb"] >= 0 for r in rows)
     check_applied_once_and_sgd(run_dir, recs)
+
+
+@pytest.mark.timeout(300)
+def test_a_members_forged_out_of_memory_reports_change_nothing(procs, tmp_path):
+    """A member (valid token, real assignment) forges OutOfMemory reports against real shards:
+    for another iteration, another size, another member, with a wrong token, again after its
+    own retry was granted, and after its push. Each is refused with its code and changes
+    nothing; its one honest report is granted, its smaller push is committed at that size, and
+    the sample accounting and the shards' histories stay exact."""
+    import zmq
+
+    from ps_common.transport import RemoteError
+    from ps_worker.client import ShardClients
+    from ps_worker.heartbeat import Heartbeat
+
+    cfg_path, cfg = write_config(tmp_path, {**job("uniform", iterations=12), "scenario": {}, "model": {"name": "mlp"},
+                                            "training": {"global_batch": 64, "max_iterations": 12,
+                                                         "finish_timeout_s": 10}})
+    run = tmp_path / "run"
+    eps = start_servers(procs, cfg_path, 2, run)
+    honest = start_indexed_workers(procs, cfg_path, eps[0], 1, run)
+    me = ShardClients(zmq.Context.instance(), eps[0], timeout_s=30, connect_timeout_s=30, security=cfg.security)
+    try:
+        welcome = me.join("forger", cfg.job_digest(), "cpu")
+        wid, token = welcome.worker_id, me.token
+        beat = Heartbeat(me.ctx, eps[0], wid, 0.2, security=cfg.security, token=token).start()
+        params = np.zeros(welcome.num_params, np.float32)
+        a = me.pull(params, worker_id=wid, min_version=welcome.version).assignment
+        assert a is not None and a.batch_size == 32
+
+        def refused(**fields) -> str:
+            msg = P.OutOfMemory(**{"worker_id": wid, "token": token, "iteration": a.iteration,
+                                   "batch_size": a.batch_size, **fields})
+            with pytest.raises(RemoteError) as err:
+                me.send_to_coordinator(msg, P.Reassignment)
+            return err.value.code
+
+        assert refused(iteration=a.iteration + 1) == "not_planned"
+        assert refused(batch_size=a.batch_size + 1) == "bad_batch"
+        assert refused(batch_size=10**9) == "bad_batch"
+        assert refused(token="0" * len(token)) == "unauthorized"
+        assert refused(worker_id=1 - wid) == "unauthorized"  # the other member's id, my token
+        got = me.send_to_coordinator(P.OutOfMemory(worker_id=wid, token=token, iteration=a.iteration,
+                                                   batch_size=a.batch_size), P.Reassignment)
+        retry = got.assignment
+        assert retry.iteration == a.iteration and 1 <= retry.batch_size < a.batch_size
+        assert refused() == "bad_batch"  # the old size again: the granted one is the assignment now
+        grads = np.zeros_like(params)
+        res = me.push_pull(grads, params, worker_id=wid, assignment=retry, loss=0.0, telemetry={})
+        assert res.version == a.iteration + 1
+        assert refused(batch_size=retry.batch_size) == "not_planned"  # that iteration is committed
+        me.send_to_coordinator(P.Leave(worker_id=wid, token=token, reason="forger done"), P.Ack)
+    finally:
+        if "beat" in locals():
+            beat.stop()
+        me.close()
+    wait_exit(honest, timeout_s=240)
+    shards_done = [c for c in procs.children if c.role.startswith("shard")]
+    wait_exit(shards_done, timeout_s=60)
+    consistent_end(run, 2)
+    recs = [r for r in read_jsonl(run / "metrics" / "coordinator.jsonl") if "event" not in r]
+    first = min(recs, key=lambda r: r["version"])
+    assert first["batch_sizes"][str(wid)] == retry.batch_size, first["batch_sizes"]
+    assert first["samples"] == 32 + retry.batch_size
+    committed_batches(recs, SEED, N_TRAIN)  # at most once per epoch, complete epochs
