@@ -8,6 +8,7 @@ import sys
 from ps_common.cli_util import interrupt_on_signals, setup_logging
 from ps_common.config import ConfigError, load_config
 from ps_common.datasets import DatasetUnavailable
+from ps_server.job_config import check_job_config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     setup_logging(args.log_level)
     try:
-        cfg = load_config(args.config, args.set)
+        cfg = load_config(args.config, args.set, check=check_job_config)
     except ConfigError as exc:
         print(f"ps-launch: {exc}", file=sys.stderr)
         return 2
