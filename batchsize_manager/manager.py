@@ -1,8 +1,9 @@
 """BatchSizeManager: the one object a training loop (ours or another framework's) talks to.
 
-It owns membership, the bounds (x_min, x_max, per-worker memory caps), the policy, validation of
-every answer, and the measurement of its own decision time (so "overhead as a fraction of the
-iteration" is measured, not assumed). No sockets, no sleeps; time comes from an injected clock.
+It reads membership (its own, or the coordinator's: :mod:`batchsize_manager.membership`) and owns
+the bounds (x_min, x_max, per-worker memory caps), the policy, validation of every answer, and
+the measurement of its own decision time (so "overhead as a fraction of the iteration" is
+measured, not assumed). No sockets, no sleeps; time comes from an injected clock.
 
 Cost: ``observe`` only checks membership and queues the report (~0.2 µs); the queued reports of
 an iteration reach the policy as one :class:`~batchsize_manager.reports.ReportBatch` when it next
@@ -15,7 +16,6 @@ membership change, exactly as if each had been applied at once. Measured in
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import time
@@ -24,6 +24,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from batchsize_manager.allocation import check_feasible_arrays
+from batchsize_manager.membership import Member, Membership
 from batchsize_manager.memory import HEADROOM_KEY, CannotFit, MemoryCaps
 from batchsize_manager.policies import BatchPolicy, WorkerReport, get_policy
 from batchsize_manager.reports import ReportBatch
@@ -40,7 +41,9 @@ class BatchSizeManager:
     """Split a constant global batch X over the live workers, iteration after iteration.
 
     Usage per iteration: ``observe(report)`` for each worker's report of the finished iteration,
-    then ``assign()`` for the next one. ``join``/``leave`` may come between any two calls.
+    then ``assign()`` for the next one. ``join``/``leave`` may come between any two calls; or
+    the live set is a :class:`~batchsize_manager.membership.Membership` that someone else owns
+    (:meth:`use_membership`: the coordinator's), and the manager hears each of its changes.
 
     Bounds: every size is in [``min_batch``, cap_i], cap_i being the smallest of ``max_batch``,
     the policy's own configured caps and worker i's memory cap (:mod:`batchsize_manager.memory`:
@@ -79,13 +82,11 @@ class BatchSizeManager:
         self.min_batch = int(min_batch)
         self.max_batch = None if max_batch is None else int(max_batch)
         self.clock = clock
-        self._names: dict[int, str] = {}              # live id -> name (memory caps are by name)
-        self._ids_of: dict[str, set[int]] = {}
-        self._live: set[int] = set()
-        self._live_ids: np.ndarray | None = None       # sorted live ids (cache)
-        self._live_list: list[int] = []
+        self.membership: Membership[Any] = Membership()  # live ids and names (caps are by name)
+        self._owns_membership = True
+        self._live = self.membership.records           # for the O(1) test on the hot path
+        self.membership.subscribe(self)
         self._native = bool(getattr(pol, "native_arrays", False))
-        self._accepts_caps = "max_batch" in inspect.signature(pol.assign).parameters
         self._last_ids = np.zeros(0, dtype=np.int64)
         self._last_x = np.zeros(0, dtype=np.int64)
         self._last_dict: dict[int, int] | None = {}
@@ -137,16 +138,16 @@ class BatchSizeManager:
         rows = batch.rows_with(HEADROOM_KEY)
         if self.memory.tracks_any():
             tracked = [i for i, w in enumerate(batch.worker.tolist())
-                       if self.memory.tracks(self._names.get(w, ""))]
+                       if self.memory.tracks(self.membership.name_of(w) or "")]
             rows = np.union1d(rows, np.array(tracked, dtype=np.int64))
         for i in rows.tolist():
             r = batch.reports[i]
-            name = self._names.get(r.worker_id)
+            name = self.membership.name_of(r.worker_id)
             if name is not None:
                 self.memory.completed(name, r.batch_size, r.telemetry)
 
     def _out_of_memory(self, worker_id: int, batch_size: int) -> int | None:
-        name = self._names.get(worker_id)
+        name = self.membership.name_of(worker_id)
         if name is None:
             return None
         try:
@@ -162,66 +163,71 @@ class BatchSizeManager:
         """Worker ``worker_id`` failed with ``batch_size`` samples: learn from it and return the
         size to retry with. Raises :class:`~batchsize_manager.memory.CannotFit` when a single
         sample failed, ``KeyError`` for a worker that is not live."""
-        if worker_id not in self._live:
+        name = self.membership.name_of(worker_id)
+        if name is None:
             raise KeyError(f"worker {worker_id} is not live")
         self._flush(timed=True)
-        cap = self.memory.out_of_memory(self._names[worker_id], batch_size)
+        cap = self.memory.out_of_memory(name, batch_size)
         log.warning("worker %d (%s) ran out of memory at batch %d; retrying with %d", worker_id,
-                    self._names[worker_id], batch_size, cap)
+                    name, batch_size, cap)
         return cap
 
     def probed(self, worker_id: int, fits: int, fails: int | None = None) -> None:
         """A start-up probe of ``worker_id``'s memory: ``fits`` samples fit, ``fails`` did not."""
-        name = self._names.get(worker_id)
+        name = self.membership.name_of(worker_id)
         if name is not None:
             self.memory.probed(name, fits, fails)
 
     def name_of(self, worker_id: int) -> str | None:
-        return self._names.get(worker_id)
+        return self.membership.name_of(worker_id)
 
     # ----- membership ---------------------------------------------------------------------
     @property
     def live_workers(self) -> list[int]:
         """Live worker ids, sorted."""
-        return list(self._sorted_live()[1])
+        return list(self.membership.ids())
 
     def is_live(self, worker_id: int) -> bool:
         """O(1) membership test (``live_workers`` builds a sorted list: O(N) per call)."""
         return worker_id in self._live
 
-    def _sorted_live(self) -> tuple[np.ndarray, list[int]]:
-        if self._live_ids is None:
-            self._live_list = sorted(self._live)
-            self._live_ids = np.array(self._live_list, dtype=np.int64)
-        return self._live_ids, self._live_list
+    def use_membership(self, members: Membership[Any]) -> None:
+        """Take the live set from ``members``, which the caller owns and changes (the
+        coordinator's): this manager hears every join and leave, and its own :meth:`join` and
+        :meth:`leave` are refused. Only before anyone joined either side."""
+        if len(self.membership) or len(members):
+            raise ValueError("use_membership: both memberships must be empty")
+        self.membership = members
+        self._owns_membership = False
+        self._live = members.records
+        members.subscribe(self)
 
     def join(self, worker_id: int, name: str | None = None) -> None:
         """A worker became live (joining twice is a no-op). ``name`` keys its memory caps (a
         stable identity: a worker that rejoins under a new id keeps them); default ``str(id)``."""
-        w = int(worker_id)
-        if w not in self._live:
-            self._flush(timed=True)
-            self._live.add(w)
-            self._live_ids = None
-            n = str(w) if name is None else str(name)
-            self._names[w] = n
-            self._ids_of.setdefault(n, set()).add(w)
-            self._policy.join(w)
+        self._check_owner("join")
+        self.membership.join(worker_id, Member(str(int(worker_id)) if name is None else str(name)))
 
     def leave(self, worker_id: int) -> None:
         """A worker left or was declared lost (unknown ids are ignored)."""
-        w = int(worker_id)
-        if w in self._live:
-            self._flush(timed=True)
-            self._live.discard(w)
-            self._live_ids = None
-            n = self._names.pop(w, str(w))
-            ids = self._ids_of.get(n)
-            if ids is not None:
-                ids.discard(w)
-                if not ids:
-                    del self._ids_of[n]
-            self._policy.leave(w)
+        self._check_owner("leave")
+        self.membership.leave(worker_id)
+
+    def _check_owner(self, what: str) -> None:
+        if not self._owns_membership:
+            raise RuntimeError(f"{what}: this manager reads a membership someone else owns; "
+                               "change it there")
+
+    def member_joined(self, worker_id: int, name: str) -> None:
+        """(Membership listener) Reports queued before the join reach the policy first."""
+        self._flush(timed=True)
+        self._policy.join(worker_id)
+
+    def member_leaving(self, worker_id: int, name: str) -> None:
+        """(Membership listener) The leaver's queued reports still count (its name is still
+        known), then the policy forgets it."""
+        self._flush(timed=True)
+        self._policy.leave(worker_id)
 
     # ----- decisions ----------------------------------------------------------------------
     def observe(self, report: WorkerReport) -> None:
@@ -255,7 +261,7 @@ class BatchSizeManager:
         for name in self.memory.names():
             c = self.memory.cap(name)
             if c is not None:
-                for w in self._ids_of.get(name, ()):
+                for w in self.membership.ids_named(name):
                     caps[w] = c
         for w, c in self._policy.memory_caps().items():
             caps[w] = min(c, caps.get(w, c))
@@ -284,7 +290,7 @@ class BatchSizeManager:
         t0 = self.clock()
         try:
             self._flush()
-            ids, live = self._sorted_live()
+            ids, live = self.membership.sorted_ids()
             caps = self._caps_array(ids)
             check_feasible_arrays(ids, self.global_batch, self.min_batch, caps)
             if self._native:
@@ -295,11 +301,8 @@ class BatchSizeManager:
                 self._last_ids, self._last_x, self._last_dict = ids, x, None
                 return out
             capd = {w: int(c) for w, c in zip(live, caps.tolist()) if c != math.inf}
-            if self._accepts_caps:
-                sizes = self._policy.assign(live, self.global_batch, self.min_batch,
-                                            max_batch=capd or None)
-            else:
-                sizes = self._policy.assign(live, self.global_batch, self.min_batch)
+            sizes = self._policy.assign(live, self.global_batch, self.min_batch,
+                                        max_batch=capd or None)
             self._validate(sizes, live, capd)
             self.last_assignment = dict(sizes)
             return dict(sizes)
@@ -383,14 +386,21 @@ class BatchSizeManager:
             if state.get(key) != getattr(self, key):
                 log.info("batch-size manager: %s was %r in the checkpoint, now %r", key,
                          state.get(key), getattr(self, key))
-        self._live = {int(w) for w in state.get("live", [])}
-        self._live_ids = None
-        self._names = {w: self._names.get(w, str(w)) for w in self._live}
-        self._ids_of = {}
-        for w, n in self._names.items():
-            self._ids_of.setdefault(n, set()).add(w)
+        saved = [int(w) for w in state.get("live", [])]
+        if self._owns_membership:  # the policy's own state (below) already holds these workers
+            self.membership.restore({w: Member(self.membership.name_of(w) or str(w)) for w in saved})
         self.memory.load_state_dict(state.get("memory", {}))
         self.last_assignment = {int(k): int(v) for k, v in state.get("last_assignment", {}).items()}
         self.decisions = int(state.get("decisions", 0))
         self.total_decision_s = float(state.get("total_decision_s", 0.0))
         self._policy.load_state_dict(state.get("policy_state", {}))
+        if not self._owns_membership:
+            # The owner's membership is the live set: the checkpoint's members who are not
+            # members now have left (a resumed coordinator's workers join again), and members
+            # the checkpoint does not know have joined.
+            for w in saved:
+                if w not in self._live:
+                    self._policy.leave(w)
+            for w in self.membership.ids():
+                if w not in saved:
+                    self._policy.join(w)

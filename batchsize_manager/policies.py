@@ -7,11 +7,10 @@ LB-BSP's predictive policies plug in here through the same interface and registr
 
 from __future__ import annotations
 
-import inspect
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
@@ -22,6 +21,7 @@ from batchsize_manager.allocation import (
     proportional_split,
     uniform_split,
 )
+from ps_common.registry import Registry
 
 if TYPE_CHECKING:
     from batchsize_manager.reports import ReportBatch
@@ -69,9 +69,9 @@ class BatchPolicy(ABC):
         """The next batch size of every worker in ``workers``; sums exactly to ``global_batch``.
 
         Every size is >= ``min_batch`` and <= the worker's cap: ``max_batch`` is one int for
-        all, a ``{worker: cap}`` mapping (missing = uncapped) or None. Policies written before
-        caps existed may omit the keyword; :class:`~batchsize_manager.manager.BatchSizeManager`
-        then checks their answer against the caps instead.
+        all, a ``{worker: cap}`` mapping (missing = uncapped) or None. Every policy takes this
+        signature; :class:`~batchsize_manager.manager.BatchSizeManager` checks each answer
+        against the bounds all the same.
         """
 
     def observe_batch(self, batch: ReportBatch) -> None:
@@ -89,10 +89,7 @@ class BatchPolicy(ABC):
         The default goes through :meth:`assign`."""
         ws = ids.tolist()
         capd = {w: int(c) for w, c in zip(ws, caps.tolist()) if c != math.inf}
-        if "max_batch" in inspect.signature(self.assign).parameters:
-            sizes = self.assign(ws, global_batch, min_batch, max_batch=capd or None)
-        else:
-            sizes = self.assign(ws, global_batch, min_batch)
+        sizes = self.assign(ws, global_batch, min_batch, max_batch=capd or None)
         if sorted(sizes) != ws:
             raise RuntimeError(f"batch policy {self.name or type(self).__name__} answered for "
                                f"workers {sorted(sizes)}, live are {ws}")
@@ -113,31 +110,15 @@ class BatchPolicy(ABC):
         """Restore what :meth:`state_dict` returned."""
 
 
-_REGISTRY: dict[str, Callable[..., BatchPolicy]] = {}
-
-
-def register_policy(name: str) -> Callable[[type[BatchPolicy]], type[BatchPolicy]]:
-    def deco(cls: type[BatchPolicy]) -> type[BatchPolicy]:
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-    return deco
-
-
-def policy_names() -> list[str]:
-    return sorted(_REGISTRY)
+#: Batch policy classes by name (``mode.batch_policy``); add one with ``@register_policy(name)``.
+BATCH_POLICIES: Registry[type[BatchPolicy]] = Registry("batch policy", base=BatchPolicy)
+register_policy = BATCH_POLICIES.register
+policy_names = BATCH_POLICIES.names
 
 
 def get_policy(name: str, **args: Any) -> BatchPolicy:
     """Instantiate a registered policy; unknown names and bad arguments give clear errors."""
-    try:
-        cls = _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown batch policy {name!r}; known: {', '.join(policy_names())}") from None
-    try:
-        return cls(**args)
-    except TypeError as exc:
-        raise ValueError(f"batch policy {name!r}: bad arguments {args}: {exc}") from None
+    return BATCH_POLICIES.create(name, **args)
 
 
 @register_policy("uniform")

@@ -23,10 +23,12 @@ from __future__ import annotations
 import logging
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
+
+from ps_common.registry import Registry
 
 log = logging.getLogger(__name__)
 
@@ -190,12 +192,6 @@ def check_band(name: str, low: float, high: float) -> None:
                          f"got ({low}, {high})")
 
 
-# ---------------------------------------------------------------------------------- registry
-PREDICTOR_REGISTRY: dict[str, type[Predictor]] = {}
-
-P = TypeVar("P", bound=type[Predictor])
-
-
 class GatedModelPredictor(Predictor):
     """A model-based predictor whose forecast is used only while the gate trusts it.
 
@@ -216,24 +212,11 @@ class GatedModelPredictor(Predictor):
         return self._forecast
 
 
-def register_predictor(name: str) -> Callable[[P], P]:
-    """Class decorator adding a :class:`Predictor` subclass to the registry under ``name``."""
-
-    def decorator(cls: P) -> P:
-        if name in PREDICTOR_REGISTRY:
-            raise ValueError(f"predictor {name!r} is already registered")
-        if not (isinstance(cls, type) and issubclass(cls, Predictor)):
-            raise TypeError(f"predictor {name!r} must be a Predictor subclass")
-        cls.name = name
-        PREDICTOR_REGISTRY[name] = cls
-        return cls
-
-    return decorator
-
-
-def predictor_names() -> list[str]:
-    """Registered predictor names, sorted."""
-    return sorted(PREDICTOR_REGISTRY)
+# ---------------------------------------------------------------------------------- registry
+#: Predictor classes by name; add one with ``@register_predictor(name)``.
+PREDICTOR_REGISTRY: Registry[type[Predictor]] = Registry("predictor", base=Predictor)
+register_predictor = PREDICTOR_REGISTRY.register
+predictor_names = PREDICTOR_REGISTRY.names
 
 
 def get_predictor(name: str, **kwargs: Any) -> Predictor:
@@ -242,15 +225,4 @@ def get_predictor(name: str, **kwargs: Any) -> Predictor:
     Unknown names and bad hyper-parameters raise ``ValueError`` naming the predictor, so a config
     typo fails at start-up with a message that says what to fix.
     """
-    try:
-        cls = PREDICTOR_REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown predictor {name!r}; known predictors: "
-                         f"{', '.join(predictor_names())}") from None
-    try:
-        return cls(**kwargs)
-    except TypeError as e:  # unexpected or missing keyword
-        raise ValueError(f"predictor {name!r}: bad hyper-parameters {sorted(kwargs)}: {e}") from None
-    except ValueError as e:
-        msg = str(e)
-        raise ValueError(msg if msg.startswith(name) else f"predictor {name!r}: {msg}") from None
+    return PREDICTOR_REGISTRY.create(name, **kwargs)

@@ -9,7 +9,7 @@ import signal
 import threading
 import time
 
-from ps_common.config import JobConfig, load_config
+from ps_common.config import ConfigCheck, JobConfig, load_config
 
 #: Set by ps-launch on its children: the launcher's pid, watched so that no child outlives it.
 PARENT_ENV = "LBBSP_PARENT_PID"
@@ -31,9 +31,10 @@ def setup_logging(level: str) -> None:
                         format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
 
 
-def load_cli_config(path: str | None, overrides: list[str], secret_file: str | None = None) -> JobConfig:
+def load_cli_config(path: str | None, overrides: list[str], secret_file: str | None = None, *,
+                    check: ConfigCheck | None = None) -> JobConfig:
     extra = [f"security.secret_file={os.path.abspath(secret_file)}"] if secret_file else []
-    return load_config(path, [*overrides, *extra])
+    return load_config(path, [*overrides, *extra], check=check)
 
 
 def watch_parent(interval_s: float = 0.5) -> None:

@@ -12,12 +12,13 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal, Mapping, Optional, Sequence
+from typing import Any, Callable, Literal, Mapping, Optional, Sequence
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ps_common.errors import PsError
+from ps_common.registry import Registry
 from ps_common.scenario import ScenarioConfig
 from ps_common.security.settings import SecurityConfig
 
@@ -39,16 +40,9 @@ class RunConfig(StrictModel):
 
 
 class ModelConfig(StrictModel):
-    name: str = "lenet"
-
-    @field_validator("name")
-    @classmethod
-    def _known(cls, v: str) -> str:
-        from ps_ml.models import model_names
-
-        if v not in model_names():
-            raise ValueError(f"unknown model {v!r}; known models: {', '.join(model_names())}")
-        return v
+    # The name is checked against ps_ml's model registry by whoever loads the config to run
+    # servers (ps_server.job_config); a worker building an unknown model gets the same error.
+    name: str = Field("lenet", min_length=1)
 
 
 class DataConfig(StrictModel):
@@ -95,23 +89,18 @@ class ClusterConfig(StrictModel):
 
 
 class ModeConfig(StrictModel):
-    sync: Literal["bsp", "asp", "ssp", "backup"] = "bsp"
+    """A mode names one sync policy and one batch policy. Their registries live above this
+    package (``ps_server.sync``, ``batchsize_manager``), so the names are checked where those
+    are loaded: the servers and the launcher pass a ``check`` to :func:`load_config`."""
+
+    sync: str = Field("bsp", min_length=1, description="sync policy (ps_server.sync.SYNC_POLICIES)")
     staleness: int = Field(5, ge=0, description="SSP bound s")
     backup_workers: int = Field(1, ge=1, description="b for sync=backup: N + b workers run")
-    batch_policy: str = "uniform"
+    batch_policy: str = Field("uniform", min_length=1, description="batch policy (batchsize_manager)")
     batch_policy_args: dict[str, Any] = Field(default_factory=dict)
     plan_ahead: bool = Field(
         True, description="decide the next split while the workers compute, from the reports known "
                           "then (one iteration older), so the batch policy never delays a commit")
-
-    @field_validator("batch_policy")
-    @classmethod
-    def _known(cls, v: str) -> str:
-        from batchsize_manager import policy_names
-
-        if v not in policy_names():
-            raise ValueError(f"unknown batch policy {v!r}; known: {', '.join(policy_names())}")
-        return v
 
 
 class WorkerConfig(StrictModel):
@@ -241,10 +230,6 @@ class JobConfig(StrictModel):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "JobConfig":
-        if self.mode.sync == "backup" and self.mode.backup_workers >= self.cluster.num_workers:
-            raise ValueError(
-                f"mode.backup_workers ({self.mode.backup_workers}) must be below "
-                f"cluster.num_workers ({self.cluster.num_workers}): N + b workers run, N are waited for")
         if self.cluster.transport == "ipc" and self.scenario.needs_hosts(self.cluster.num_workers):
             raise ValueError("cluster.transport=ipc cannot reach processes on lab hosts "
                              "(scenario links or hosts): use tcp")
@@ -253,14 +238,6 @@ class JobConfig(StrictModel):
                 f"training.global_batch ({self.training.global_batch}) is below cluster.num_workers "
                 f"x training.min_batch ({self.cluster.num_workers} x {self.training.min_batch})")
         return self
-
-    def sync_args(self) -> dict[str, Any]:
-        """Constructor arguments of the configured sync policy (shard-independent part)."""
-        if self.mode.sync == "ssp":
-            return {"staleness": self.mode.staleness}
-        if self.mode.sync == "backup":
-            return {"required": self.cluster.num_workers - self.mode.backup_workers}
-        return {}
 
     def job_spec(self) -> dict[str, Any]:
         """The part every process of one job must agree on (checked by digest at join)."""
@@ -331,9 +308,35 @@ def validate(data: Mapping[str, Any], *, source: str = "config") -> JobConfig:
         raise ConfigError(format_validation_error(exc, source)) from None
 
 
+#: A check a higher package adds to loading: ``check(cfg, source)`` raises :class:`ConfigError`.
+ConfigCheck = Callable[[JobConfig, str], object]
+
+
+def check_names(cfg: JobConfig, registries: Mapping[str, Registry[Any]], *, source: str = "config") -> None:
+    """Each dotted key's value must be a name in its registry (``{"mode.sync": SYNC_POLICIES}``).
+
+    For names whose registry lives above this package: the package that has it checks them
+    where it loads the config, with the same message as any other bad value (the key, the
+    known names, what was given)."""
+    problems = []
+    for key, registry in registries.items():
+        value: Any = cfg
+        for part in key.split("."):
+            value = getattr(value, part)
+        try:
+            registry.get(value)
+        except ValueError as exc:
+            problems.append(f"{key}: {exc} (got {value!r})")
+    if problems:
+        raise ConfigError("\n".join([f"invalid configuration ({source}):", *(f"  {p}" for p in problems)]))
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = (),
-                env: Mapping[str, str] | None = None) -> JobConfig:
-    """Load, merge and validate a job config; raises :class:`ConfigError` naming the key."""
+                env: Mapping[str, str] | None = None, *, check: ConfigCheck | None = None) -> JobConfig:
+    """Load, merge and validate a job config; raises :class:`ConfigError` naming the key.
+
+    ``check``: what the caller's package validates beyond this schema (the names of its
+    registries), run on the merged config before it is returned."""
     data: dict[str, Any] = {}
     source = "defaults"
     if path is not None:
@@ -354,6 +357,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
     _apply_overrides(data, _env_overrides(os.environ if env is None else env), source="environment")
     _apply_overrides(data, overrides, source="--set")
     cfg = validate(data, source=source)
+    if check is not None:
+        check(cfg, source)
     if path is not None:  # trace files named relative to the config file
         cfg = cfg.model_copy(update={"scenario": cfg.scenario.resolved(Path(path).parent)})
     return cfg

@@ -126,6 +126,7 @@ class Welcome(Message):
     version: int = 0
     job: dict[str, Any] = field(default_factory=dict)
     token: str = ""  # the worker's membership secret: every push, heartbeat and leave carries it
+    consistent_pulls: bool = True  # the sync mode's: one version on every shard, or each one's newest
 
 
 @dataclass

@@ -8,6 +8,7 @@ import sys
 from ps_common.cli_util import interrupt_on_signals, setup_logging
 from ps_common.config import load_config
 from ps_common.errors import PsError
+from ps_server.job_config import check_job_config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.set)
+    cfg = load_config(args.config, args.set, check=check_job_config)
     from ps_launcher.launcher import LocalCluster, new_run_dir
     from ps_launcher.run_dir import prepare_run_dir
     from ps_launcher.summary import summary_markdown

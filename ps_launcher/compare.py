@@ -29,6 +29,7 @@ from tqdm import tqdm
 from ps_common.config import ConfigError, JobConfig, StrictModel, format_validation_error, validate
 from ps_launcher.launcher import LocalCluster, new_run_dir
 from ps_launcher.run_dir import RunDirInUse
+from ps_server.job_config import check_job_config
 
 COLUMNS = ["mode", "repeat", "seed", "median_iteration_s", "mean_iteration_s", "p95_iteration_s",
            "iterations_to_target", "time_to_target_s",
@@ -66,7 +67,7 @@ def load_comparison(path: str | Path, overrides: list[str] = ()) -> tuple[JobCon
     if len(set(names)) != len(names):
         raise ConfigError(f"{p}: compare.modes names must be unique, got {names}")
     for m in comp.modes:  # fail fast on a bad mode, before any run starts
-        mode_config(base, m, 0)
+        check_job_config(mode_config(base, m, 0), f"{p}, compare mode {m.name!r}")
     return base, comp
 
 

@@ -24,27 +24,15 @@ import numpy as np
 import torch
 from torch import nn
 
+from ps_common.registry import Registry
+
 log = logging.getLogger(__name__)
 
 ModelFactory = Callable[..., nn.Module]
-MODEL_REGISTRY: dict[str, ModelFactory] = {}
-
-
-def register_model(name: str) -> Callable[[ModelFactory], ModelFactory]:
-    """Decorator adding a factory ``f(num_classes=...) -> nn.Module`` to the registry."""
-
-    def decorator(factory: ModelFactory) -> ModelFactory:
-        if name in MODEL_REGISTRY:
-            raise ValueError(f"model {name!r} is already registered")
-        MODEL_REGISTRY[name] = factory
-        return factory
-
-    return decorator
-
-
-def model_names() -> list[str]:
-    """Registered model names, sorted."""
-    return sorted(MODEL_REGISTRY)
+#: Factories ``f(num_classes=...) -> nn.Module`` by name; add one with ``@register_model(name)``.
+MODEL_REGISTRY: Registry[ModelFactory] = Registry("model")
+register_model = MODEL_REGISTRY.register
+model_names = MODEL_REGISTRY.names
 
 
 def build_model(name: str, *, seed: int, num_classes: int = 10) -> nn.Module:
@@ -54,10 +42,7 @@ def build_model(name: str, *, seed: int, num_classes: int = 10) -> nn.Module:
     every process. Only a forked copy of the CPU RNG is reseeded, so the
     caller's global RNG state (CPU and CUDA) is left untouched.
     """
-    try:
-        factory = MODEL_REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown model {name!r}; known models: {', '.join(model_names())}") from None
+    factory = MODEL_REGISTRY.get(name)
     with torch.random.fork_rng(devices=[]):
         torch.default_generator.manual_seed(seed)
         model = factory(num_classes=num_classes)

@@ -11,6 +11,7 @@ from ps_common.cli_util import add_common_args, load_cli_config, setup_logging, 
 from ps_common.dmlc import DmlcEnv, read_dmlc_env
 from ps_common.errors import PsError
 from ps_common.security.credentials import generate_master
+from ps_server.job_config import check_job_config
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         return _run_worker(args, dmlc)
     try:
         overrides = list(args.set) + (dmlc.overrides() if dmlc is not None else [])
-        cfg = load_cli_config(args.config, overrides, args.secret_file)
+        cfg = load_cli_config(args.config, overrides, args.secret_file, check=check_job_config)
         shard = 0 if args.shard is None else args.shard
         host, port, advertise, coordinator = args.host, args.port, args.advertise, args.coordinator
         if dmlc is not None:

@@ -8,12 +8,15 @@ returns. It is the one place where a commit is decided (DESIGN.md section 3):
 - The sync policy picks, among complete gradients, the set that makes up the next version
   (:meth:`decide`). Each decision is one :class:`CommitDecision` that every shard applies in the
   same order, so versions mean the same thing on every shard.
-- Round modes (BSP, LB-BSP, backup workers) have one plan per iteration: the live workers, each
-  one's batch size from the batch policy and its sample ranges from the data cursor. A worker
-  lost before its gradient was complete leaves the plan and its samples go back to the cursor
-  once; a complete one stays and is applied. The plan for t+1 rides on t's commit.
-- Async modes (ASP, SSP) cut each worker's next assignment when it asks for it; each complete
-  gradient that matches an outstanding assignment is its own commit.
+- How the next assignment is planned is the policy's answer (``plans_rounds``). Round modes
+  (BSP, LB-BSP, backup workers) have one plan per iteration: the live workers, each one's batch
+  size from the batch policy and its sample ranges from the data cursor. A worker lost before
+  its gradient was complete leaves the plan and its samples go back to the cursor once; a
+  complete one stays and is applied. The plan for t+1 rides on t's commit. Async modes (ASP,
+  SSP) cut each worker's next assignment when it asks for it; each complete gradient that
+  matches an outstanding assignment is its own commit.
+- Membership has one owner, this coordinator (:attr:`Coordinator.members`); the batch-size
+  manager and the sync policy read it.
 
 Samples of gradients that are not applied go back to the cursor exactly once, so every applied
 sample is used exactly once per epoch.
@@ -31,6 +34,7 @@ from typing import Callable
 
 from batchsize_manager import WorkerReport
 from batchsize_manager.manager import BatchSizeManager
+from batchsize_manager.membership import Membership
 from batchsize_manager.memory import CannotFit
 from ps_common.config import JobConfig
 from ps_common.errors import PsError
@@ -124,7 +128,10 @@ class Coordinator:
         self.clock = clock
         self.cursor = DataCursor(num_samples)
         self.member_key = os.urandom(16).hex()
-        self.workers: dict[int, WorkerInfo] = {}
+        #: The live workers: changed here only; the manager (and through it the batch policy)
+        #: hears every change.
+        self.members: Membership[WorkerInfo] = Membership()
+        manager.use_membership(self.members)
         self._next_id = 0
         self.started = False
         self.start_time = 0.0
@@ -162,10 +169,6 @@ class Coordinator:
     def global_batch(self) -> int:
         return self.cfg.training.global_batch
 
-    @property
-    def round_based(self) -> bool:
-        return self.policy.round_based
-
     def _count(self, what: str) -> None:
         self.counters[what] = self.counters.get(what, 0) + 1
 
@@ -173,28 +176,27 @@ class Coordinator:
     def join(self, name: str, instance: str, device: str = "cpu", memory_fits: int = 0,
              memory_fails: int = 0) -> int:
         """A new member; a Join from a process that already is one replaces that membership."""
-        for wid, info in list(self.workers.items()):
+        for wid, info in list(self.members.records.items()):
             if instance and info.instance == instance:
                 self.leave(wid, "joined again (same process)")
         wid = self._next_id
         self._next_id += 1
         now = self.clock()
-        clock = min((w.clock for w in self.workers.values()), default=0)
-        self.workers[wid] = WorkerInfo(wid, name, instance, now, device, now, clock)
-        self.manager.join(wid, name)
+        clock = min((w.clock for w in self.members.records.values()), default=0)
+        self.members.join(wid, WorkerInfo(wid, name, instance, now, device, now, clock))
         if memory_fits > 0:
             self.manager.probed(wid, memory_fits, memory_fails or None)
             self._ahead = None
             self.events.append({"event": "memory_probe", "worker": wid, "name": name, "fits": memory_fits,
                                 "fails": memory_fails, "cap": self.manager.memory_caps.get(wid)})
-        log.info("worker %d (%s) joined; %d live", wid, name, len(self.workers))
+        log.info("worker %d (%s) joined; %d live", wid, name, len(self.members))
         return wid
 
     def token(self, worker_id: int) -> str:
         return member_token(self.member_key, worker_id)
 
     def token_ok(self, worker_id: int, token: str) -> bool:
-        return worker_id in self.workers and hmac.compare_digest(self.token(worker_id), token)
+        return worker_id in self.members and hmac.compare_digest(self.token(worker_id), token)
 
     def leave(self, worker_id: int, reason: str = "left") -> None:
         """Remove a worker (graceful leave, declared lost, replaced); no barrier waits for it.
@@ -202,12 +204,11 @@ class Coordinator:
         Its gradients that are not complete will never be: they are dropped everywhere and
         their samples go back to the cursor. A complete one is still applied.
         """
-        if self.workers.pop(worker_id, None) is None:
+        if self.members.leave(worker_id) is None:
             return
-        self.manager.leave(worker_id)
         self._sent.pop(worker_id, None)
         self.lost.append((worker_id, reason, self.clock()))
-        log.info("worker %d %s; %d live", worker_id, reason, len(self.workers))
+        log.info("worker %d %s; %d live", worker_id, reason, len(self.members))
         for clock, a in sorted(self.outstanding.pop(worker_id, {}).items()):
             g = self.ledger.get((worker_id, clock))
             if g is not None and g.complete:
@@ -215,7 +216,7 @@ class Coordinator:
             else:
                 self._discard((worker_id, clock))
                 self.cursor.give_back(a.ranges)
-        if self.round_based and worker_id in self.plan and not self.stop:
+        if worker_id in self.plan and not self.stop:  # round modes: it leaves the plan
             g = self.ledger.get((worker_id, self.iteration))
             if g is None or not g.complete:
                 self._discard((worker_id, self.iteration))
@@ -226,26 +227,30 @@ class Coordinator:
     def silent_workers(self, timeout_s: float) -> list[int]:
         """Workers not heard from (push or heartbeat) for longer than ``timeout_s``."""
         now = self.clock()
-        return [w for w, info in self.workers.items() if now - info.last_seen > timeout_s]
+        return [w for w, info in self.members.records.items() if now - info.last_seen > timeout_s]
 
     def heard_from(self, worker_id: int) -> bool:
-        info = self.workers.get(worker_id)
+        info = self.members.get(worker_id)
         if info is None:
             return False
         info.last_seen = self.clock()
         return True
 
     def live(self) -> list[int]:
-        return sorted(self.workers)
+        return list(self.members.ids())
+
+    def clock_of(self, worker_id: int) -> int:
+        """Async modes: the worker's committed clock (gradients applied)."""
+        return self.members[worker_id].clock
 
     def told_stop(self, worker_id: int) -> None:
-        info = self.workers.get(worker_id)
+        info = self.members.get(worker_id)
         if info is not None:
             info.told_stop = True
 
     def everyone_knows_stop(self) -> bool:
         """Every member has been answered with stop (or left) and the evaluator is done."""
-        workers_done = all(w.told_stop for w in self.workers.values())
+        workers_done = all(w.told_stop for w in self.members.records.values())
         return workers_done and (self.evaluator_done or not self.cfg.evaluator.enabled)
 
     # ----- starting and planning ----------------------------------------------------------
@@ -254,10 +259,10 @@ class Coordinator:
         every worker left once somebody is live again. Returns a new plan to announce."""
         if self.stop:
             return None
-        if self.started and self.replan_pending and self.workers:
+        if self.started and self.replan_pending and len(self.members):
             self.replan_pending = False
-            return self._plan(self.iteration) if self.round_based else None
-        if self.started or len(self.workers) < self.cfg.cluster.num_workers:
+            return self._plan_current_iteration()
+        if self.started or len(self.members) < self.cfg.cluster.num_workers:
             return None
         self.started = True
         now = self.clock()
@@ -267,10 +272,14 @@ class Coordinator:
         else:  # keep the elapsed clock running across the restart
             self.start_time = now - self.elapsed_at_resume
         self.last_update_time = now
-        return self._plan(self.iteration) if self.round_based else None
+        return self._plan_current_iteration()
+
+    def _plan_current_iteration(self) -> Plan | None:
+        """Round modes plan the current iteration now; async modes when each worker asks."""
+        return self._plan(self.iteration) if self.policy.plans_rounds else None
 
     def current_plan(self) -> Plan | None:
-        if not self.round_based or not self.plan or self.stop:
+        if not self.plan or self.stop:  # no plan: an async mode, or nobody live
             return None
         ws = sorted(self.plan)
         return Plan(iteration=self.iteration, workers=ws, batch_sizes=[self.plan[w].batch_size for w in ws])
@@ -278,9 +287,9 @@ class Coordinator:
     def current_global_batch(self) -> int:
         """X for the next plan: constant, or worker_batch x live workers (elastic.keep)."""
         e = self.cfg.elastic
-        if e.keep == "worker_batch" and self.round_based:
+        if e.keep == "worker_batch" and self.policy.plans_rounds:
             wb = e.worker_batch or max(1, self.global_batch // self.cfg.cluster.num_workers)
-            return wb * max(1, len(self.workers))
+            return wb * max(1, len(self.members))
         return self.global_batch
 
     def drain_events(self) -> list[dict]:
@@ -316,17 +325,9 @@ class Coordinator:
         return a + (b - a) * min(1.0, (iteration - start + 1) / ramp)
 
     def _split(self, live: list[int]) -> tuple[dict[int, int], int]:
-        """Batch sizes for ``live`` and their sum.
-
-        With backup workers each of the N + b workers gets a share of X / N, so the first N
-        gradients add up to X.
-        """
-        X = self.current_global_batch()
-        b = self.cfg.mode.backup_workers if self.cfg.mode.sync == "backup" else 0
-        required = max(1, self.cfg.cluster.num_workers - b)
-        total = X if b == 0 else max(len(live), round(X * len(live) / required))
-        if sorted(self.manager.live_workers) != live:
-            raise RuntimeError(f"manager members {self.manager.live_workers} differ from {live}")
+        """Batch sizes for ``live`` (the manager's members too) and their sum, which the sync
+        policy sets from X (backup workers: N + b shares of X / N)."""
+        total = self.policy.planned_total(self.current_global_batch(), len(live))
         self.manager.global_batch = total
         return self.manager.assign(), total
 
@@ -360,7 +361,7 @@ class Coordinator:
         if not live:
             return
         stale = self._ahead is None or self._ahead[0] != tuple(live)
-        if stale or (fresh and not self.round_based):  # async: every assignment uses the newest split
+        if stale or (fresh and not self.policy.plans_rounds):  # async: every assignment uses the newest split
             self._ahead = (tuple(live), self._split(live))
 
     def _plan(self, iteration: int) -> Plan | None:
@@ -381,9 +382,10 @@ class Coordinator:
     def assignment(self, worker_id: int, key: int) -> Assignment | None:
         """The assignment answering a worker's pull: ``key`` is the shard version (round modes:
         the current iteration's plan) or the worker's next clock (async modes)."""
-        if self.stop or worker_id not in self.workers or not self.started:
+        if self.stop or worker_id not in self.members or not self.started:
             return None
-        if self.round_based:
+        policy = self.policy
+        if not isinstance(policy, AsyncPolicy):  # round modes: the current iteration's plan
             return self.plan.get(worker_id) if key == self.iteration else None
         mine = self.outstanding.setdefault(worker_id, {})
         a = mine.get(key)
@@ -391,9 +393,8 @@ class Coordinator:
             return a
         if len(mine) >= MAX_OUTSTANDING:
             return None  # its earlier gradients are not committed yet: back-pressure
-        policy = self.policy
-        assert isinstance(policy, AsyncPolicy)
-        if not policy.pull_ready({w: i.clock for w, i in self.workers.items()}, self.workers, key):
+        records = self.members.records
+        if not policy.pull_ready({w: i.clock for w, i in records.items()}, records, key):
             return None
         live = self.live()
         sizes, total = self._planned_split(live)
@@ -408,11 +409,11 @@ class Coordinator:
         """Why :meth:`assignment` has nothing for this worker now (a diagnostic, never a decision)."""
         if self.stop:
             return "the job is stopping"
-        if worker_id not in self.workers:
+        if worker_id not in self.members:
             return "not a member"
         if not self.started:
-            return f"the job has not started ({len(self.workers)} of {self.cfg.cluster.num_workers} workers joined)"
-        if self.round_based:
+            return f"the job has not started ({len(self.members)} of {self.cfg.cluster.num_workers} workers joined)"
+        if self.policy.plans_rounds:
             if key != self.iteration:
                 return f"shard version {version} is not the planned iteration {self.iteration}"
             if worker_id not in self.plan:
@@ -422,16 +423,20 @@ class Coordinator:
         mine = self.outstanding.get(worker_id, {})
         if len(mine) >= MAX_OUTSTANDING:
             return f"{len(mine)} of its gradients are not committed yet"
-        return f"the sync policy holds clock {key} back (clocks: {[(w, i.clock) for w, i in self.workers.items()]})"
+        return f"the sync policy holds clock {key} back (clocks: {[(w, i.clock) for w, i in self.members.records.items()]})"
 
     # ----- gradients and commits ------------------------------------------------------------
     def expected(self, worker_id: int, iteration: int) -> int | None:
         """The batch size a push of (worker, iteration) must carry, or None if none is due."""
-        if self.round_based:
-            a = self.plan.get(worker_id) if iteration == self.iteration else None
-        else:
-            a = self.outstanding.get(worker_id, {}).get(iteration)
+        a = self._due(worker_id, iteration)
         return None if a is None else a.batch_size
+
+    def _due(self, worker_id: int, iteration: int) -> Assignment | None:
+        """The worker's assignment of ``iteration``: in the plan (round modes) or among its
+        outstanding ones (async modes; the other is empty)."""
+        if iteration == self.iteration and worker_id in self.plan:
+            return self.plan[worker_id]
+        return self.outstanding.get(worker_id, {}).get(iteration)
 
     def out_of_memory(self, worker_id: int, iteration: int, batch_size: int) -> Assignment:
         """Worker ``worker_id`` ran out of memory on its assignment of ``iteration``: the manager
@@ -444,8 +449,7 @@ class Coordinator:
         Raises :class:`NotReassigned` for a report that does not match what is due."""
         if self.stop:
             raise NotReassigned("stopped", "the job is stopping")
-        due = self.plan if self.round_based else self.outstanding.get(worker_id, {})
-        a = due.get(worker_id) if self.round_based else due.get(iteration)
+        a = self._due(worker_id, iteration)
         if a is None or a.iteration != iteration:
             raise NotReassigned("not_planned", f"worker {worker_id} has no assignment of iteration {iteration}")
         if a.batch_size != batch_size:
@@ -461,7 +465,7 @@ class Coordinator:
         keep, back = split_ranges(a.ranges, x)
         self.cursor.give_back(back)
         new = Assignment(iteration=iteration, batch_size=x, ranges=keep, global_batch=a.global_batch)
-        if self.round_based:
+        if self.plan.get(worker_id) is a:
             self.plan[worker_id] = new
         else:
             self.outstanding[worker_id][iteration] = new
@@ -540,14 +544,12 @@ class Coordinator:
         a time, so that each is carried out (and checkpointed) before the next is decided."""
         if not self.started or self.stop:
             return []
-        if self.round_based:
-            d = self._decide_round()
+        if isinstance(self.policy, RoundPolicy):
+            d = self._decide_round(self.policy)
             return [d] if d is not None else []
         return self._decide_async()
 
-    def _decide_round(self) -> CommitDecision | None:
-        policy = self.policy
-        assert isinstance(policy, RoundPolicy)
+    def _decide_round(self, policy: RoundPolicy) -> CommitDecision | None:
         t = self.iteration
         if not self.plan:
             return None
@@ -587,7 +589,7 @@ class Coordinator:
             del self.outstanding[w][c]
             if not self.outstanding[w]:
                 del self.outstanding[w]
-            info = self.workers.get(w)
+            info = self.members.get(w)
             if info is not None:
                 info.clock = max(info.clock, c + 1)
             drops, self._pending_drops = self._pending_drops, []
@@ -626,16 +628,14 @@ class Coordinator:
         inflight = list(self.plan.values()) + [a for m in self.outstanding.values() for a in m.values()]
         for a in inflight:
             cursor.give_back(a.ranges)
-        return {"cursor": cursor.state_dict(), "iteration": self.updates if self.round_based else 0,
+        return {"cursor": cursor.state_dict(), "iteration": self.updates if self.policy.plans_rounds else 0,
                 "version": self.version, "elapsed": self.elapsed(), "updates": self.updates,
                 "applied_samples": self.applied_samples, "last_accuracy": self.last_accuracy,
                 "next_id": self._next_id, "policy": self.manager.state_dict()}
 
     def load_state_dict(self, d: dict) -> None:
         """Resume: progress and cursor from the checkpoint; wait for the workers to join again."""
-        for w in list(self.workers):
-            self.manager.leave(w)
-        self.workers.clear()
+        self.members.clear()
         self.plan, self.outstanding, self.ledger = {}, {}, {}
         self._completed, self._pending_drops = [], []
         self._unobserved, self._ahead = [], None
@@ -648,20 +648,18 @@ class Coordinator:
         self.elapsed_at_resume = float(d.get("elapsed", 0.0))
         self._next_id = max(self._next_id, int(d["next_id"]))
         self.member_key = os.urandom(16).hex()  # tokens of the old incarnation are void
-        if d.get("policy") is not None:
+        if d.get("policy") is not None:  # its members of the old incarnation have left
             try:
                 self.manager.load_state_dict(d["policy"])
             except (ValueError, KeyError) as exc:  # a policy change between runs: start afresh
                 log.warning("batch policy state not restored: %s", exc)
-        for w in self.manager.live_workers:  # members of the old incarnation join again
-            self.manager.leave(w)
         self.started, self.stop, self.stop_reason, self.stop_version = False, False, "", -1
         self.replan_pending = False
         self.resumed = True
 
     def iterations_done(self) -> float:
         """Progress in global batches: iterations in round modes, X-sample equivalents in async."""
-        if self.round_based:
+        if self.policy.plans_rounds:
             return float(self.updates)
         return self.applied_samples / self.global_batch
 
@@ -691,10 +689,9 @@ class Coordinator:
             return
         self.stop, self.stop_reason, self.stop_version = True, reason, self.version
         log.info("stopping at version %d: %s", self.version, reason)
-        if self.round_based:
-            for a in self.plan.values():
-                self.cursor.give_back(a.ranges)
-            self.plan = {}
+        for a in self.plan.values():
+            self.cursor.give_back(a.ranges)
+        self.plan = {}
         for mine in self.outstanding.values():
             for a in mine.values():
                 self.cursor.give_back(a.ranges)

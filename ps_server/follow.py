@@ -82,8 +82,8 @@ class Follow:
         largest = self.server.largest_batch()
         if not 1 <= x <= largest:
             raise Refused("bad_batch", f"batch size {x} outside 1..{largest}")
-        if not self.server.policy.round_based:
-            return False  # async: the coordinator commits only what matches its assignment
+        if not self.server.policy.plans_rounds:
+            return False  # async: no plan here; the coordinator commits only what matches its assignment
         if t <= self.last_iteration:
             return True
         plan = self.plan
@@ -221,7 +221,7 @@ class Follow:
                         f"({applied.log_hash} vs {msg.log_hash}): stopping")
             return
         st.drop(msg.drops)
-        if server.policy.round_based:
+        if server.policy.plans_rounds:  # the commit closes its iteration; the next plan rides on it
             self.last_iteration = msg.iteration
             st.drop_through(msg.iteration)
             if self.plan is not None and self.plan.iteration <= msg.iteration:

@@ -93,8 +93,8 @@ class Lead:
             return True
         expected = coord.expected(w, t)
         if expected is None:
-            if self.server.policy.round_based and t < coord.iteration:
-                return True
+            if self.server.policy.plans_rounds and t < coord.iteration:
+                return True  # its iteration is closed
             raise Refused("not_planned", f"no assignment of worker {w} for iteration {t}")
         if expected != x:
             raise Refused("bad_batch", f"worker {w} was assigned {expected} samples for "
@@ -115,9 +115,9 @@ class Lead:
     def assignment(self, p: PendingPull) -> P.Error | P.Assignment | None:
         """What a worker's answered pull carries: its assignment, an Error, or None to wait."""
         coord = self.coord
-        if p.worker_id not in coord.workers:
+        if p.worker_id not in coord.members:
             return P.Error(code="unknown_worker", message=f"worker {p.worker_id} is not a member")
-        key = self.server.state.version if self.server.policy.round_based else p.min_version
+        key = self.server.policy.assignment_key(self.server.state.version, p.min_version)
         return coord.assignment(p.worker_id, key)
 
     def answered(self, p: PendingPull, reply: P.Message) -> None:
@@ -130,7 +130,7 @@ class Lead:
     def status(self) -> dict[str, Any]:
         c = self.coord
         return dict(iterations=c.iterations_done(), epoch=c.cursor.epoch, samples=c.cursor.state.samples_served,
-                    workers=len(c.workers), stop=c.stop, stop_reason=c.stop_reason, started=c.started,
+                    workers=len(c.members), stop=c.stop, stop_reason=c.stop_reason, started=c.started,
                     elapsed=c.elapsed(), last_accuracy=c.last_accuracy)
 
     def shutdown(self, reason: str) -> P.Message | None:
@@ -178,10 +178,10 @@ class Lead:
             if p.worker_id < 0:
                 continue
             version = server.state.version
-            if server.policy.round_based and version < p.min_version:
+            if server.policy.plans_rounds and version < p.min_version:
                 why = f"the shard is at version {version}"
             else:
-                key = version if server.policy.round_based else p.min_version
+                key = server.policy.assignment_key(version, p.min_version)
                 why = self.coord.waiting_reason(p.worker_id, key, version)
             log.warning("worker %d's pull (min_version %d) has waited %.1fs: %s", p.worker_id, p.min_version,
                         now - p.since, why)
@@ -241,23 +241,25 @@ class Lead:
         coord, server = self.coord, self.server
         if not self.pending_joins or len(self.shard_endpoints) < self.cfg.cluster.num_shards:
             return
+        policy = server.policy
         for ident, role, join in self.pending_joins:
             wid = (coord.join(join.name, join.instance, join.device, max(0, join.memory_fits),
                               max(0, join.memory_fails)) if role == "worker" else -1)
-            start = (coord.workers[wid].clock if wid >= 0 and not server.policy.round_based
-                     else server.state.version)
+            version = server.state.version
+            start = policy.assignment_key(version, coord.clock_of(wid)) if wid >= 0 else version
             server.router_reply(ident, P.Welcome(
                 worker_id=wid,
                 shard_endpoints=[self.shard_endpoints[k] for k in range(self.cfg.cluster.num_shards)],
                 shard_ranges=[list(r) for r in server.ranges], num_params=server.num_params,
-                version=start, job=self.cfg.job_spec(), token=coord.token(wid) if wid >= 0 else ""))
+                version=start, job=self.cfg.job_spec(), token=coord.token(wid) if wid >= 0 else "",
+                consistent_pulls=policy.consistent_pulls))
         self.pending_joins = []
         self._announce_plan(coord.try_start())
         server.pulls_changed()  # the job may have started: waiting first pulls get assignments
 
     def _member(self, worker_id: int, token: str) -> Coordinator:
         coord = self.coord
-        if worker_id not in coord.workers:
+        if worker_id not in coord.members:
             raise Refused("unknown_worker", f"worker {worker_id} is not a member (declared lost?)")
         if not coord.token_ok(worker_id, token):
             raise Refused("unauthorized", f"worker {worker_id}'s membership token is wrong")
@@ -351,7 +353,7 @@ class Lead:
             raise RuntimeError(f"coordinator state out of step: applied {applied.version}/{applied.log_hash}, "
                                f"decided {d.version}/{msg.log_hash}")
         st.drop(d.drops)
-        if server.policy.round_based:
+        if server.policy.plans_rounds:  # the commit closes its iteration
             st.drop_through(d.iteration)
         if d.checkpoint:
             server.write_checkpoint()

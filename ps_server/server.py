@@ -50,7 +50,7 @@ from ps_server.pulls import PendingPull, PendingPulls
 from ps_server.roles import SHARD_PERMISSIONS
 from ps_server.router import Limits, Refused, RouterLoop
 from ps_server.shard import GradientRejected, ShardState
-from ps_server.sync import get_sync_policy
+from ps_server.sync import sync_policy_for
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class ShardServer:
         self.ranges = partition(full.size, S)
         lo, hi = self.ranges[shard]
         self.num_params = full.size
-        self.policy = get_sync_policy(cfg.mode.sync, **cfg.sync_args())
+        self.policy = sync_policy_for(cfg)
         self.state = ShardState(
             shard, full[lo:hi].copy(), cfg.optimizer, reject_nonfinite=cfg.training.reject_nonfinite,
             snapshot_every=cfg.evaluator.every_iterations if cfg.evaluator.enabled else 0,
@@ -309,10 +309,9 @@ class ShardServer:
                             arrays=[snap[0]])
         assignment = None
         if not stop:
-            if self.policy.round_based and st.version < p.min_version:
+            if not self.policy.pull_answerable(version=st.version, min_version=p.min_version,
+                                               settled=st.settled.get(p.worker_id, 0), after_push=p.after_push):
                 return None
-            if p.after_push and not self.policy.round_based and st.settled.get(p.worker_id, 0) < p.min_version:
-                return None  # async: a worker reads its own writes
             if p.worker_id >= 0 and self.role.assigns:
                 got = self.role.assignment(p)
                 if got is None or isinstance(got, P.Error):

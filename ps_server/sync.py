@@ -14,6 +14,13 @@ shards is never applied anywhere.
 - ``ssp``: as asp, and a worker asking to start clock c waits until every live worker's
   committed clock is >= c - s.
 
+A mode is one class in :data:`SYNC_POLICIES`. Everything outside this module that depends on
+the mode asks its policy a named question (``plans_rounds``, ``consistent_pulls``,
+``assignment_key``, ``pull_answerable``, ``planned_total``, ``from_config``) instead of
+testing the mode's name, so adding a mode is adding a class: a round mode subclasses
+:class:`RoundPolicy` (and says whom an iteration accepts), an async one :class:`AsyncPolicy`
+(and says when a worker may start its next clock).
+
 Pure decision logic over plain data: no sockets, no clocks. Every update is
 g = sum(x_i g_i) / sum(x_i) over its set, so it is the mean gradient of its samples.
 """
@@ -21,26 +28,63 @@ g = sum(x_i g_i) / sum(x_i) over its set, so it is the mean gradient of its samp
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import ClassVar, Iterable, Mapping, Sequence
+
+from ps_common.config import JobConfig
+from ps_common.registry import Registry
 
 
 class SyncPolicy(ABC):
-    name = ""
-    #: One plan per global iteration (a barrier) rather than per-worker clocks.
-    round_based = True
+    """What every part of the system may ask about the job's sync mode."""
 
-    @property
-    def consistent_pulls(self) -> bool:
-        """Must a worker see one version on every shard? (Round modes; async ones take the
-        latest slice of each shard.)"""
-        return self.round_based
+    name: ClassVar[str] = ""
 
-    def stats(self) -> dict[str, Any]:
-        return {}
+    #: How the next assignment is planned. True (round modes): one plan per global iteration
+    #: gives every live worker its batch size and samples; it is cut when the iteration before
+    #: it commits, the followers check each push against it, and a commit closes its iteration
+    #: (what arrives for it later is late). False (async modes): each worker's next assignment
+    #: is cut when it asks for it, keyed by its own clock, and every complete gradient that
+    #: matches one is its own commit.
+    plans_rounds: ClassVar[bool]
+
+    #: Must a worker (or the evaluator) see one version, with one history, on every shard? Else
+    #: it takes each shard's newest slice. Shard 0 tells them in its Welcome.
+    consistent_pulls: ClassVar[bool]
+
+    @classmethod
+    def from_config(cls, cfg: JobConfig) -> "SyncPolicy":
+        """The policy a job config asks for; ``ValueError`` naming the key for a setting that
+        cannot work with this mode."""
+        return cls()
+
+    @abstractmethod
+    def assignment_key(self, version: int, clock: int) -> int:
+        """Which assignment answers a worker's pull (and where a joining worker starts): the
+        shard's ``version`` in round modes (every worker is in the current iteration), the
+        worker's own ``clock`` (its next one) in async modes."""
+
+    @abstractmethod
+    def pull_answerable(self, *, version: int, min_version: int, settled: int, after_push: bool) -> bool:
+        """May a shard at ``version`` answer a pull for ``min_version`` now? ``settled``: the
+        worker's own gradients this shard has applied or dropped, up to that clock;
+        ``after_push``: the pull rides on a push that this shard accepted."""
+
+    def planned_total(self, global_batch: int, workers: int) -> int:
+        """How many samples a split over ``workers`` workers hands out for a global batch X."""
+        return global_batch
 
 
 class RoundPolicy(SyncPolicy):
-    round_based = True
+    """One plan per global iteration; the policy says which complete members make it up."""
+
+    plans_rounds = True
+    consistent_pulls = True
+
+    def assignment_key(self, version: int, clock: int) -> int:
+        return version
+
+    def pull_answerable(self, *, version: int, min_version: int, settled: int, after_push: bool) -> bool:
+        return version >= min_version  # the barrier: the iteration before it has committed
 
     @abstractmethod
     def accept(self, members: Sequence[int], complete: Sequence[int]) -> list[int] | None:
@@ -52,10 +96,30 @@ class RoundPolicy(SyncPolicy):
         """
 
 
+class AsyncPolicy(SyncPolicy):
+    """Per-worker clocks; the policy says when a worker may start its next one."""
+
+    plans_rounds = False
+    consistent_pulls = False
+
+    def assignment_key(self, version: int, clock: int) -> int:
+        return clock
+
+    def pull_answerable(self, *, version: int, min_version: int, settled: int, after_push: bool) -> bool:
+        return not after_push or settled >= min_version  # a worker reads its own writes
+
+    def pull_ready(self, clocks: Mapping[int, int], live: Iterable[int], clock: int) -> bool:
+        """May a worker start clock ``clock``, given every live worker's committed clock?"""
+        return True
+
+
+#: Every sync mode, by the name ``mode.sync`` gives.
+SYNC_POLICIES: Registry[type[SyncPolicy]] = Registry("sync policy", base=SyncPolicy)
+
+
+@SYNC_POLICIES.register("bsp")
 class BSP(RoundPolicy):
     """Wait for every member; the plan's batch sizes add up to X."""
-
-    name = "bsp"
 
     def accept(self, members: Sequence[int], complete: Sequence[int]) -> list[int] | None:
         if not members or not set(complete) >= set(members):
@@ -63,15 +127,26 @@ class BSP(RoundPolicy):
         return sorted(members)
 
 
+@SYNC_POLICIES.register("backup")
 class Backup(RoundPolicy):
     """Backup workers (Chen et al. 2016): the first ``required`` complete gradients win."""
-
-    name = "backup"
 
     def __init__(self, required: int) -> None:
         if required < 1:
             raise ValueError("backup: required workers must be >= 1")
         self.required = required
+
+    @classmethod
+    def from_config(cls, cfg: JobConfig) -> "Backup":
+        b, n = cfg.mode.backup_workers, cfg.cluster.num_workers
+        if b >= n:
+            raise ValueError(f"mode.backup_workers ({b}) must be below cluster.num_workers ({n}): "
+                             "N + b workers run, N are waited for")
+        return cls(required=n - b)
+
+    def planned_total(self, global_batch: int, workers: int) -> int:
+        """Each of the N + b workers gets a share of X / N, so the first N add up to X."""
+        return max(workers, round(global_batch * workers / self.required))
 
     def accept(self, members: Sequence[int], complete: Sequence[int]) -> list[int] | None:
         need = min(self.required, len(members))
@@ -80,48 +155,29 @@ class Backup(RoundPolicy):
         return sorted(complete[:need])
 
 
-class AsyncPolicy(SyncPolicy):
-    round_based = False
-
-    def pull_ready(self, clocks: Mapping[int, int], live: Iterable[int], clock: int) -> bool:
-        """May a worker start clock ``clock``, given every live worker's committed clock?"""
-        return True
-
-
+@SYNC_POLICIES.register("asp")
 class ASP(AsyncPolicy):
     """Apply each gradient on its own as soon as it is complete; never wait."""
 
-    name = "asp"
 
-
+@SYNC_POLICIES.register("ssp")
 class SSP(AsyncPolicy):
     """Stale synchronous parallel (Ho et al. 2013) with staleness bound ``s``."""
-
-    name = "ssp"
 
     def __init__(self, staleness: int = 5) -> None:
         if staleness < 0:
             raise ValueError("ssp: staleness must be >= 0")
         self.staleness = staleness
 
+    @classmethod
+    def from_config(cls, cfg: JobConfig) -> "SSP":
+        return cls(staleness=cfg.mode.staleness)
+
     def pull_ready(self, clocks: Mapping[int, int], live: Iterable[int], clock: int) -> bool:
         slowest = min((clocks.get(w, 0) for w in live), default=clock)
         return slowest >= clock - self.staleness
 
 
-_REGISTRY: dict[str, Callable[..., SyncPolicy]] = {"bsp": BSP, "asp": ASP, "ssp": SSP, "backup": Backup}
-
-
-def sync_policy_names() -> list[str]:
-    return sorted(_REGISTRY)
-
-
-def get_sync_policy(name: str, **args: Any) -> SyncPolicy:
-    try:
-        cls = _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown sync policy {name!r}; known: {', '.join(sync_policy_names())}") from None
-    try:
-        return cls(**args)
-    except TypeError as exc:
-        raise ValueError(f"sync policy {name!r}: bad arguments {args}: {exc}") from None
+def sync_policy_for(cfg: JobConfig) -> SyncPolicy:
+    """The sync policy of a job (``mode.sync`` with the mode's own settings)."""
+    return SYNC_POLICIES.get(cfg.mode.sync).from_config(cfg)

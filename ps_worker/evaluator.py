@@ -77,9 +77,7 @@ class Evaluator:
         self.client = ShardClients(self.ctx, server, timeout_s=cfg.transport.timeout_s,
                                    connect_timeout_s=cfg.transport.connect_timeout_s,
                                    security=cfg.security, role="evaluator", hwm=cfg.transport.hwm)
-        from ps_server.sync import get_sync_policy
-
-        self.consistent = get_sync_policy(cfg.mode.sync, **cfg.sync_args()).consistent_pulls
+        self.consistent = True  # as the coordinator's Welcome says (round modes; async: False)
         self.data = dataset or dataset_from_config(cfg.data, cfg.run.seed)
         self.model = build_model(cfg.model.name, seed=cfg.run.seed)
         self.flat = FlatParameters(self.model)
@@ -95,7 +93,7 @@ class Evaluator:
         If the evaluator falls so far behind that a snapshot was dropped, it skips ahead to
         the newest multiple of k and counts the skip.
         """
-        self.client.join("evaluator", self.cfg.job_digest(), "cpu")
+        self.consistent = self.client.join("evaluator", self.cfg.job_digest(), "cpu").consistent_pulls
         every = self.cfg.evaluator.every_iterations
         next_version = 0
         last_done = -1

@@ -109,10 +109,8 @@ class Worker:
         self.oom_retries = 0
         self.contention: ContentionDriver | None = None
         # Round modes need one consistent version from every shard; async modes take each
-        # shard's latest slice as it is.
-        from ps_server.sync import get_sync_policy
-
-        self.consistent = get_sync_policy(cfg.mode.sync, **cfg.sync_args()).consistent_pulls
+        # shard's latest slice as it is. The coordinator says which in its Welcome.
+        self.consistent = True
 
     def run(self, max_iterations: int | None = None) -> int:
         """Train until the coordinator says stop; returns the number of iterations done.
@@ -182,6 +180,7 @@ class Worker:
         if welcome.num_params != self.flat.numel:
             raise RuntimeError(f"server has {welcome.num_params} parameters, model has {self.flat.numel}")
         self.worker_id = welcome.worker_id
+        self.consistent = welcome.consistent_pulls
         if self.contention is None:
             idx = self.scenario_index if self.scenario_index is not None else self.worker_id
             self.scenario = runtime_for(self.cfg.scenario, idx)

@@ -8,6 +8,8 @@ from typing import Sequence
 import pytest
 
 from batchsize_manager import BatchPolicy, BatchSizeManager, WorkerReport, get_policy
+from batchsize_manager.allocation import CapsArg
+from batchsize_manager.membership import Member, Membership
 from batchsize_manager.simulation import SimulatedWorker, Simulation
 
 
@@ -142,25 +144,26 @@ def test_membership_and_late_reports():
     assert m.assign() == {1: 30}
 
 
-class OldStylePolicy(BatchPolicy):
-    """A policy written before caps existed (old assign signature); gives everything to one id."""
+class CapBlindPolicy(BatchPolicy):
+    """Takes the one assign signature but ignores the caps; gives everything to one id."""
 
-    def assign(self, workers: Sequence[int], global_batch: int, min_batch: int = 1) -> dict[int, int]:
+    def assign(self, workers: Sequence[int], global_batch: int, min_batch: int = 1, *,
+               max_batch: CapsArg = None) -> dict[int, int]:
         ws = sorted(workers)
         return {w: (global_batch - min_batch * (len(ws) - 1) if w == ws[0] else min_batch) for w in ws}
 
 
-def test_old_style_policies_still_work_and_are_checked():
-    m = BatchSizeManager(OldStylePolicy(), 100)
+def test_a_policy_that_ignores_the_caps_is_checked():
+    m = BatchSizeManager(CapBlindPolicy(), 100)
     m.join(0)
     m.join(1)
     assert m.assign() == {0: 99, 1: 1}
-    capped = BatchSizeManager(OldStylePolicy(), 100, max_batch=60)
+    capped = BatchSizeManager(CapBlindPolicy(), 100, max_batch=60)
     capped.join(0)
     capped.join(1)
     with pytest.raises(RuntimeError, match="gave worker 0 batch 99, outside \\[1, 60\\]"):
         capped.assign()
-    # The old three-argument call still works on every built-in policy.
+    # The three-argument call (no caps) works on every built-in policy.
     assert get_policy("lbbsp-gpu").assign([0, 1], 10, 1) == {0: 5, 1: 5}
 
 
@@ -217,3 +220,43 @@ def test_load_state_dict_rejects_another_policy():
     b = BatchSizeManager("lbbsp-gpu", 64)
     with pytest.raises(ValueError, match="checkpoint is for batch policy 'static'"):
         b.load_state_dict(a.state_dict())
+
+
+def test_membership_tells_its_readers_in_order_and_holds_them_weakly():
+    members: Membership[Member] = Membership()
+    heard: list[tuple] = []
+
+    class Reader:
+        def member_joined(self, w, name):
+            heard.append(("joined", w, name, w in members))
+
+        def member_leaving(self, w, name):
+            heard.append(("leaving", w, name, w in members))
+
+    reader = Reader()
+    members.subscribe(reader)
+    assert members.join(2, Member("b")) and members.join(1, Member("a")) and not members.join(1, Member("x"))
+    assert members.ids() == [1, 2] and members.name_of(1) == "a" and members.ids_named("a") == {1}
+    assert members.leave(2) == Member("b") and members.leave(2) is None
+    assert heard == [("joined", 2, "b", True), ("joined", 1, "a", True), ("leaving", 2, "b", True)], \
+        "a join is told once the member is in, a leave while it still is"
+    del reader
+    members.clear()
+    assert len(members) == 0 and len(heard) == 3, "a reader that is gone is not kept alive or called"
+
+
+def test_a_manager_on_someone_elses_membership_hears_its_changes():
+    members: Membership[Member] = Membership()
+    m = BatchSizeManager("uniform", 30)
+    m.use_membership(members)
+    members.join(4, Member("w4"))
+    members.join(7, Member("w7"))
+    m.observe(rep(4, 10))
+    assert m.live_workers == [4, 7] and m.assign() == {4: 15, 7: 15}
+    members.leave(4)
+    m.observe(rep(4, 10))                                      # from a departed worker: dropped
+    assert m.ignored_reports == 1 and m.assign() == {7: 30}
+    with pytest.raises(RuntimeError, match="someone else owns"):
+        m.join(1)
+    with pytest.raises(ValueError, match="must be empty"):
+        BatchSizeManager("uniform", 30).use_membership(members)

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from ps_common.config import ConfigError, JobConfig, load_config
+from ps_server.job_config import check_job_config
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 
@@ -19,7 +20,7 @@ def test_every_example_config_loads(path):
         cfg, comp = load_comparison(path)
         assert comp.repeats >= 1 and len(comp.modes) >= 2
     else:
-        cfg = load_config(path, env={})
+        cfg = load_config(path, env={}, check=check_job_config)
     assert isinstance(cfg, JobConfig)
     assert cfg.training.global_batch >= cfg.cluster.num_workers * cfg.training.min_batch
     assert any(v is not None for v in (cfg.training.max_iterations, cfg.training.epochs,
@@ -43,12 +44,22 @@ def test_bad_value_is_named(tmp_path):
 
 
 def test_enum_errors_list_allowed_values(tmp_path):
-    with pytest.raises(ConfigError, match=r"mode\.sync: .*'bsp'"):
-        load_config(write(tmp_path, "mode: {sync: bogus}"), env={})
-    with pytest.raises(ConfigError, match=r"model\.name: .*known models: .*lenet"):
-        load_config(write(tmp_path, "model: {name: resnet999}"), env={})
+    # Models, sync modes and batch policies are registered above ps_common: the servers' loader checks them.
+    with pytest.raises(ConfigError, match=r"mode\.sync: unknown sync policy 'bogus'; known: asp, backup, bsp, ssp"):
+        load_config(write(tmp_path, "mode: {sync: bogus}"), env={}, check=check_job_config)
+    with pytest.raises(ConfigError, match=r"model\.name: unknown model 'resnet999'; known: .*lenet"):
+        load_config(write(tmp_path, "model: {name: resnet999}"), env={}, check=check_job_config)
     with pytest.raises(ConfigError, match=r"mode\.batch_policy: .*known: .*uniform"):
-        load_config(write(tmp_path, "mode: {batch_policy: magic}"), env={})
+        load_config(write(tmp_path, "mode: {batch_policy: magic}"), env={}, check=check_job_config)
+
+
+def test_a_mode_checks_its_own_settings_at_load(tmp_path):
+    text = "cluster: {num_workers: 3}\nmode: {sync: backup, backup_workers: 3}"
+    with pytest.raises(ConfigError, match=r"c\.yaml.*\n  mode\.backup_workers \(3\) must be below "
+                                          r"cluster\.num_workers \(3\)"):
+        load_config(write(tmp_path, text), env={}, check=check_job_config)
+    assert load_config(write(tmp_path, text.replace("backup_workers: 3", "backup_workers: 2")), env={},
+                       check=check_job_config).mode.backup_workers == 2
 
 
 def test_bad_yaml_and_missing_file(tmp_path):

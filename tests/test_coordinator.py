@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 
 from batchsize_manager.manager import BatchSizeManager
+from batchsize_manager.policies import UniformPolicy
 from ps_common.config import validate
 from ps_server.coordinator import Coordinator
-from ps_server.sync import get_sync_policy
+from ps_server.sync import BSP, sync_policy_for
 
 S = 3  # shards
 
@@ -18,7 +19,7 @@ def coordinator(sync="bsp", workers=3, start=True, **sections):
     mode = {"sync": sync, **({"backup_workers": 1} if sync == "backup" else {})}
     cfg = validate({"training": {"global_batch": 60, "max_iterations": 100}, "cluster": {"num_workers": workers},
                     "mode": mode, **sections})
-    c = Coordinator(cfg, 1000, BatchSizeManager("uniform", 60), get_sync_policy(sync, **cfg.sync_args()),
+    c = Coordinator(cfg, 1000, BatchSizeManager("uniform", 60), sync_policy_for(cfg),
                     num_shards=S)
     for i in range(workers):
         c.join(f"w{i}", f"instance-{i}")
@@ -139,7 +140,7 @@ def test_async_assignments_are_bounded_and_ssp_waits_for_the_slowest():
         assert c.assignment(0, clock) is not None
         push(c, 0, it=clock)
         c.decide()
-    assert c.workers[0].clock == 2
+    assert c.members[0].clock == 2
     assert c.assignment(0, 2) is None, "clock 2 is s + 1 ahead of worker 1 (clock 0)"
     c.assignment(1, 0)
     push(c, 1, it=0)
@@ -153,9 +154,9 @@ def test_async_assignments_are_bounded_and_ssp_waits_for_the_slowest():
 
 def test_a_second_join_from_the_same_process_replaces_the_first():
     c = coordinator(workers=2, start=False)
-    assert len(c.workers) == 2
+    assert len(c.members) == 2
     again = c.join("w0", "instance-0")
-    assert len(c.workers) == 2 and again not in (0,) and 0 not in c.workers
+    assert len(c.members) == 2 and again not in (0,) and 0 not in c.members
     assert c.try_start() is not None, "two processes, two members: the job starts"
 
 
@@ -224,7 +225,7 @@ def test_plan_ahead_decides_the_split_off_the_critical_path_one_iteration_older(
                     "mode": {"batch_policy": "lbbsp-cpu", "batch_policy_args": {"predictor": "last", "warmup": 0},
                              "plan_ahead": ahead}})
     c = Coordinator(cfg, 1000, BatchSizeManager("lbbsp-cpu", 60, policy_args={"predictor": "last", "warmup": 0}),
-                    get_sync_policy("bsp"), num_shards=1)
+                    BSP(), num_shards=1)
     c.join("fast", "a")
     c.join("slow", "b")
     c.try_start()
@@ -360,8 +361,67 @@ def test_out_of_memory_reports_that_do_not_match_what_is_due_change_nothing(case
 
 def test_a_start_up_probe_caps_the_first_plan():
     cfg = validate({"training": {"global_batch": 60, "max_iterations": 10}, "cluster": {"num_workers": 2}})
-    c = Coordinator(cfg, 1000, BatchSizeManager("uniform", 60), get_sync_policy("bsp"), num_shards=S)
+    c = Coordinator(cfg, 1000, BatchSizeManager("uniform", 60), BSP(), num_shards=S)
     c.join("small", "i0", memory_fits=12, memory_fails=13)
     c.join("big", "i1")
     c.try_start()
     assert sizes(c) == {0: 12, 1: 48}
+
+
+# ----- membership: one owner (the coordinator), read by the manager and the batch policy -------
+class _Recording(UniformPolicy):
+    """Uniform splits; records what the policy hears of membership."""
+
+    def __init__(self) -> None:
+        self.heard: list[tuple[str, int]] = []
+
+    def join(self, worker_id: int) -> None:
+        self.heard.append(("join", worker_id))
+
+    def leave(self, worker_id: int) -> None:
+        self.heard.append(("leave", worker_id))
+
+
+def _recorded(workers=3):
+    cfg = validate({"training": {"global_batch": 60, "max_iterations": 100}, "cluster": {"num_workers": workers}})
+    policy = _Recording()
+    return Coordinator(cfg, 1000, BatchSizeManager(policy, 60), BSP(), num_shards=S), policy
+
+
+def test_the_manager_reads_the_coordinators_membership():
+    c, policy = _recorded()
+    m = c.manager
+    for i in range(3):
+        c.join(f"w{i}", f"instance-{i}")
+    assert m.membership is c.members and m.live_workers == c.live() == [0, 1, 2]
+    with pytest.raises(RuntimeError, match="someone else owns"):
+        m.join(9)
+    with pytest.raises(RuntimeError, match="someone else owns"):
+        m.leave(0)
+    again = c.join("w0", "instance-0")    # the same process joins again: its old membership goes
+    c.leave(1, "lost")                     # an eviction
+    c.leave(1, "lost")                     # twice: nothing more happens
+    assert m.live_workers == c.live() == [2, again] and m.name_of(again) == "w0"
+    assert policy.heard == [("join", 0), ("join", 1), ("join", 2), ("leave", 0), ("join", again), ("leave", 1)]
+    assert c.try_start() is None, "two members of three: not started"
+
+
+def test_resume_leaves_the_old_members_everywhere_and_takes_the_new_ones():
+    c, _ = _recorded()
+    for i in range(3):
+        c.join(f"w{i}", f"instance-{i}")
+    c.try_start()
+    for w in range(3):
+        push(c, w)
+    c.decide()
+    state = c.state_dict()
+    d, policy = _recorded()
+    d.join("early", "instance-early")      # a member of this incarnation before the restore
+    d.load_state_dict(state)
+    assert d.manager.live_workers == d.live() == []
+    assert policy.heard[:2] == [("join", 0), ("leave", 0)], "this incarnation's member has left"
+    assert policy.heard[2:] == [("leave", 0), ("leave", 1), ("leave", 2)], \
+        "the checkpoint's members have left the batch policy too"
+    ids = [d.join(f"again{i}", f"again-{i}") for i in range(3)]
+    assert ids == [3, 4, 5] and d.manager.live_workers == d.live() == ids
+    assert d.try_start() is not None and sizes(d) == {3: 20, 4: 20, 5: 20}

@@ -103,7 +103,8 @@ class _Scripted(BatchPolicy):
     def observe(self, report: Any) -> None:
         self.observed.append((report.iteration, report.worker_id, report.batch_size))
 
-    def assign(self, workers: Sequence[int], global_batch: int, min_batch: int = 1) -> dict[int, int]:
+    def assign(self, workers: Sequence[int], global_batch: int, min_batch: int = 1, *,
+               max_batch: Any = None) -> dict[int, int]:
         sizes = self.schedule[self.calls % len(self.schedule)]
         self.calls += 1
         return dict(zip(sorted(workers), sizes))
@@ -113,7 +114,8 @@ class _FailsSecondTime(BatchPolicy):
     def __init__(self) -> None:
         self.calls = 0
 
-    def assign(self, workers: Sequence[int], global_batch: int, min_batch: int = 1) -> dict[int, int]:
+    def assign(self, workers: Sequence[int], global_batch: int, min_batch: int = 1, *,
+               max_batch: Any = None) -> dict[int, int]:
         self.calls += 1
         if self.calls > 1:
             raise ZeroDivisionError("policy exploded")

@@ -92,7 +92,7 @@ def test_models_with_buffers_are_rejected() -> None:
         with pytest.raises(ValueError, match="buffers"):
             build_model(name, seed=0)
     finally:
-        del MODEL_REGISTRY[name]
+        MODEL_REGISTRY.unregister(name)
 
 
 # ----------------------------------------------------------------------------

@@ -95,7 +95,7 @@ def test_register_custom_and_duplicate():
         with pytest.raises(ValueError, match="already registered"):
             register_predictor("_test_const")(Const)
     finally:
-        PREDICTOR_REGISTRY.pop("_test_const", None)
+        PREDICTOR_REGISTRY.unregister("_test_const")
 
 
 def test_exog_from_telemetry():

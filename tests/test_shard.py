@@ -10,7 +10,7 @@ import torch
 from ps_common.config import OptimizerConfig
 from ps_server.optimizer import SGD
 from ps_server.shard import GENESIS_HASH, GradientRejected, MissingGradient, ShardState, next_log_hash
-from ps_server.sync import get_sync_policy
+from ps_server.sync import SYNC_POLICIES
 
 
 def make_shard(size=6, **opt):
@@ -136,7 +136,7 @@ def test_sgd_matches_torch(momentum, wd, nesterov):
 
 def test_unknown_sync_policy():
     with pytest.raises(ValueError, match="known: asp, backup, bsp, ssp"):
-        get_sync_policy("nope")
+        SYNC_POLICIES.get("nope")
 
 
 def test_snapshots_at_multiples_are_bounded_references():

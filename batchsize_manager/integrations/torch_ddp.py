@@ -53,6 +53,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from batchsize_manager.allocation import CapsArg
+from batchsize_manager.manager import BatchSizeManager
 from batchsize_manager.policies import BatchPolicy, WorkerReport, get_policy
 
 __all__ = [
@@ -288,36 +290,26 @@ class _PolicyLike(Protocol):
 
     def observe(self, report: WorkerReport) -> None: ...
 
-    def assign(self, workers: Sequence[int], global_batch: int, min_batch: int = 1) -> dict[int, int]: ...
-
-
-def _is_manager(obj: Any) -> bool:
-    """A ``BatchSizeManager`` (or look-alike): it owns membership and X, ``assign()`` takes none."""
-    try:
-        from batchsize_manager.manager import BatchSizeManager
-    except ImportError:  # pragma: no cover - older checkouts without the facade
-        BatchSizeManager = None  # type: ignore[assignment,misc]
-    if BatchSizeManager is not None and isinstance(obj, BatchSizeManager):
-        return True
-    return hasattr(obj, "live_workers") and hasattr(obj, "assign") and hasattr(obj, "join")
+    def assign(self, workers: Sequence[int], global_batch: int, min_batch: int = 1, *,
+               max_batch: CapsArg = None) -> dict[int, int]: ...
 
 
 class _ManagerDecider:
     """Adapts a ``BatchSizeManager`` (X, bounds and membership inside) to the policy calls."""
 
-    def __init__(self, manager: Any, world_size: int, global_batch: int) -> None:
-        gb = getattr(manager, "global_batch", global_batch)
-        if gb != global_batch:
-            raise ValueError(f"the manager splits X={gb}, the balancer was given {global_batch}")
+    def __init__(self, manager: BatchSizeManager, world_size: int, global_batch: int) -> None:
+        if manager.global_batch != global_batch:
+            raise ValueError(f"the manager splits X={manager.global_batch}, the balancer was given {global_batch}")
         self.manager = manager
-        self.min_batch = int(getattr(manager, "min_batch", 1))
+        self.min_batch = manager.min_batch
         for r in range(world_size):
             manager.join(r)
 
     def observe(self, report: WorkerReport) -> None:
         self.manager.observe(report)
 
-    def assign(self, workers: Sequence[int], global_batch: int, min_batch: int = 1) -> dict[int, int]:
+    def assign(self, workers: Sequence[int], global_batch: int, min_batch: int = 1, *,
+               max_batch: CapsArg = None) -> dict[int, int]:
         return self.manager.assign()
 
 
@@ -356,7 +348,7 @@ class DDPBatchBalancer:
         policy: str | BatchPolicy | _PolicyLike = "uniform",
         policy_args: Mapping[str, Any] | None = None,
         *,
-        manager: Any | None = None,
+        manager: BatchSizeManager | None = None,
         process_group: dist.ProcessGroup | None = None,
         min_batch: int = 1,
         device: torch.device | str | None = None,
@@ -403,12 +395,12 @@ class DDPBatchBalancer:
     # ---- construction ----------------------------------------------------------------------
 
     def _make_decider(self, policy: Any, policy_args: Mapping[str, Any] | None,
-                      manager: Any) -> _PolicyLike:
+                      manager: BatchSizeManager | None) -> _PolicyLike:
         """The rank-0 decision maker, with every rank joined as a worker."""
         chosen = manager if manager is not None else policy
         if policy_args and not isinstance(chosen, str):
             raise ValueError("policy_args only apply to a policy given by name")
-        if _is_manager(chosen):
+        if isinstance(chosen, BatchSizeManager):
             decider: Any = _ManagerDecider(chosen, self.world_size, self.global_batch)
             self._floor = decider.min_batch
             return decider
