@@ -71,7 +71,7 @@ WILDCARD_HOSTS = frozenset({"0.0.0.0", "*", "::", "[::]", ""})
 def undialable(endpoint: str) -> bool:
     """A TCP endpoint on a wildcard address: fine to bind, impossible for anyone to dial."""
     m = re.match(r"^tcp://(.*):\d+$", endpoint)
-    return bool(m) and m.group(1) in WILDCARD_HOSTS
+    return m is not None and m.group(1) in WILDCARD_HOSTS
 
 
 def advertised(endpoint: str, host: str | None) -> str:

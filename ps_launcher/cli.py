@@ -66,6 +66,7 @@ def _launch(args: argparse.Namespace) -> int:
         print(sbatch_script(cfg, run_dir / "config.yaml", run_dir), end="")
         return 0
 
+    cluster: LocalCluster
     if args.backend == "ray":
         try:
             from ps_launcher.ray_backend import RayCluster

@@ -20,7 +20,7 @@ import csv
 import json
 import statistics
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import yaml
 from pydantic import Field, ValidationError
@@ -47,7 +47,7 @@ class CompareConfig(StrictModel):
     target_accuracy: Optional[float] = Field(None, gt=0, le=1)
 
 
-def load_comparison(path: str | Path, overrides: list[str] = ()) -> tuple[JobConfig, CompareConfig]:
+def load_comparison(path: str | Path, overrides: Sequence[str] = ()) -> tuple[JobConfig, CompareConfig]:
     p = Path(path)
     try:
         data = yaml.safe_load(p.read_text()) or {}

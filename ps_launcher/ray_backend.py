@@ -50,7 +50,6 @@ LOST = -1000
 _ENDPOINT_RE = re.compile(r"listening on (\S+)")
 
 
-@ray.remote(num_cpus=0)
 class ProcessActor:
     """One process of the job on the node Ray placed this actor on."""
 
@@ -145,6 +144,10 @@ class ProcessActor:
         return out
 
 
+#: The actor class as Ray runs it (``ray.remote`` returns an untyped wrapper).
+_REMOTE_ACTOR: Any = ray.remote(num_cpus=0)(ProcessActor)
+
+
 class RemoteProc:
     """The part of ``subprocess.Popen`` the local launcher's monitor uses, over an actor."""
 
@@ -193,7 +196,7 @@ class RayProcessGroup:
         self.children: list[RemoteChild] = []
         self.files: dict[str, bytes] = {}
         self.role_files: dict[str, dict[str, bytes]] = {}
-        self.pg = None
+        self.pg: Any = None  # the shards' placement group
         self.lost: list[str] = []
         self.retired: list[RemoteChild] = []  # shards lost with their node and started again
         self._lock = threading.Lock()
@@ -235,7 +238,7 @@ class RayProcessGroup:
         files = {**self.files, **self.role_files.get(role, {})}
         opts = self._options(name)
         log_name = log_name or f"{name}.log"
-        actor = ProcessActor.options(**opts).remote(name, files, log_name)
+        actor = _REMOTE_ACTOR.options(**opts).remote(name, files, log_name)
         try:
             pid = ray.get(actor.start.remote(module, args, env), timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -355,7 +358,8 @@ class RayCluster(LocalCluster):
         if sc.needs_quotas(n) or sc.needs_hosts(n):
             raise ValueError("the lab's CPU quotas and shaped links are local mechanisms: not with --backend ray")
         self.address = address
-        self.group = RayProcessGroup(cfg, self.run_dir)  # type: ignore[assignment]
+        self.ray_group = RayProcessGroup(cfg, self.run_dir)
+        self.group = self.ray_group  # type: ignore[assignment]  # the same interface, over actors
         self.restarts: dict[str, int] = {}
         self.curve_env: dict[str, dict[str, str]] = {}  # per role: where its shipped CURVE keys are
 
@@ -365,8 +369,8 @@ class RayCluster(LocalCluster):
             # A Ray started here for this run counts at least one logical CPU per process, as the
             # local launcher runs them all on this host whatever its core count.
             need = self._cpus_needed() if local else None
-            ray.init(address=self.address, log_to_driver=False, configure_logging=False,
-                     **({"num_cpus": max(os.cpu_count() or 1, need)} if need else {}))
+            cpus: dict[str, Any] = {"num_cpus": max(os.cpu_count() or 1, need)} if need else {}
+            ray.init(address=self.address, log_to_driver=False, configure_logging=False, **cpus)
             # ray.init installs its own SIGTERM handler, which ends the driver at once: put back
             # the launcher's (SIGTERM, SIGHUP -> the Ctrl-C path that stops and gathers everything)
             from ps_common.cli_util import interrupt_on_signals
@@ -382,7 +386,7 @@ class RayCluster(LocalCluster):
         return int(total + 0.999)
 
     def _open_lab(self) -> None:
-        group: RayProcessGroup = self.group  # type: ignore[assignment]
+        group = self.ray_group
         group.cfg = self.cfg
         group.files = {"config.yaml": (self.run_dir / "config.yaml").read_bytes()}
         for role, env in self.role_env.items():   # each role gets its own job secret, no other
@@ -432,7 +436,7 @@ class RayCluster(LocalCluster):
     def _start_child(self, name: str, module: str, args: list[str], role: str):
         env = {"LBBSP__SECURITY__SECRET_FILE": f"{{dir}}/{role}.secret"} if role in self.role_env else {}
         env.update(self.curve_env.get(role, {}))
-        return self.group.start(name, module, args, env, role, self.startup_timeout_s)  # type: ignore[call-arg]
+        return self.ray_group.start(name, module, args, env, role, self.startup_timeout_s)
 
     def _restartable(self, child: RemoteChild) -> str | None:
         """Why a lost shard cannot be started again, or None if it can."""
@@ -451,7 +455,7 @@ class RayCluster(LocalCluster):
         """A follower lost with its node starts again on another node from its last checkpoint
         (``--resume``): it registers with shard 0, which rolls every shard back to their last
         common checkpoint, and the workers join again and learn its new address."""
-        group: RayProcessGroup = self.group  # type: ignore[assignment]
+        group = self.ray_group
         k = int(child.role.split("-")[1])
         n = self.restarts[child.role] = self.restarts.get(child.role, 0) + 1
         log.warning("%s was lost with its node: starting it again from its last checkpoint (restart %d)",
@@ -466,11 +470,11 @@ class RayCluster(LocalCluster):
         self.shard_endpoints[k] = group.wait_endpoint(again, self.startup_timeout_s)
 
     def _raise_if_a_child_failed(self) -> None:
-        failed = self.group.failed()
+        failed = self.ray_group.failed()
         if failed is not None and failed.proc.returncode == LOST and failed.role.startswith("shard-"):
-            why = self._restartable(failed)  # type: ignore[arg-type]
+            why = self._restartable(failed)
             if why is None:
-                self._restart_shard(failed)  # type: ignore[arg-type]
+                self._restart_shard(failed)
                 return
             raise RunFailed(f"{failed.role} was lost with its node and cannot be started again: {why}; "
                             f"last lines:\n{failed.tail()}")

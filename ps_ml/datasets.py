@@ -294,7 +294,7 @@ def _write_npz_atomic(arrays: dict[str, np.ndarray], dest: Path) -> None:
     fd, tmp_name = tempfile.mkstemp(prefix=".mnist-", suffix=".npz.tmp", dir=dest.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
+            np.savez(f, **arrays)  # type: ignore[arg-type]  # numpy's stub reads **kwds as its bool flag
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp_name, 0o644)  # mkstemp makes it 0600; the cache may be shared

@@ -37,7 +37,7 @@ def save_checkpoint(directory: str | Path, shard: int, version: int, arrays: dic
     tmp = final.with_name(final.name + ".tmp")
     payload = {**arrays, "__meta__": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)}
     with open(tmp, "wb") as fh:
-        np.savez(fh, **payload)
+        np.savez(fh, **payload)  # type: ignore[arg-type]  # numpy's stub reads **kwds as its bool flag
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, final)

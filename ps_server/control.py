@@ -81,7 +81,7 @@ class CoordinatorLink:
 
     def receive(self) -> list[P.Message]:
         """Everything the coordinator sent that is queued now (without waiting)."""
-        out = []
+        out: list[P.Message] = []
         while True:
             try:
                 frames = self.conn.sock.recv_multipart(zmq.NOBLOCK, copy=False)

@@ -423,7 +423,8 @@ class Coordinator:
         mine = self.outstanding.get(worker_id, {})
         if len(mine) >= MAX_OUTSTANDING:
             return f"{len(mine)} of its gradients are not committed yet"
-        return f"the sync policy holds clock {key} back (clocks: {[(w, i.clock) for w, i in self.members.records.items()]})"
+        clocks = [(w, i.clock) for w, i in self.members.records.items()]
+        return f"the sync policy holds clock {key} back (clocks: {clocks})"
 
     # ----- gradients and commits ------------------------------------------------------------
     def expected(self, worker_id: int, iteration: int) -> int | None:

@@ -34,7 +34,6 @@ log = logging.getLogger(__name__)
 class Follow:
     """The role of shard k > 0."""
 
-    assigns = False  # only shard 0 hands out assignments
 
     def __init__(self, server: "ShardServer", coordinator: str) -> None:
         self.server = server

@@ -41,7 +41,6 @@ MAX_PENDING_JOINS = 1024
 class Lead:
     """The coordinator's role in a shard server (shard 0)."""
 
-    assigns = True  # its pull answers carry the workers' assignments
 
     def __init__(self, server: "ShardServer") -> None:
         self.server = server

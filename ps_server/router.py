@@ -79,7 +79,7 @@ class RouterLoop:
 
     def pending(self) -> bool:
         """Is input queued right now? (Liveness is judged only when nothing is.)"""
-        return bool(self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+        return bool(int(self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
 
     def handle(self, frames: list[zmq.Frame]) -> None:
         self.counters["received"] += 1
@@ -163,7 +163,7 @@ class RouterLoop:
 
 def _role(frame: zmq.Frame) -> str:
     try:
-        return frame.get("User-Id") or ""
+        return str(frame.get("User-Id") or "")
     except zmq.ZMQError:  # no metadata: an unauthenticated (NULL mechanism) socket
         return ""
 

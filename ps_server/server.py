@@ -312,7 +312,7 @@ class ShardServer:
             if not self.policy.pull_answerable(version=st.version, min_version=p.min_version,
                                                settled=st.settled.get(p.worker_id, 0), after_push=p.after_push):
                 return None
-            if p.worker_id >= 0 and self.role.assigns:
+            if p.worker_id >= 0 and isinstance(self.role, Lead):  # only shard 0 hands out assignments
                 got = self.role.assignment(p)
                 if got is None or isinstance(got, P.Error):
                     return got  # wait (no assignment due yet), or the refusal

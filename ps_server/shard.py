@@ -161,11 +161,11 @@ class ShardState:
             self._settle(int(w), iteration)
         self.samples_applied += total
         self.version += 1
-        entries = [[int(w), int(x)] for w, x in entries]
-        self.log_hash = next_log_hash(self.log_hash, self.version, iteration, entries, lr_scale)
+        applied = [[int(w), int(x)] for w, x in entries]
+        self.log_hash = next_log_hash(self.log_hash, self.version, iteration, applied, lr_scale)
         self.version_time = self.clock()
         self._snapshot()
-        return Applied(self.version, iteration, entries, total, self.log_hash)
+        return Applied(self.version, iteration, applied, total, self.log_hash)
 
     def _free_buffer(self) -> np.ndarray:
         """A parameter buffer nothing else holds any more (no send in flight, no snapshot, not

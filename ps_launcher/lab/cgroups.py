@@ -50,7 +50,7 @@ class Throttling:
 
 
 def _mounts() -> list[tuple[str, str, set[str]]]:
-    out = []
+    out: list[tuple[str, str, set[str]]] = []
     try:
         text = Path("/proc/self/mounts").read_text()
     except OSError:
@@ -306,7 +306,7 @@ class CpuQuotaGroup:
         if fraction is not None and not fraction > 0:
             raise ValueError(f"CPU fraction must be > 0 or None, got {fraction!r}")
         unlimited = fraction is None or fraction >= (os.cpu_count() or 1)
-        quota = -1 if unlimited else max(MIN_QUOTA_US, round(fraction * PERIOD_US))
+        quota = -1 if fraction is None or unlimited else max(MIN_QUOTA_US, round(fraction * PERIOD_US))
         assert self._ctl is not None
         if self._ctl.version == 2:
             _write(path / "cpu.max", f"{'max' if quota < 0 else quota} {PERIOD_US}")

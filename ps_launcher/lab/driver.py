@@ -131,8 +131,8 @@ class LabDriver:
                 self.metrics.write(t=round(t, 3), worker=i, cpu_quota=f)
         if self.lab is None:
             return
-        for i, sched in self.links.items():
-            st = sched.at(t)
+        for i, link_sched in self.links.items():
+            st = link_sched.at(t)
             old = self._applied_link.get(i)
             host = self.hosts.get(f"worker-{i}")
             if host is None or old == st:

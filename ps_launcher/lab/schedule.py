@@ -107,5 +107,5 @@ def quota_schedules(scenario: ScenarioConfig, num_workers: int,
 
 
 def link_schedules(scenario: ScenarioConfig, num_workers: int) -> dict[int, LinkSchedule]:
-    return {i: LinkSchedule(scenario.for_worker(i).link) for i in range(num_workers)
-            if scenario.for_worker(i).link is not None}
+    links = {i: scenario.for_worker(i).link for i in range(num_workers)}
+    return {i: LinkSchedule(link) for i, link in links.items() if link is not None}
