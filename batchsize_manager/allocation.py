@@ -7,6 +7,7 @@ import math
 from typing import Mapping, Sequence, Union
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 
 def largest_remainder(shares: Mapping[int, float], total: int) -> dict[int, int]:
@@ -104,13 +105,13 @@ def check_feasible(workers: Sequence[int], total: int, min_batch: int,
         raise ValueError(f"workers {low} have a batch cap below min_batch={min_batch} "
                          f"(caps {[caps[w] for w in low]}): they cannot take part")
     if all(caps.get(w) is not None for w in workers):
-        room = sum(int(caps[w]) for w in workers)  # type: ignore[arg-type]
+        room = sum(int(caps[w] or 0) for w in workers)  # every cap is set here
         if room < total:
             raise ValueError(f"global batch {total} exceeds the sum of the workers' batch caps ({room})")
 
 
-def equal_finish_times(speeds: Sequence[float], overheads: Sequence[float], total: float,
-                       lo: Sequence[float], hi: Sequence[float]) -> tuple[np.ndarray, float]:
+def equal_finish_times(speeds: ArrayLike, overheads: ArrayLike, total: float,
+                       lo: ArrayLike, hi: ArrayLike) -> tuple[np.ndarray, float]:
     """Real-valued x_i = clip(v_i (T - c_i), lo_i, hi_i) with Σ x_i = total; returns (x, T).
 
     This is LB-BSP's analytical split (t_i(x) = x / v_i + c_i, every unclamped worker finishing

@@ -128,8 +128,8 @@ def refit_job(payload: dict[str, Any]) -> dict[str, np.ndarray]:
         data = np.asarray(windows[i], dtype=np.float64)
         try:
             params, _ = fit_arima(data, order, maxiter, low_memory=True)
-        except Exception as e:  # noqa: BLE001 - LinAlgError, ValueError, non-convergence, ...
-            log.debug("arima: fit failed (%s); last value until the next refit", e)
+        except Exception as exc:  # noqa: BLE001 - LinAlgError, ValueError, non-convergence, ...
+            log.debug("arima: fit failed (%s); last value until the next refit", exc)
             continue
         mu, ar, ma = coefficients(params, order)
         w, e, w_hat = warm_recursion(data, order, mu, ar, ma)
@@ -303,6 +303,31 @@ class BatchARIMA(RefittingBatchPredictor):
     """ARIMA for many workers: vectorised recursion, batched and staggered statsmodels refits."""
 
     name = "arima"
+
+    # Per-slot state arrays made by _def() (one row per worker slot).
+    _y: np.ndarray
+    _pos: np.ndarray
+    _cnt: np.ndarray
+    _nobs: np.ndarray
+    _since: np.ndarray
+    _tried: np.ndarray
+    _offset: np.ndarray
+    _fitted: np.ndarray
+    _mu: np.ndarray
+    _ar: np.ndarray
+    _ma: np.ndarray
+    _w: np.ndarray
+    _wn: np.ndarray
+    _e: np.ndarray
+    _en: np.ndarray
+    _what: np.ndarray
+    _fc: np.ndarray
+    _merr: np.ndarray
+    _lerr: np.ndarray
+    _fits: np.ndarray
+    _failed: np.ndarray
+    _busy: np.ndarray
+    _gen: np.ndarray
 
     def __init__(self, order: Sequence[int] = (2, 0, 0), window: int = 100, refit_every: int = 10,
                  log_transform: bool = False, between: str = "recursion",

@@ -202,6 +202,9 @@ class BatchEMA(BatchPredictor):
 
     name = "ema"
 
+    # Per-slot state arrays made by _def() (one row per worker slot).
+    _s: np.ndarray
+
     def __init__(self, alpha: float = 0.3) -> None:
         super().__init__()
         alpha = float(alpha)

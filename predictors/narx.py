@@ -296,6 +296,30 @@ class BatchNARX(RefittingBatchPredictor):
 
     name = "narx"
 
+    # Per-slot state arrays made by _def() (one row per worker slot).
+    _logv: np.ndarray
+    _x: np.ndarray
+    _pos: np.ndarray
+    _cnt: np.ndarray
+    _since: np.ndarray
+    _tried: np.ndarray
+    _offset: np.ndarray
+    _has_w: np.ndarray
+    _w1: np.ndarray
+    _b1: np.ndarray
+    _w2: np.ndarray
+    _b2: np.ndarray
+    _mx: np.ndarray
+    _sx: np.ndarray
+    _my: np.ndarray
+    _sy: np.ndarray
+    _fc: np.ndarray
+    _merr: np.ndarray
+    _lerr: np.ndarray
+    _fits: np.ndarray
+    _busy: np.ndarray
+    _gen: np.ndarray
+
     def __init__(self, *, refit: str | RefitExecutor = "background", stagger: bool = True,
                  **hyper: Any) -> None:
         super().__init__()
@@ -515,7 +539,9 @@ class NARXPredictor(GatedModelPredictor):
 
     @property
     def n_fits(self) -> int:
-        return int(self._batch.n_fits(self._slot)[0])
+        fits = self._batch.n_fits(self._slot)
+        assert isinstance(fits, np.ndarray)
+        return int(fits[0])
 
     def _reset(self) -> None:
         self._n_exog = self.n_exog if self.n_exog > 0 else None

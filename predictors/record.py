@@ -19,6 +19,7 @@ import os
 import random
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -88,7 +89,7 @@ class _Burners:
 
     def __init__(self) -> None:
         method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-        self._ctx = mp.get_context(method)  # fork: a burner starts in ~1 ms, without re-importing torch
+        self._ctx: Any = mp.get_context(method)  # fork: a burner starts in ~1 ms, without re-importing torch
         self._procs: list[mp.process.BaseProcess] = []
 
     def set(self, n: int) -> None:

@@ -431,7 +431,7 @@ def _child_main() -> int:
         job_id, data, bufs = frame
         try:
             fn, payload = pickle.loads(data, buffers=bufs)   # e.g. a hook's module may not import
-            msg = (fn(payload), None)
+            msg: tuple[Any, str | None] = (fn(payload), None)
         except Exception as exc:  # noqa: BLE001 - reported to the parent, which keeps its weights
             msg = (None, repr(exc))
         try:
