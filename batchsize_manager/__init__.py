@@ -2,21 +2,17 @@
 
 ``BatchSizeManager`` is the facade; policies are registered by name (``uniform``, ``fixed``,
 ``static``, ``lbbsp-cpu``, ``lbbsp-gpu``) and ``simulation`` holds a pure timing model for tests
-and benchmarks. The built-in policies keep per-worker state in numpy arrays indexed by worker slot
-(``slots``) and take an iteration's reports as one batch (``reports``), so a decision costs about
-a microsecond per worker (``benchmarks/bench_manager.py``).
+and benchmarks. What a worker reports is defined once, in ``reports`` (:class:`Telemetry`). The
+built-in policies keep per-worker state in numpy arrays indexed by worker slot (``slots``) and
+take an iteration's reports as one batch (``reports``), so a decision costs about a microsecond
+per worker (``benchmarks/bench_manager.py``).
 """
 
 from batchsize_manager import lbbsp as _lbbsp  # noqa: F401  (registers static, lbbsp-cpu, lbbsp-gpu)
 from batchsize_manager.lbbsp import LBBSPCpuPolicy, LBBSPGpuPolicy, StaticPolicy
 from batchsize_manager.manager import BatchSizeManager
-from batchsize_manager.policies import (
-    BatchPolicy,
-    WorkerReport,
-    get_policy,
-    policy_names,
-    register_policy,
-)
+from batchsize_manager.policies import BatchPolicy, get_policy, policy_names, register_policy
+from batchsize_manager.reports import Telemetry, WorkerReport
 
 __all__ = [
     "BatchPolicy",
@@ -24,6 +20,7 @@ __all__ = [
     "LBBSPCpuPolicy",
     "LBBSPGpuPolicy",
     "StaticPolicy",
+    "Telemetry",
     "WorkerReport",
     "get_policy",
     "policy_names",

@@ -10,7 +10,6 @@ from __future__ import annotations
 import inspect
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -24,19 +23,7 @@ from batchsize_manager.allocation import (
 )
 
 if TYPE_CHECKING:
-    from batchsize_manager.reports import ReportBatch
-
-
-@dataclass(frozen=True)
-class WorkerReport:
-    """One worker's measurements for one iteration (from its telemetry)."""
-
-    worker_id: int
-    iteration: int
-    batch_size: int
-    compute_s: float
-    iteration_s: float
-    telemetry: Mapping[str, float] = field(default_factory=dict)
+    from batchsize_manager.reports import ReportBatch, WorkerReport
 
 
 class BatchPolicy(ABC):

@@ -63,8 +63,8 @@ from typing import Any
 
 import numpy as np
 
+from batchsize_manager.reports import EXOG_KEYS
 from predictors.base import (
-    EXOG_KEYS,
     BaselineGate,
     GatedModelPredictor,
     check_band,

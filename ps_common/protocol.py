@@ -6,9 +6,14 @@ The header frame is ``MAGIC + VERSION byte + msgpack(map)``; the map holds the m
 frame that follows. Arrays travel as raw bytes (zero-copy on send; read-only ``np.frombuffer``
 views on receive). Nothing on the wire is ever pickled.
 
-Every decode checks magic, version, type, field types, array count, dtypes and sizes, and
-raises :class:`ProtocolError` with a message that says what was wrong. Only this module
-imports msgpack.
+Every decode checks magic, version, type, field types and ranges, array count, dtypes and
+sizes, and raises :class:`ProtocolError` with a message that says what was wrong. Only this
+module imports msgpack.
+
+A worker's report travels as :class:`~batchsize_manager.reports.Telemetry` (in ``Push`` and
+``BsmReport``): the one definition of what a worker measures, with the unit and the range of
+every field; this module encodes it, and refuses on decode any field that is unknown, of the
+wrong type, not finite or out of its range.
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ from typing import Any, Callable, ClassVar, Sequence, Union
 import msgpack
 import numpy as np
 
+from batchsize_manager.reports import Telemetry
+
 MAGIC = b"LBPS"
-VERSION = 2
+VERSION = 3
 HEADER_PREFIX = MAGIC + bytes([VERSION])
 MAX_HEADER_BYTES = 1 << 20
 ALLOWED_DTYPES = frozenset({"<f4", "<f8", "<i8", "<i4", "|u1"})
@@ -37,7 +44,8 @@ class ProtocolError(ValueError):
 # ---------------------------------------------------------------------------------------------
 # Message classes. Field types are checked on decode from the annotations below, so the
 # annotations are the schema: keep them to int, float, bool, str, list[...], dict[str, ...],
-# Optional[...] and nested message-part dataclasses.
+# Optional[...] and nested message-part dataclasses. A field whose metadata holds
+# ``range: (lo, hi)`` must also be a finite number within it (``Telemetry``'s fields do).
 # ---------------------------------------------------------------------------------------------
 
 
@@ -167,7 +175,7 @@ class Push(Message):
     iteration: int = 0
     batch_size: int = 0
     loss: float = 0.0
-    telemetry: dict[str, float] = field(default_factory=dict)  # shard 0 only
+    telemetry: Union[Telemetry, None] = None  # the worker's report of the iteration: shard 0 only
     pull: bool = False
 
 
@@ -417,9 +425,7 @@ class BsmReport(Message):
     worker_id: int = -1
     iteration: int = 0
     batch_size: int = 0
-    compute_s: float = 0.0
-    iteration_s: float = 0.0
-    telemetry: dict[str, float] = field(default_factory=dict)
+    telemetry: Telemetry = Telemetry()
 
 
 @dataclass
@@ -600,23 +606,6 @@ def _make_validator(tp: Any) -> Validator:
     if origin is dict:
         _, varg = typing.get_args(tp)
         val = _validator(varg)
-        if varg is float:  # the hot case (telemetry): one pass, no per-item calls
-            def float_map(value: Any, where: str) -> Any:
-                if not isinstance(value, dict):
-                    raise ProtocolError(f"{where}: expected a map, got {type(value).__name__}")
-                out = {}
-                for k, x in value.items():
-                    if type(k) is not str:
-                        raise ProtocolError(f"{where}: map keys must be strings")
-                    tx = type(x)
-                    if tx is float:
-                        out[k] = x
-                    elif tx is int:
-                        out[k] = float(x)
-                    else:
-                        raise ProtocolError(f"{where}.{k}: expected float, got {tx.__name__}")
-                return out
-            return float_map
 
         def map_of(value: Any, where: str) -> Any:
             if not isinstance(value, dict):
@@ -668,6 +657,23 @@ def _make_validator(tp: Any) -> Validator:
     raise TypeError(f"unsupported schema type {_type_name(tp)}")
 
 
+def _bounded(check: Validator, lo: float, hi: float) -> Validator:
+    """``check``, then ``lo <= value <= hi`` (which NaN and infinities fail); None passes."""
+    def bounded(value: Any, where: str) -> Any:
+        v = check(value, where)
+        if v is not None and not lo <= v <= hi:
+            raise ProtocolError(f"{where}: must be a finite number in [{lo:g}, {hi:g}], got {v!r}")
+        return v
+    return bounded
+
+
+def _field_validator(f: dataclasses.Field, tp: Any) -> Validator:
+    """The validator of one field: its type, and its ``range`` metadata if it has one."""
+    check = _validator(tp)
+    bounds = f.metadata.get("range")
+    return check if bounds is None else _bounded(check, *bounds)
+
+
 def _check(value: Any, tp: Any, where: str) -> Any:
     """Return ``value`` converted to ``tp`` (nested dataclasses) or raise ProtocolError."""
     return _validator(tp)(value, where)
@@ -682,7 +688,7 @@ def _schema(cls: type) -> tuple[dict[str, Validator], frozenset[str], frozenset[
     if sch is None:
         hints = typing.get_type_hints(cls)
         fields = [f for f in dataclasses.fields(cls) if f.name != "arrays"]
-        validators = {f.name: _validator(hints[f.name]) for f in fields}
+        validators = {f.name: _field_validator(f, hints[f.name]) for f in fields}
         required = frozenset(f.name for f in fields if f.default is dataclasses.MISSING
                              and f.default_factory is dataclasses.MISSING)
         sch = _SCHEMAS[cls] = (validators, frozenset(validators), required)

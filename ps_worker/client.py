@@ -16,6 +16,7 @@ from typing import Callable
 import numpy as np
 import zmq
 
+from batchsize_manager.reports import Telemetry
 from ps_common import protocol as P
 from ps_common.faults import kill_in_push
 from ps_common.security import SecurityConfig
@@ -106,7 +107,7 @@ class ShardClients:
         return welcome
 
     def push_pull(self, grads: np.ndarray, params: np.ndarray, *, worker_id: int,
-                  assignment: P.Assignment, loss: float, telemetry: dict[str, float],
+                  assignment: P.Assignment, loss: float, telemetry: Telemetry,
                   consistent: bool = True, abort: Callable[[], str | None] | None = None) -> PullResult:
         """Send each shard its slice of the flat gradient (zero-copy) and wait for the
         parameters that include it. ``grads`` must not change until this returns."""
@@ -118,7 +119,7 @@ class ShardClients:
                 continue
             conn.send(P.Push(worker_id=worker_id, token=self.token, iteration=assignment.iteration,
                              batch_size=assignment.batch_size, loss=loss, pull=True,
-                             telemetry=telemetry if k == 0 else {}, arrays=[grads[a:b]]))
+                             telemetry=telemetry if k == 0 else None, arrays=[grads[a:b]]))
         if kill is not None:
             _die(kill)
         sent = time.perf_counter()

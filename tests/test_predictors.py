@@ -19,7 +19,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from predictors import EXOG_KEYS, exog_from_telemetry, get_predictor, predictor_names
+from batchsize_manager.reports import EXOG_KEYS, Telemetry
+from predictors import get_predictor, predictor_names
 from predictors.base import PREDICTOR_REGISTRY, BaselineGate, Predictor, register_predictor
 from predictors.cli import main
 from predictors.evaluate import evaluate, evaluate_many, format_table
@@ -98,11 +99,11 @@ def test_register_custom_and_duplicate():
         PREDICTOR_REGISTRY.pop("_test_const", None)
 
 
-def test_exog_from_telemetry():
+def test_exog_of_a_report():
     assert EXOG_KEYS == ("host_cpu", "cotenant_cpu", "host_mem_pct")
-    tel = {"host_mem_pct": 40.0, "host_cpu": 75.5, "proc_cpu": 99.0, "cotenant_cpu": None}
-    assert exog_from_telemetry(tel) == [75.5, 0.0, 40.0]
-    assert exog_from_telemetry({"cotenant_cpu": float("nan")}) == [0.0, 0.0, 0.0]
+    tel = Telemetry(host_mem_pct=40.0, host_cpu=75.5, proc_cpu=99.0, cotenant_cpu=None)
+    assert tel.exog() == [75.5, 0.0, 40.0]
+    assert Telemetry(cotenant_cpu=float("nan")).exog() == [0.0, 0.0, 0.0]
 
 
 # ------------------------------------------------------------------------------- contract
