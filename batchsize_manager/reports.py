@@ -4,7 +4,8 @@
 and the range a received value must lie in (``ps_common.protocol`` checks every field of every
 ``Push`` and ``BsmReport`` against it). :class:`WorkerReport` adds whose iteration it was. The
 worker (``ps_worker``), the simulation, the DDP plug-in and ps-bsm clients build them; the manager,
-the policies and the predictors read them by attribute. Nothing else spells a field as a string.
+the policies and the predictors read them by attribute: no code that handles a report spells a
+field as a string.
 
 The manager buffers the reports of an iteration and hands them to the policy as one
 :class:`ReportBatch` when it next decides. Every field a policy reads is extracted once per batch
@@ -18,7 +19,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from operator import attrgetter
+from itertools import repeat
+from operator import attrgetter, is_not
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -242,6 +244,9 @@ def ints(values: Sequence[Any]) -> np.ndarray:
         raise ValueError(f"worker ids must be integers within int64: {exc}") from None
 
 
+_OOM = attrgetter("oom")
+_HEADROOM = attrgetter("mem_headroom_mb")
+
 #: Batches up to this size are read with the per-report rules on Python values (one array per
 #: column at the end): for a few reports, numpy's per-call cost exceeds the work.
 SMALL_BATCH = 16
@@ -323,19 +328,19 @@ class ReportBatch:
         return self._durations("finish_s")
 
     def headroom_rows(self) -> np.ndarray:
-        """Positions of the reports that carry a memory headroom (empty: one scan)."""
-        tels = self.tels
-        if all(t.mem_headroom_mb is None for t in tels):
+        """Positions of the reports that carry a memory headroom (empty: a C-level scan)."""
+        def measured() -> Any:
+            return map(is_not, map(_HEADROOM, self.tels), repeat(None))
+        if not any(measured()):
             return np.zeros(0, dtype=np.int64)
-        return np.flatnonzero(np.fromiter((t.mem_headroom_mb is not None for t in tels), dtype=bool,
-                                          count=self.n))
+        return np.flatnonzero(np.fromiter(measured(), dtype=bool, count=self.n))
 
     # ----- derived columns ------------------------------------------------------------------
     @property
     def any_oom(self) -> bool:
         """Does any report say the worker ran out of memory? (no array built when none does)"""
         if self._any_oom is None:
-            self._any_oom = any(t.oom for t in self.tels)
+            self._any_oom = any(map(_OOM, self.tels))
         return self._any_oom
 
     @property
@@ -345,7 +350,7 @@ class ReportBatch:
             if not self.any_oom:
                 self._oom = np.zeros(self.n, dtype=bool)
             else:
-                self._oom = np.fromiter((bool(t.oom) for t in self.tels), dtype=bool, count=self.n)
+                self._oom = np.fromiter(map(_OOM, self.tels), dtype=bool, count=self.n)
         return self._oom
 
     def speed(self) -> np.ndarray:
