@@ -123,9 +123,9 @@ class SlotPolicy(CapAwarePolicy):
     """Base of the vectorised policies: per-worker state in arrays indexed by slot.
 
     ``observe`` is a batch of one; the BatchSizeManager hands over whole iterations through
-    ``observe_batch``. OOM reports only record a cap (whatever the policy) and are taken out of
-    the batch first; a batch holding several reports of one worker is applied in rounds (first
-    reports, then second ones, ...), which gives the same state as one call per report.
+    ``observe_batch``. OOM reports carry no timing (their caps are the manager's) and are taken
+    out of the batch first; a batch holding several reports of one worker is applied in rounds
+    (first reports, then second ones, ...), which gives the same state as one call per report.
     """
 
     native_arrays = True
@@ -197,7 +197,7 @@ class SlotPolicy(CapAwarePolicy):
         raise NotImplementedError
 
     def _own_caps(self, ids: np.ndarray, caps: np.ndarray) -> np.ndarray:
-        """``caps`` lowered by the caps this policy knows (config, OOM reports)."""
+        """``caps`` lowered by this policy's configured caps."""
         mine = self.memory_caps()
         if not mine:
             return caps

@@ -89,7 +89,8 @@ class BatchPolicy(ABC):
         """Release background resources (a refit thread or process); the policy stays usable."""
 
     def memory_caps(self) -> dict[int, int]:
-        """Per-worker batch caps the policy knows of (from config or learned from OOM reports)."""
+        """Per-worker batch caps from the policy's configuration (caps learned from memory are the
+        manager's: :mod:`batchsize_manager.memory`)."""
         return {}
 
     def state_dict(self) -> dict[str, Any]:
