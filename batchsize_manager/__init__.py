@@ -2,7 +2,7 @@
 
 ``BatchSizeManager`` is the facade; policies are registered by name (``uniform``, ``fixed``,
 ``static``, ``lbbsp-cpu``, ``lbbsp-gpu``) and ``simulation`` holds a pure timing model for tests
-and benchmarks. What a worker reports is defined once, in ``reports`` (:class:`Telemetry`). The
+and benchmarks. What a worker reports is defined once, in ``ps_common.report``. The
 built-in policies keep per-worker state in numpy arrays indexed by worker slot (``slots``) and
 take an iteration's reports as one batch (``reports``), so a decision costs about a microsecond
 per worker (``benchmarks/bench_manager.py``).
@@ -12,7 +12,7 @@ from batchsize_manager import lbbsp as _lbbsp  # noqa: F401  (registers static, 
 from batchsize_manager.lbbsp import LBBSPCpuPolicy, LBBSPGpuPolicy, StaticPolicy
 from batchsize_manager.manager import BatchSizeManager
 from batchsize_manager.policies import BatchPolicy, get_policy, policy_names, register_policy
-from batchsize_manager.reports import Telemetry, WorkerReport
+from batchsize_manager.reports import WorkerReport
 
 __all__ = [
     "BatchPolicy",
@@ -20,7 +20,6 @@ __all__ = [
     "LBBSPCpuPolicy",
     "LBBSPGpuPolicy",
     "StaticPolicy",
-    "Telemetry",
     "WorkerReport",
     "get_policy",
     "policy_names",

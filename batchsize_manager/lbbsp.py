@@ -669,8 +669,8 @@ class LBBSPCpuPolicy(SlotPolicy):
 class LBBSPGpuPolicy(SlotPolicy):
     """Numerical LB-BSP: move samples from the straggler to the leader until finish times agree.
 
-    Finish time of a worker = compute_s + fixed overhead (:meth:`Telemetry.overhead`: the servers'
-    ``finish_s`` where the report has one, else data + push + pull; never the barrier wait),
+    Finish time of a worker = compute_s + fixed overhead (:func:`~batchsize_manager.reports.overhead_one`:
+    the servers' ``finish_s`` where the report has one, else data + push + pull; never the barrier wait),
     as the median over a monitoring window of W iterations at its current size (W starts at
     ``window``). Once every worker has a full window, the straggler (slowest) gives Δ samples
     (``step``, default X // 32) to the leader (fastest worker below its memory cap): "fast

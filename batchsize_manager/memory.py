@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
 if TYPE_CHECKING:
-    from batchsize_manager.reports import Telemetry
+    from ps_common.report import Telemetry
 
 
 class CannotFit(ValueError):

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from batchsize_manager.manager import BatchSizeManager
-from batchsize_manager.reports import Telemetry, WorkerReport
+from batchsize_manager.reports import WorkerReport
+from ps_common.report import Telemetry
 
 
 @dataclass

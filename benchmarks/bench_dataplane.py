@@ -61,7 +61,7 @@ def _serve(cfg, shard: int, coordinator: str | None, q) -> None:
 
 
 def _ps_client(cfg, endpoint: str, iters: int, warmup: int, q) -> None:
-    from batchsize_manager.reports import Telemetry
+    from ps_common.report import Telemetry
     from ps_worker.client import ShardClients
 
     c = ShardClients(zmq.Context.instance(), endpoint, timeout_s=120, connect_timeout_s=60,

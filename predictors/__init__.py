@@ -1,7 +1,7 @@
 """Next-iteration speed predictors for LB-BSP (DESIGN.md section 5).
 
 ``get_predictor("narx", hidden=10)`` builds one; every predictor takes a worker's speed and the
-exogenous inputs of each iteration (``batchsize_manager.reports.EXOG_KEYS`` order, see
+exogenous inputs of each iteration (``ps_common.report.EXOG_KEYS`` order, see
 ``Telemetry.exog``) and forecasts the next speed. Importing this package registers the built-in predictors; statsmodels
 and torch are imported lazily, by the predictors that need them.
 """

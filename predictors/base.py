@@ -2,7 +2,7 @@
 
 A predictor is fed one worker's speed (samples/s) once per iteration, together with the
 exogenous inputs measured in that iteration (``Telemetry.exog``, in
-``batchsize_manager.reports.EXOG_KEYS`` order), and forecasts the speed of the next iteration. The
+``ps_common.report.EXOG_KEYS`` order), and forecasts the speed of the next iteration. The
 BatchSizeManager turns those forecasts into batch sizes, so a forecast must always be usable:
 once a predictor has seen one speed, :meth:`Predictor.predict` returns a finite, positive number
 whatever the model inside does (it falls back to the last observed speed).

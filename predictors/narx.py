@@ -63,7 +63,6 @@ from typing import Any
 
 import numpy as np
 
-from batchsize_manager.reports import EXOG_KEYS
 from predictors.base import (
     BaselineGate,
     GatedModelPredictor,
@@ -72,6 +71,7 @@ from predictors.base import (
 )
 from predictors.batch import RefittingBatchPredictor
 from predictors.refit import RefitExecutor
+from ps_common.report import EXOG_KEYS
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from typing import Any
 
 import zmq
 
-from batchsize_manager.reports import Telemetry, WorkerReport
 from ps_common import protocol as P
+from ps_common.report import Telemetry
 from ps_common.security import SecurityConfig
 from ps_common.transport import Connection, RemoteError, TransportTimeout
 
@@ -79,8 +79,8 @@ class BatchSizeClient:
         self._request(P.BsmReport(worker_id=int(worker_id), iteration=int(iteration),
                                   batch_size=int(batch_size), telemetry=telemetry), P.Ack)
 
-    def observe(self, report: WorkerReport) -> None:
-        """Send a ``WorkerReport``."""
+    def observe(self, report: Any) -> None:
+        """Send a ``WorkerReport`` (or any object with its attributes)."""
         self.report(report.worker_id, report.iteration, report.batch_size, report.telemetry)
 
     def assign(self) -> dict[int, int]:

@@ -10,7 +10,7 @@ Every decode checks magic, version, type, field types and ranges, array count, d
 sizes, and raises :class:`ProtocolError` with a message that says what was wrong. Only this
 module imports msgpack.
 
-A worker's report travels as :class:`~batchsize_manager.reports.Telemetry` (in ``Push`` and
+A worker's report travels as :class:`~ps_common.report.Telemetry` (in ``Push`` and
 ``BsmReport``): the one definition of what a worker measures, with the unit and the range of
 every field; this module encodes it, and refuses on decode any field that is unknown, of the
 wrong type, not finite or out of its range.
@@ -28,7 +28,7 @@ from typing import Any, Callable, ClassVar, Sequence, Union
 import msgpack
 import numpy as np
 
-from batchsize_manager.reports import Telemetry
+from ps_common.report import Telemetry
 
 MAGIC = b"LBPS"
 VERSION = 3

@@ -7,8 +7,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from batchsize_manager.reports import Telemetry
 from ps_common.metrics import read_jsonl
+from ps_common.report import Telemetry
 
 ACCURACY_MARKS = (0.90, 0.95, 0.97, 0.98, 0.99)
 

@@ -17,12 +17,13 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from batchsize_manager import Telemetry, WorkerReport
+from batchsize_manager import WorkerReport
 from batchsize_manager.manager import BatchSizeManager
 from ps_common import protocol as P
 from ps_common.datasets import dataset_from_config
 from ps_common.faults import fault
 from ps_common.metrics import MetricsWriter
+from ps_common.report import Telemetry
 from ps_server.checkpoint import list_checkpoints
 from ps_server.control import Followers
 from ps_server.coordinator import CommitDecision, Coordinator, NotReassigned

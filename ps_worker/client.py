@@ -16,9 +16,9 @@ from typing import Callable
 import numpy as np
 import zmq
 
-from batchsize_manager.reports import Telemetry
 from ps_common import protocol as P
 from ps_common.faults import kill_in_push
+from ps_common.report import Telemetry
 from ps_common.security import SecurityConfig
 from ps_common.transport import Connection, RemoteError, TransportTimeout, undialable
 

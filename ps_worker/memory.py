@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from batchsize_manager.reports import Telemetry
+from ps_common.report import Telemetry
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import threading
 
 import psutil
 
-from batchsize_manager.reports import Telemetry
+from ps_common.report import Telemetry
 
 
 class ResourceProbe:

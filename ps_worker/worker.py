@@ -14,13 +14,13 @@ import torch
 import torch.nn.functional as F
 import zmq
 
-from batchsize_manager.reports import Telemetry
 from ps_common import protocol as P
 from ps_common.config import JobConfig
 from ps_common.datasets import ArrayDataset, dataset_from_config, sample_order
 from ps_common.metrics import MetricsWriter
 from ps_common.models import FlatParameters, build_model
 from ps_common.protocol import Assignment
+from ps_common.report import Telemetry
 from ps_common.transport import AuthenticationFailed, RemoteError, TransportTimeout
 from ps_worker.client import PullAborted, ShardClients
 from ps_worker.contention import CommDelay, ContentionDriver, EmulatedSlowdown

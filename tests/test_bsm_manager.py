@@ -7,8 +7,9 @@ from typing import Sequence
 
 import pytest
 
-from batchsize_manager import BatchPolicy, BatchSizeManager, Telemetry, WorkerReport, get_policy
+from batchsize_manager import BatchPolicy, BatchSizeManager, WorkerReport, get_policy
 from batchsize_manager.simulation import SimulatedWorker, Simulation
+from ps_common.report import Telemetry
 
 
 class FakeClock:

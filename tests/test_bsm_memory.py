@@ -7,7 +7,7 @@ import json
 import pytest
 
 from batchsize_manager.memory import CannotFit, MemoryCaps
-from batchsize_manager.reports import Telemetry
+from ps_common.report import Telemetry
 
 
 def search(limit: int, start: int, caps: MemoryCaps, name: str = "w", rounds: int = 40) -> tuple[int, int]:

@@ -6,8 +6,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from batchsize_manager import BatchSizeManager, Telemetry, WorkerReport, get_policy, policy_names
+from batchsize_manager import BatchSizeManager, WorkerReport, get_policy, policy_names
 from batchsize_manager.simulation import SimulatedWorker, Simulation, ideal_iteration_time, simulate
+from ps_common.report import Telemetry
 
 
 def report(w: int, it: int, x: int, speed: float, overhead: float = 0.0, **extra: float) -> WorkerReport:

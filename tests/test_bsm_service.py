@@ -11,9 +11,10 @@ import msgpack
 import pytest
 import zmq
 
-from batchsize_manager import BatchSizeManager, Telemetry, WorkerReport
+from batchsize_manager import BatchSizeManager, WorkerReport
 from ps_common import protocol as P
 from ps_common.bsm_client import BatchSizeClient, RemoteError, TransportTimeout
+from ps_common.report import Telemetry
 from ps_common.transport import recv_frames
 from ps_server import bsm_service
 from ps_server.bsm_service import BatchSizeService

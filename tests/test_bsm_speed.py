@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from batchsize_manager import BatchSizeManager, Telemetry, WorkerReport, get_policy
+from batchsize_manager import BatchSizeManager, WorkerReport, get_policy
 from batchsize_manager.allocation import (
     SMALL_N,
     bounded_split,
@@ -29,8 +29,9 @@ from batchsize_manager.allocation import (
     round_bounded_arrays,
     split_small,
 )
-from batchsize_manager.reports import SMALL_BATCH, ReportBatch, _num_one, occurrence_rounds
+from batchsize_manager.reports import SMALL_BATCH, ReportBatch, _num_one, occurrence_rounds, overhead_one
 from batchsize_manager.simulation import SimulatedWorker, Simulation
+from ps_common.report import Telemetry
 
 INF = math.inf
 
@@ -199,7 +200,7 @@ def test_report_columns_follow_the_per_report_rules(n):
     for key in ("data_s", "prev_push_s", "prev_pull_s", "finish_s"):
         assert b._durations(key).tolist() == [_num_one(getattr(r.telemetry, key)) for r in reps]
     assert b.finish.tolist() == [_num_one(r.telemetry.finish_s) for r in reps]
-    assert np.allclose(b.overhead(), [r.telemetry.overhead() for r in reps], rtol=0, atol=1e-15)
+    assert np.allclose(b.overhead(), [overhead_one(r.telemetry) for r in reps], rtol=0, atol=1e-15)
     exp_v = [r.speed() for r in reps]
     got_v = b.speed()
     for g, e in zip(got_v.tolist(), exp_v):

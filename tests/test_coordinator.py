@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from batchsize_manager import Telemetry, WorkerReport
+from batchsize_manager import WorkerReport
 from batchsize_manager.manager import BatchSizeManager
 from ps_common.config import validate
+from ps_common.report import Telemetry
 from ps_server.coordinator import Coordinator
 from ps_server.sync import get_sync_policy
 

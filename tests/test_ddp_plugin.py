@@ -35,10 +35,10 @@ from batchsize_manager.integrations.torch_ddp import (
 )
 from batchsize_manager.manager import BatchSizeManager
 from batchsize_manager.policies import BatchPolicy
-from batchsize_manager.reports import Telemetry
 from ps_common.datasets import load_dataset, sample_order
 from ps_common.models import build_model
 from ps_common.reference import flat_parameters, global_batch_indices, train_reference
+from ps_common.report import Telemetry
 
 ROOT = Path(__file__).resolve().parents[1]
 X = 64

@@ -19,13 +19,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from batchsize_manager.reports import EXOG_KEYS, Telemetry
 from predictors import get_predictor, predictor_names
 from predictors.base import PREDICTOR_REGISTRY, BaselineGate, Predictor, register_predictor
 from predictors.cli import main
 from predictors.evaluate import evaluate, evaluate_many, format_table
 from predictors.record import burners_at, parse_schedule, random_schedule
 from predictors.traces import Trace, load_trace, save_trace, trace_from_worker_metrics
+from ps_common.report import EXOG_KEYS, Telemetry
 
 FIXTURES = sorted((Path(__file__).parent / "fixtures" / "traces").glob("*.csv"))
 NAMES = predictor_names()

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchsize_manager.reports import Telemetry
 from ps_common import protocol as P
+from ps_common.report import Telemetry
 
 
 def roundtrip(msg: P.Message) -> P.Message:

@@ -28,10 +28,10 @@ import numpy as np
 import pytest
 import zmq
 
-from batchsize_manager.reports import Telemetry
 from ps_common import protocol as P
 from ps_common.credentials import generate_master
 from ps_common.metrics import read_jsonl
+from ps_common.report import Telemetry
 from ps_common.security import SecurityConfig, secure_client_socket
 from tests.cluster_util import consistent_end, start_servers, start_workers, wait_exit, write_config
 

@@ -55,7 +55,8 @@ import torch
 import torch.distributed as dist
 
 from batchsize_manager.policies import BatchPolicy, get_policy
-from batchsize_manager.reports import Telemetry, WorkerReport
+from batchsize_manager.reports import WorkerReport
+from ps_common.report import Telemetry
 
 __all__ = [
     "DDPBatchBalancer",
@@ -332,7 +333,7 @@ class DDPBatchBalancer:
     Construct on every rank after ``init_process_group`` (all ranks, same arguments). The
     decision runs on rank 0 only (the policy object exists only there, so stateful or
     randomised policies cannot diverge across ranks); each :meth:`step` costs one small
-    ``all_gather`` (every rank's :class:`~batchsize_manager.reports.Telemetry`, a float per
+    ``all_gather`` (every rank's :class:`~ps_common.report.Telemetry`, a float per
     field) and one ``broadcast`` (one int per rank) on the gradients' process group: two tiny
     collectives per iteration, plus the policy's own decision time on rank 0 while the others
     wait.
