@@ -28,8 +28,8 @@ from batchsize_manager.allocation import (
     finish_time_split_arrays,
     resolve_caps,
 )
-from batchsize_manager.policies import BatchPolicy, WorkerReport, register_policy
-from batchsize_manager.reports import EXOG_KEYS, ReportBatch, occurrence_rounds, overhead_one
+from batchsize_manager.policies import BatchPolicy, register_policy
+from batchsize_manager.reports import EXOG_KEYS, ReportBatch, WorkerReport, occurrence_rounds
 from batchsize_manager.slots import SlotTable
 
 
@@ -40,28 +40,6 @@ def grown(a: np.ndarray, capacity: int, fill: Any) -> np.ndarray:
     return out
 
 log = logging.getLogger(__name__)
-
-#: Telemetry keys whose sum is a worker's fixed (batch-size independent) time per iteration:
-#: data loading and the previous iteration's push and pull. ``prev_wait_s`` is left out on
-#: purpose: it is time spent idle at the barrier, i.e. the imbalance we are removing.
-OVERHEAD_KEYS: tuple[str, ...] = ("data_s", "prev_push_s", "prev_pull_s")
-
-
-def _num(tel: Mapping[str, Any], key: str) -> float:
-    """A non-negative finite telemetry number; missing or malformed entries count as 0."""
-    raw = tel.get(key)
-    if raw is None:
-        return 0.0
-    try:
-        v = float(raw)
-    except (TypeError, ValueError):
-        return 0.0
-    return v if 0.0 < v < math.inf else 0.0
-
-
-def is_oom(report: WorkerReport) -> bool:
-    """True for a report that says the worker ran out of memory at ``report.batch_size``."""
-    return report.telemetry.get("oom") is not None and _num(report.telemetry, "oom") >= 0.5
 
 
 def _row_quantile(a: np.ndarray, q: float) -> np.ndarray:
@@ -77,27 +55,6 @@ def _row_quantile(a: np.ndarray, q: float) -> np.ndarray:
     frac = pos - lo
     out = s[rows, lo] * (1.0 - frac) + s[rows, hi] * frac
     return np.where(n > 0, out, np.nan)
-
-
-def fixed_overhead(report: WorkerReport) -> float:
-    """Everything but compute in a worker's finish time, never the barrier wait.
-
-    With ``finish_s`` (the coordinator's view: from the answer that started the iteration to
-    the gradient being whole on every shard) it is finish_s - compute_s: what a slow link or a
-    CPU quota adds outside the compute phase, which the worker cannot see (its push returns as
-    soon as ZeroMQ queues it; the DDP plug-in reports the same per rank, to its last gradient
-    bucket). Without it (a ps-bsm client that sends none): data + push + pull.
-    """
-    return overhead_one(report.telemetry, float(report.compute_s))
-
-
-def measured_speed(report: WorkerReport) -> float | None:
-    """Samples per second of compute, or None when the report carries no usable timing."""
-    c = report.compute_s
-    if report.batch_size <= 0 or not math.isfinite(c) or c <= 0:
-        return None
-    v = report.batch_size / c
-    return v if math.isfinite(v) else None      # a denormal compute time would give inf
 
 
 def _str_keys(d: Mapping[int, Any]) -> dict[str, Any]:
@@ -166,9 +123,9 @@ class SlotPolicy(CapAwarePolicy):
     """Base of the vectorised policies: per-worker state in arrays indexed by slot.
 
     ``observe`` is a batch of one; the BatchSizeManager hands over whole iterations through
-    ``observe_batch``. OOM reports only record a cap (whatever the policy) and are taken out of
-    the batch first; a batch holding several reports of one worker is applied in rounds (first
-    reports, then second ones, ...), which gives the same state as one call per report.
+    ``observe_batch``. OOM reports carry no timing (their caps are the manager's) and are taken
+    out of the batch first; a batch holding several reports of one worker is applied in rounds
+    (first reports, then second ones, ...), which gives the same state as one call per report.
     """
 
     native_arrays = True
@@ -240,7 +197,7 @@ class SlotPolicy(CapAwarePolicy):
         raise NotImplementedError
 
     def _own_caps(self, ids: np.ndarray, caps: np.ndarray) -> np.ndarray:
-        """``caps`` lowered by the caps this policy knows (config, OOM reports)."""
+        """``caps`` lowered by this policy's configured caps."""
         mine = self.memory_caps()
         if not mine:
             return caps
@@ -539,7 +496,7 @@ class LBBSPCpuPolicy(SlotPolicy):
         a = self.overhead_alpha
         self._overhead[slots] = np.where(np.isnan(prev), o, a * o + (1 - a) * prev)
         if self.finish_quantile is not None:
-            fin = batch.num("finish_s") if rows is None else batch.num("finish_s")[rows]
+            fin = batch.finish if rows is None else batch.finish[rows]
             has = fin > 0
             if has.any():
                 fs = slots[has]
@@ -712,8 +669,8 @@ class LBBSPCpuPolicy(SlotPolicy):
 class LBBSPGpuPolicy(SlotPolicy):
     """Numerical LB-BSP: move samples from the straggler to the leader until finish times agree.
 
-    Finish time of a worker = compute_s + fixed overhead (:func:`fixed_overhead`: the servers'
-    ``finish_s`` where the report has one, else data + push + pull; never the barrier wait),
+    Finish time of a worker = compute_s + fixed overhead (:func:`~batchsize_manager.reports.overhead_one`:
+    the servers' ``finish_s`` where the report has one, else data + push + pull; never the barrier wait),
     as the median over a monitoring window of W iterations at its current size (W starts at
     ``window``). Once every worker has a full window, the straggler (slowest) gives Δ samples
     (``step``, default X // 32) to the leader (fastest worker below its memory cap): "fast

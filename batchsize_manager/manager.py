@@ -25,9 +25,9 @@ import numpy as np
 
 from batchsize_manager.allocation import check_feasible_arrays
 from batchsize_manager.membership import Member, Membership
-from batchsize_manager.memory import HEADROOM_KEY, CannotFit, MemoryCaps
-from batchsize_manager.policies import BatchPolicy, WorkerReport, get_policy
-from batchsize_manager.reports import ReportBatch
+from batchsize_manager.memory import CannotFit, MemoryCaps
+from batchsize_manager.policies import BatchPolicy, get_policy
+from batchsize_manager.reports import ReportBatch, WorkerReport
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ class BatchSizeManager:
         headroom estimate; one vectorised check when nobody has either (the usual case)."""
         if batch.n == 0:
             return
-        rows = batch.rows_with(HEADROOM_KEY)
+        rows = batch.headroom_rows()
         if self.memory.tracks_any():
             tracked = [i for i, w in enumerate(batch.worker.tolist())
                        if self.memory.tracks(self.membership.name_of(w) or "")]

@@ -13,8 +13,8 @@ cap settles ``margin`` below the failed size (memory use fluctuates a little bet
 and a cap at the edge would fail again now and then).
 
 A *headroom* cap comes from telemetry, before anything fails: a worker that reports
-``mem_headroom_mb`` (what the iteration could still have used under its limit) and
-``mem_per_sample_mb`` (its peak use above the model's, per sample) would fit about
+``Telemetry.mem_headroom_mb`` (what the iteration could still have used under its limit) and
+``Telemetry.mem_per_sample_mb`` (its peak use above the model's, per sample) would fit about
 ``x + headroom / per_sample`` samples; that estimate, ``margin`` lower, caps it too. lbbsp-gpu
 therefore never picks as leader a worker without room for more samples.
 """
@@ -23,11 +23,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
-#: Telemetry keys of the headroom estimate (see the module docstring).
-HEADROOM_KEY = "mem_headroom_mb"
-PER_SAMPLE_KEY = "mem_per_sample_mb"
+if TYPE_CHECKING:
+    from ps_common.report import Telemetry
 
 
 class CannotFit(ValueError):
@@ -119,20 +118,21 @@ class MemoryCaps:
         assert cap is not None and cap < batch_size
         return cap
 
-    def completed(self, name: str, batch_size: int, telemetry: Mapping[str, Any] | None = None) -> None:
+    def completed(self, name: str, batch_size: int, telemetry: Telemetry | None = None) -> None:
         """An iteration of ``batch_size`` fitted; its telemetry may carry a headroom estimate."""
+        headroom = telemetry if telemetry is not None and telemetry.mem_headroom_mb is not None else None
         s = self._search.get(name)
         if s is None:
-            if not telemetry or HEADROOM_KEY not in telemetry:
+            if headroom is None:
                 return          # the common case: nothing to learn, nothing stored
             s = self._search.setdefault(name, _Search())
         before = (s.fits, s.headroom_cap)
         if batch_size > s.fits and (s.fails is None or batch_size < s.fails):
             s.fits = batch_size
-        if telemetry:
-            head = _finite_positive(telemetry.get(HEADROOM_KEY))
-            per = _finite_positive(telemetry.get(PER_SAMPLE_KEY))
-            if per > 0 and HEADROOM_KEY in telemetry:
+        if headroom is not None:
+            head = _finite_positive(headroom.mem_headroom_mb)
+            per = _finite_positive(headroom.mem_per_sample_mb)
+            if per > 0:
                 s.headroom_cap = batch_size + math.floor(head * (1.0 - self.margin) / per)
         if (s.fits, s.headroom_cap) != before:
             self.version += 1

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
@@ -24,19 +23,7 @@ from batchsize_manager.allocation import (
 from ps_common.registry import Registry
 
 if TYPE_CHECKING:
-    from batchsize_manager.reports import ReportBatch
-
-
-@dataclass(frozen=True)
-class WorkerReport:
-    """One worker's measurements for one iteration (from its telemetry)."""
-
-    worker_id: int
-    iteration: int
-    batch_size: int
-    compute_s: float
-    iteration_s: float
-    telemetry: Mapping[str, float] = field(default_factory=dict)
+    from batchsize_manager.reports import ReportBatch, WorkerReport
 
 
 class BatchPolicy(ABC):
@@ -99,7 +86,8 @@ class BatchPolicy(ABC):
         """Release background resources (a refit thread or process); the policy stays usable."""
 
     def memory_caps(self) -> dict[int, int]:
-        """Per-worker batch caps the policy knows of (from config or learned from OOM reports)."""
+        """Per-worker batch caps from the policy's configuration (caps learned from memory are the
+        manager's: :mod:`batchsize_manager.memory`)."""
         return {}
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,29 +1,58 @@
-"""Many worker reports at once, as numpy columns: the vectorised side of ``observe``.
+"""Worker reports as the manager sees them: one by one, and many at once as numpy columns.
+
+:class:`WorkerReport` is a worker's :class:`~ps_common.report.Telemetry` (the one definition of
+what a worker measures) and whose iteration it was.
 
 The manager buffers the reports of an iteration and hands them to the policy as one
 :class:`ReportBatch` when it next decides. Every field a policy reads is extracted once per batch
-with one list comprehension and one array conversion (about 0.03 µs per report and field), and
-the per-report rules of :mod:`batchsize_manager.lbbsp` (``_num``, ``is_oom``, ``measured_speed``,
-``fixed_overhead``) and of :func:`predictors.exog_from_telemetry` are applied to whole columns with
-the same results. Malformed values (strings, objects) fall back to the per-value rule.
+with one pass and one array conversion (about 0.03 µs per report and field), and the per-report
+rules (:meth:`WorkerReport.speed`, :func:`overhead_one`, :meth:`Telemetry.exog`) are applied
+to whole columns with the same results. Malformed values (strings, objects) in a report built
+locally fall back to the per-value rule.
 """
 
 from __future__ import annotations
 
 import math
-import operator
+from dataclasses import dataclass
 from itertools import repeat
-from typing import Any, Mapping, Sequence
+from operator import attrgetter, is_not
+from typing import Any, Sequence
 
 import numpy as np
 
-#: Order of the exogenous inputs (the same as ``predictors.EXOG_KEYS``; kept here so that the
-#: manager does not import the predictors package unless a policy needs it).
-EXOG_KEYS: tuple[str, ...] = ("host_cpu", "cotenant_cpu", "host_mem_pct")
+from ps_common.report import EXOG_KEYS, Telemetry
+
+
+@dataclass(frozen=True)
+class WorkerReport:
+    """One worker's report of one finished iteration, as the manager and the policies see it."""
+
+    worker_id: int
+    iteration: int
+    batch_size: int
+    telemetry: Telemetry = Telemetry()
+
+    def speed(self) -> float | None:
+        """Samples per second of compute, or None when the report carries no usable timing."""
+        v = _speed_one(self.batch_size, self.telemetry.compute_s)
+        return None if math.isnan(v) else v
+
+
+def overhead_one(tel: Telemetry) -> float:
+    """Everything but compute in the worker's finish time, never the barrier wait: finish_s -
+    compute_s where the servers measured a finish time (what a slow link or a CPU quota adds
+    outside compute, which the worker cannot see), else data + previous push + previous pull
+    (``prev_wait_s`` is left out on purpose: it is the imbalance being removed)."""
+    f = _float_or_nan(tel.finish_s)
+    if math.isfinite(f) and f > 0:
+        c = _float_or_nan(tel.compute_s)
+        return max(0.0, f - (c if math.isfinite(c) else 0.0))
+    return _num_one(tel.data_s) + _num_one(tel.prev_push_s) + _num_one(tel.prev_pull_s)
 
 
 def _num_one(raw: Any) -> float:
-    """``lbbsp._num`` for one value: finite and > 0, else 0."""
+    """A duration that counts: finite and > 0, else 0."""
     if raw is None:
         return 0.0
     try:
@@ -42,6 +71,18 @@ def _float_or_nan(raw: Any) -> float:
         return math.nan
 
 
+def _speed_one(batch_size: Any, compute_s: Any) -> float:
+    """:meth:`WorkerReport.speed` for one report; nan where unusable."""
+    try:
+        c = float(compute_s)
+        if batch_size <= 0 or not math.isfinite(c) or c <= 0:
+            return math.nan
+        v = batch_size / c
+    except (TypeError, ValueError, OverflowError):
+        return math.nan
+    return v if math.isfinite(v) else math.nan      # a denormal compute time would give inf
+
+
 def floats(values: Sequence[Any]) -> np.ndarray:
     """float64 column of ``values``: None and unconvertible values become nan."""
     try:
@@ -54,13 +95,13 @@ def floats(values: Sequence[Any]) -> np.ndarray:
         return np.fromiter((_float_or_nan(v) for v in values), dtype=np.float64, count=len(values))
 
 
-def _tel_column(tels: list[Mapping[str, Any]], key: str) -> np.ndarray:
-    """float64 column of ``tel.get(key)`` (None and unconvertible values: nan)."""
-    n = len(tels)
-    try:    # plain dicts holding numbers (the usual case): no intermediate list
-        return np.fromiter(map(dict.get, tels, repeat(key)), dtype=np.float64, count=n)
+def _tel_column(tels: list[Telemetry], name: str) -> np.ndarray:
+    """float64 column of field ``name`` (None and unconvertible values: nan)."""
+    get = attrgetter(name)
+    try:    # numbers (the usual case): no intermediate list
+        return np.fromiter(map(get, tels), dtype=np.float64, count=len(tels))
     except (TypeError, ValueError, OverflowError):
-        return floats([t.get(key) for t in tels])
+        return floats([get(t) for t in tels])
 
 
 def ints(values: Sequence[Any]) -> np.ndarray:
@@ -71,44 +112,16 @@ def ints(values: Sequence[Any]) -> np.ndarray:
         raise ValueError(f"worker ids must be integers within int64: {exc}") from None
 
 
+_OOM = attrgetter("oom")
+_HEADROOM = attrgetter("mem_headroom_mb")
+
 #: Batches up to this size are read with the per-report rules on Python values (one array per
 #: column at the end): for a few reports, numpy's per-call cost exceeds the work.
 SMALL_BATCH = 16
 
 
-def _speed_one(batch_size: Any, compute_s: Any) -> float:
-    """``lbbsp.measured_speed`` for one report; nan where unusable."""
-    try:
-        c = float(compute_s)
-        if batch_size <= 0 or not math.isfinite(c) or c <= 0:
-            return math.nan
-        v = batch_size / c
-    except (TypeError, ValueError, OverflowError):
-        return math.nan
-    return v if math.isfinite(v) else math.nan
-
-
-def overhead_one(tel: Mapping[str, Any], compute_s: float) -> float:
-    """One report's time outside compute (``lbbsp.fixed_overhead``; :meth:`ReportBatch.overhead`
-    is the same rule over many): finish_s - compute_s where the servers measured a finish time,
-    else data + previous push + previous pull."""
-    fin = tel.get("finish_s")
-    try:
-        f = float(fin) if fin is not None else math.nan
-    except (TypeError, ValueError):
-        f = math.nan
-    if math.isfinite(f) and f > 0:
-        return max(0.0, f - (compute_s if math.isfinite(compute_s) else 0.0))
-    return _num_one(tel.get("data_s")) + _num_one(tel.get("prev_push_s")) + _num_one(tel.get("prev_pull_s"))
-
-
-def _exog_one(raw: Any) -> float:
-    v = _float_or_nan(raw)
-    return v if math.isfinite(v) else 0.0
-
-
 class ReportBatch:
-    """Columns of a list of :class:`~batchsize_manager.policies.WorkerReport` (lazily extracted).
+    """Columns of a list of :class:`WorkerReport` (lazily extracted).
 
     Positions follow the order of ``reports``. :func:`occurrence_rounds` splits a batch that holds
     several reports of one worker into sub-batches without duplicates, in arrival order, so that
@@ -119,14 +132,14 @@ class ReportBatch:
     __slots__ = ("reports", "n", "small", "_worker", "_batch", "_compute", "_tels", "_cols", "_oom",
                  "_any_oom", "_exog", "_speed", "_overhead")
 
-    def __init__(self, reports: Sequence[Any]) -> None:
+    def __init__(self, reports: Sequence[WorkerReport]) -> None:
         self.reports = reports if isinstance(reports, list) else list(reports)
         self.n = len(self.reports)
         self.small = self.n <= SMALL_BATCH
         self._worker: np.ndarray | None = None
         self._batch: np.ndarray | None = None
         self._compute: np.ndarray | None = None
-        self._tels: list[Mapping[str, Any]] | None = None
+        self._tels: list[Telemetry] | None = None
         self._cols: dict[str, np.ndarray] = {}
         self._oom: np.ndarray | None = None
         self._any_oom: bool | None = None
@@ -152,65 +165,68 @@ class ReportBatch:
         return self._batch
 
     @property
-    def compute(self) -> np.ndarray:
-        if self._compute is None:
-            self._compute = floats([r.compute_s for r in self.reports])
-        return self._compute
-
-    @property
-    def tels(self) -> list[Mapping[str, Any]]:
+    def tels(self) -> list[Telemetry]:
         if self._tels is None:
             self._tels = [r.telemetry for r in self.reports]
         return self._tels
 
-    def num(self, key: str) -> np.ndarray:
-        """Telemetry ``key`` with ``lbbsp._num`` semantics: finite and > 0, else 0."""
-        col = self._cols.get(key)
+    @property
+    def compute(self) -> np.ndarray:
+        if self._compute is None:
+            self._compute = floats([t.compute_s for t in self.tels])
+        return self._compute
+
+    def _durations(self, name: str) -> np.ndarray:
+        """Field ``name`` where it counts (finite and > 0), else 0."""
+        col = self._cols.get(name)
         if col is None:
             if self.small:
-                col = np.array([_num_one(t.get(key)) for t in self.tels], dtype=np.float64)
+                get = attrgetter(name)
+                col = np.array([_num_one(get(t)) for t in self.tels], dtype=np.float64)
             else:
-                a = _tel_column(self.tels, key)
+                a = _tel_column(self.tels, name)
                 with np.errstate(invalid="ignore"):
                     col = np.where((a > 0.0) & (a < math.inf), a, 0.0)
-            self._cols[key] = col
+            self._cols[name] = col
         return col
 
-    def rows_with(self, key: str) -> np.ndarray:
-        """Positions of the reports whose telemetry has ``key`` at all (empty: a C-level scan)."""
-        tels = self.tels
-        if not any(map(operator.contains, tels, repeat(key))):
+    @property
+    def finish(self) -> np.ndarray:
+        """``finish_s`` where measured (finite and > 0), else 0."""
+        return self._durations("finish_s")
+
+    def headroom_rows(self) -> np.ndarray:
+        """Positions of the reports that carry a memory headroom (empty: a C-level scan)."""
+        def measured() -> Any:
+            return map(is_not, map(_HEADROOM, self.tels), repeat(None))
+        if not any(measured()):
             return np.zeros(0, dtype=np.int64)
-        return np.flatnonzero(np.fromiter(map(operator.contains, tels, repeat(key)), dtype=bool,
-                                          count=self.n))
+        return np.flatnonzero(np.fromiter(measured(), dtype=bool, count=self.n))
 
     # ----- derived columns ------------------------------------------------------------------
     @property
     def any_oom(self) -> bool:
         """Does any report say the worker ran out of memory? (no array built when none does)"""
         if self._any_oom is None:
-            self._any_oom = (any(map(operator.contains, self.tels, repeat("oom")))
-                             and bool(self.oom.any()))
+            self._any_oom = any(map(_OOM, self.tels))
         return self._any_oom
 
     @property
     def oom(self) -> np.ndarray:
-        """``lbbsp.is_oom`` per report: an ``oom`` entry that is >= 0.5."""
+        """Per report: did the worker run out of memory (``Telemetry.oom``)?"""
         if self._oom is None:
-            tels = self.tels
-            if not any(map(operator.contains, tels, repeat("oom"))):
+            if not self.any_oom:
                 self._oom = np.zeros(self.n, dtype=bool)
             else:
-                self._oom = np.fromiter(((v := t.get("oom")) is not None and _num_one(v) >= 0.5
-                                         for t in tels), dtype=bool, count=self.n)
+                self._oom = np.fromiter(map(_OOM, self.tels), dtype=bool, count=self.n)
         return self._oom
 
     def speed(self) -> np.ndarray:
-        """``lbbsp.measured_speed`` per report: samples/s of compute, nan where unusable."""
+        """:meth:`WorkerReport.speed` per report: samples/s of compute, nan where unusable."""
         if self._speed is None:
             if self.small:
-                self._speed = np.array([_speed_one(r.batch_size, r.compute_s) for r in self.reports],
-                                       dtype=np.float64)
+                self._speed = np.array([_speed_one(r.batch_size, r.telemetry.compute_s)
+                                        for r in self.reports], dtype=np.float64)
             else:
                 c = self.compute
                 with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
@@ -221,14 +237,13 @@ class ReportBatch:
         return self._speed
 
     def overhead(self) -> np.ndarray:
-        """``lbbsp.fixed_overhead`` per report: the server-observed finish time minus compute
-        where the report carries one (``finish_s``), else data + previous push + previous pull."""
+        """:func:`overhead_one` per report: the server-observed finish time minus compute
+        where the report carries one, else data + previous push + previous pull."""
         if self._overhead is None:
             if self.small:
-                self._overhead = np.array([overhead_one(t, c) for t, c in zip(self.tels, self.compute)],
-                                          dtype=np.float64)
+                self._overhead = np.array([overhead_one(t) for t in self.tels], dtype=np.float64)
             else:
-                own = self.num("data_s") + self.num("prev_push_s") + self.num("prev_pull_s")
+                own = self._durations("data_s") + self._durations("prev_push_s") + self._durations("prev_pull_s")
                 fin = _tel_column(self.tels, "finish_s")
                 seen = np.isfinite(fin) & (fin > 0)
                 comp = np.where(np.isfinite(self.compute), self.compute, 0.0)
@@ -236,10 +251,10 @@ class ReportBatch:
         return self._overhead
 
     def exog(self) -> np.ndarray:
-        """(n, 3) exogenous inputs with ``predictors.exog_from_telemetry`` semantics."""
+        """(n, len(EXOG_KEYS)) exogenous inputs, :meth:`Telemetry.exog` per row."""
         if self._exog is None:
             if self.small:
-                self._exog = np.array([[_exog_one(t.get(k)) for k in EXOG_KEYS] for t in self.tels],
+                self._exog = np.array([t.exog() for t in self.tels],
                                       dtype=np.float64).reshape(self.n, len(EXOG_KEYS))
             else:
                 out = np.empty((self.n, len(EXOG_KEYS)))

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from batchsize_manager.manager import BatchSizeManager
-from batchsize_manager.policies import WorkerReport
+from batchsize_manager.reports import WorkerReport
+from ps_common.report import Telemetry
 
 
 @dataclass
@@ -147,19 +148,14 @@ class Simulation:
             data, compute, push, pull = parts[wid]
             p = self._prev[wid]
             base = w.speed_at(0)
-            tel: dict[str, float] = {
-                "data_s": data, "compute_s": compute,
-                "samples_per_s": x / compute if compute > 0 else 0.0,
-                "prev_push_s": p.push_s, "prev_wait_s": p.wait_s, "prev_pull_s": p.pull_s,
-                "iteration_s": p.iteration_s,
-                "proc_cpu": 100.0, "host_cpu": 50.0,
-                "cotenant_cpu": max(0.0, 100.0 * (1.0 - w.speed_at(t) / base)),
-                "rss_mb": 500.0, "host_mem_pct": 40.0,
-            }
-            if wid in oom:
-                tel["oom"] = 1.0
-            self.manager.observe(WorkerReport(worker_id=wid, iteration=t, batch_size=x, compute_s=compute,
-                                              iteration_s=p.iteration_s, telemetry=tel))
+            tel = Telemetry(
+                data_s=data, compute_s=compute, iteration_s=p.iteration_s,
+                prev_push_s=p.push_s, prev_wait_s=p.wait_s, prev_pull_s=p.pull_s,
+                proc_cpu=100.0, host_cpu=50.0,
+                cotenant_cpu=max(0.0, 100.0 * (1.0 - w.speed_at(t) / base)),
+                rss_mb=500.0, host_mem_pct=40.0, oom=wid in oom,
+            )
+            self.manager.observe(WorkerReport(worker_id=wid, iteration=t, batch_size=x, telemetry=tel))
             self._prev[wid] = _Prev(push_s=push, wait_s=it_s - times[wid], pull_s=pull, iteration_s=it_s)
         self.iteration += 1
         return SimRecord(t, dict(sizes), times, it_s, oom, decision_s)

@@ -61,6 +61,7 @@ def _serve(cfg, shard: int, coordinator: str | None, q) -> None:
 
 
 def _ps_client(cfg, endpoint: str, iters: int, warmup: int, q) -> None:
+    from ps_common.report import Telemetry
     from ps_worker.client import ShardClients
 
     c = ShardClients(zmq.Context.instance(), endpoint, timeout_s=120, connect_timeout_s=60,
@@ -73,7 +74,7 @@ def _ps_client(cfg, endpoint: str, iters: int, warmup: int, q) -> None:
     while not res.stop:
         t0 = time.perf_counter()
         res = c.push_pull(grads, params, worker_id=w.worker_id, assignment=res.assignment, loss=0.0,
-                          telemetry={})
+                          telemetry=Telemetry())
         times.append(time.perf_counter() - t0)
     c.close()
     q.put(times[warmup:iters + warmup])

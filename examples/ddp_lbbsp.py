@@ -156,14 +156,14 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
             loss.backward()
         opt.step()
         balancer.step()
-        own = balancer.last_reports[rank].compute_s - slept
+        own = balancer.last_reports[rank].telemetry.compute_s - slept
         if own > 0:
             per_sample_s = own / max(1, len(y))
         now = time.perf_counter()
         iteration_s.append(now - t_prev)
         t_prev = now
         if rank == 0 and ((it + 1) % args.print_every == 0 or it == 0):
-            compute_ms = ", ".join(f"{r.compute_s * 1e3:.1f}" for r in balancer.last_reports)
+            compute_ms = ", ".join(f"{r.telemetry.compute_s * 1e3:.1f}" for r in balancer.last_reports)
             print(f"it {it + 1:4d}  sizes {[sizes[r] for r in range(world_size)]}  "
                   f"compute ms [{compute_ms}]  iteration {iteration_s[-1] * 1e3:.1f} ms  "
                   f"loss(rank 0) {loss.item():.4f}", flush=True)

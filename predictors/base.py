@@ -1,7 +1,8 @@
-"""Speed-predictor interface, registry and the exogenous-input convention.
+"""Speed-predictor interface, registry and input rules.
 
 A predictor is fed one worker's speed (samples/s) once per iteration, together with the
-exogenous inputs measured in that iteration, and forecasts the speed of the next iteration. The
+exogenous inputs measured in that iteration (``Telemetry.exog``, in
+``ps_common.report.EXOG_KEYS`` order), and forecasts the speed of the next iteration. The
 BatchSizeManager turns those forecasts into batch sizes, so a forecast must always be usable:
 once a predictor has seen one speed, :meth:`Predictor.predict` returns a finite, positive number
 whatever the model inside does (it falls back to the last observed speed).
@@ -23,7 +24,7 @@ from __future__ import annotations
 import logging
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -31,27 +32,6 @@ import numpy as np
 from ps_common.registry import Registry
 
 log = logging.getLogger(__name__)
-
-#: Order of the exogenous inputs the system feeds to predictors (percentages, 0-100).
-#: ``cotenant_cpu`` is the CPU used by everything else on the host, in % of all cores.
-EXOG_KEYS: tuple[str, ...] = ("host_cpu", "cotenant_cpu", "host_mem_pct")
-
-
-def exog_from_telemetry(tel: Mapping[str, Any]) -> list[float]:
-    """The exogenous vector of one telemetry record, in :data:`EXOG_KEYS` order.
-
-    Missing, ``None`` or non-finite entries become 0.0, so a worker without a probe still yields a
-    vector of the standard length.
-    """
-    out: list[float] = []
-    for key in EXOG_KEYS:
-        raw = tel.get(key)
-        try:
-            v = float(raw) if raw is not None else 0.0
-        except (TypeError, ValueError):
-            v = 0.0
-        out.append(v if math.isfinite(v) else 0.0)
-    return out
 
 
 class Predictor(ABC):

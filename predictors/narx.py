@@ -64,7 +64,6 @@ from typing import Any
 import numpy as np
 
 from predictors.base import (
-    EXOG_KEYS,
     BaselineGate,
     GatedModelPredictor,
     check_band,
@@ -72,6 +71,7 @@ from predictors.base import (
 )
 from predictors.batch import RefittingBatchPredictor
 from predictors.refit import RefitExecutor
+from ps_common.report import EXOG_KEYS
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ burners on a big host would simply land on idle cores). Whatever else runs on th
 its own, equally real, noise.
 
 Per iteration it records speed = samples / compute seconds and the exogenous inputs a worker
-reports (:data:`predictors.base.EXOG_KEYS`, measured with psutil exactly as the worker does).
+reports (``ps_common.report.EXOG_KEYS``, measured with psutil exactly as the worker does).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from predictors.base import EXOG_KEYS
+from ps_common.report import EXOG_KEYS
 
 log = logging.getLogger(__name__)
 

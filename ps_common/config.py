@@ -183,7 +183,6 @@ class TransportConfig(StrictModel):
     max_pending_pulls_per_peer: int = Field(4, ge=1)
     max_pending_pulls: int = Field(4096, ge=1)
     max_frames: int = Field(4, ge=1, description="frames per message")
-    max_telemetry_keys: int = Field(64, ge=0)
     shard_sync_s: float = Field(1.0, gt=0, description="how often a follower shard reports to shard 0")
 
 

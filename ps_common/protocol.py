@@ -6,9 +6,14 @@ The header frame is ``MAGIC + VERSION byte + msgpack(map)``; the map holds the m
 frame that follows. Arrays travel as raw bytes (zero-copy on send; read-only ``np.frombuffer``
 views on receive). Nothing on the wire is ever pickled.
 
-Every decode checks magic, version, type, field types, array count, dtypes and sizes, and
-raises :class:`ProtocolError` with a message that says what was wrong. Only this module
-imports msgpack.
+Every decode checks magic, version, type, field types and ranges, array count, dtypes and
+sizes, and raises :class:`ProtocolError` with a message that says what was wrong. Only this
+module imports msgpack.
+
+A worker's report travels as :class:`~ps_common.report.Telemetry` (in ``Push`` and
+``BsmReport``): the one definition of what a worker measures, with the unit and the range of
+every field; this module encodes it, and refuses on decode any field that is unknown, of the
+wrong type, not finite or out of its range.
 """
 
 from __future__ import annotations
@@ -24,9 +29,10 @@ import msgpack
 import numpy as np
 
 from ps_common.errors import PsError
+from ps_common.report import Telemetry
 
 MAGIC = b"LBPS"
-VERSION = 2
+VERSION = 3
 HEADER_PREFIX = MAGIC + bytes([VERSION])
 MAX_HEADER_BYTES = 1 << 20
 ALLOWED_DTYPES = frozenset({"<f4", "<f8", "<i8", "<i4", "|u1"})
@@ -39,7 +45,8 @@ class ProtocolError(PsError, ValueError):
 # ---------------------------------------------------------------------------------------------
 # Message classes. Field types are checked on decode from the annotations below, so the
 # annotations are the schema: keep them to int, float, bool, str, list[...], dict[str, ...],
-# Optional[...] and nested message-part dataclasses.
+# Optional[...] and nested message-part dataclasses. A field whose metadata holds
+# ``range: (lo, hi)`` must also be a finite number within it (``Telemetry``'s fields do).
 # ---------------------------------------------------------------------------------------------
 
 
@@ -170,7 +177,7 @@ class Push(Message):
     iteration: int = 0
     batch_size: int = 0
     loss: float = 0.0
-    telemetry: dict[str, float] = field(default_factory=dict)  # shard 0 only
+    telemetry: Union[Telemetry, None] = None  # the worker's report of the iteration: shard 0 only
     pull: bool = False
 
 
@@ -420,9 +427,7 @@ class BsmReport(Message):
     worker_id: int = -1
     iteration: int = 0
     batch_size: int = 0
-    compute_s: float = 0.0
-    iteration_s: float = 0.0
-    telemetry: dict[str, float] = field(default_factory=dict)
+    telemetry: Telemetry = Telemetry()
 
 
 @dataclass
@@ -518,7 +523,8 @@ def _plain(value: Any) -> Any:
     if isinstance(value, np.generic):
         return value.item()
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {name: _plain(getattr(value, name)) for name in _field_names(t)}
+        parts = ((name, getattr(value, name)) for name in _field_names(t))
+        return {name: v if type(v) in _SCALARS else _plain(v) for name, v in parts}
     return value
 
 
@@ -603,23 +609,6 @@ def _make_validator(tp: Any) -> Validator:
     if origin is dict:
         _, varg = typing.get_args(tp)
         val = _validator(varg)
-        if varg is float:  # the hot case (telemetry): one pass, no per-item calls
-            def float_map(value: Any, where: str) -> Any:
-                if not isinstance(value, dict):
-                    raise ProtocolError(f"{where}: expected a map, got {type(value).__name__}")
-                out = {}
-                for k, x in value.items():
-                    if type(k) is not str:
-                        raise ProtocolError(f"{where}: map keys must be strings")
-                    tx = type(x)
-                    if tx is float:
-                        out[k] = x
-                    elif tx is int:
-                        out[k] = float(x)
-                    else:
-                        raise ProtocolError(f"{where}.{k}: expected float, got {tx.__name__}")
-                return out
-            return float_map
 
         def map_of(value: Any, where: str) -> Any:
             if not isinstance(value, dict):
@@ -671,6 +660,34 @@ def _make_validator(tp: Any) -> Validator:
     raise TypeError(f"unsupported schema type {_type_name(tp)}")
 
 
+def _ranged(tp: Any, lo: float, hi: float) -> Validator:
+    """A number field (float, int or either Optional) that must lie in ``[lo, hi]``, which NaN
+    and infinities never do; one call per value (a worker's report has two dozen of them)."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
+    optional = type(None) in typing.get_args(tp)
+    (base,) = args
+    if base not in (float, int):
+        raise TypeError(f"a range applies to numbers, not {_type_name(tp)}")
+    accepted = (float, int) if base is float else (int,)
+
+    def ranged(value: Any, where: str) -> Any:
+        t = type(value)
+        if t in accepted:  # never bool: type(True) is bool
+            if lo <= value <= hi:
+                return float(value) if t is not base else value
+            raise ProtocolError(f"{where}: must be a finite number in [{lo:g}, {hi:g}], got {value!r}")
+        if value is None and optional:
+            return None
+        raise ProtocolError(f"{where}: expected {base.__name__}, got {t.__name__}")
+    return ranged
+
+
+def _field_validator(f: dataclasses.Field, tp: Any) -> Validator:
+    """The validator of one field: its type, and its ``range`` metadata if it has one."""
+    bounds = f.metadata.get("range")
+    return _validator(tp) if bounds is None else _ranged(tp, *bounds)
+
+
 def _check(value: Any, tp: Any, where: str) -> Any:
     """Return ``value`` converted to ``tp`` (nested dataclasses) or raise ProtocolError."""
     return _validator(tp)(value, where)
@@ -685,7 +702,7 @@ def _schema(cls: type) -> tuple[dict[str, Validator], frozenset[str], frozenset[
     if sch is None:
         hints = typing.get_type_hints(cls)
         fields = [f for f in dataclasses.fields(cls) if f.name != "arrays"]
-        validators = {f.name: _validator(hints[f.name]) for f in fields}
+        validators = {f.name: _field_validator(f, hints[f.name]) for f in fields}
         required = frozenset(f.name for f in fields if f.default is dataclasses.MISSING
                              and f.default_factory is dataclasses.MISSING)
         sch = _SCHEMAS[cls] = (validators, frozenset(validators), required)

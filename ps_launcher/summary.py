@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ps_common.metrics import read_jsonl
+from ps_common.report import Telemetry
 
 ACCURACY_MARKS = (0.90, 0.95, 0.97, 0.98, 0.99)
 
@@ -144,19 +145,19 @@ def _worker_stats(m: Path) -> dict[str, dict[str, Any]]:
 def _worker_stats_from_coordinator(coord: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per-worker means from the telemetry each committed push carried to shard 0 (wait and
     iteration times are the previous iteration's, as the worker reports them)."""
-    per: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+    per: dict[str, list[tuple[int, Telemetry]]] = {}
     for r in coord:
         for wid, tel in r.get("workers", {}).items():
             if int(wid) in r.get("accepted", []):
-                per.setdefault(wid, []).append((r["batch_sizes"][wid], tel))
+                per.setdefault(wid, []).append((r["batch_sizes"][wid], Telemetry.from_record(tel)))
     out = {}
     for wid in sorted(per, key=int):
         rows = per[wid]
         out[wid] = {"iterations": len(rows),
                     "mean_batch": statistics.fmean(x for x, _ in rows),
-                    "mean_compute_s": statistics.fmean(t.get("compute_s", 0.0) for _, t in rows),
-                    "mean_wait_s": statistics.fmean(t.get("prev_wait_s", 0.0) for _, t in rows),
-                    "mean_iteration_s": statistics.fmean(t.get("iteration_s", 0.0) for _, t in rows)}
+                    "mean_compute_s": statistics.fmean(t.compute_s for _, t in rows),
+                    "mean_wait_s": statistics.fmean(t.prev_wait_s for _, t in rows),
+                    "mean_iteration_s": statistics.fmean(t.iteration_s for _, t in rows)}
     return out
 
 

@@ -6,10 +6,11 @@ For training loops in another process or framework: no torch, only ZeroMQ and th
         bsm.join(rank)
         sizes = bsm.assign()                     # {worker: batch size}, sums to X
         ...train sizes[rank] samples...
-        bsm.report(rank, it, sizes[rank], compute_s=..., iteration_s=...)
+        bsm.report(rank, it, sizes[rank], Telemetry(compute_s=..., iteration_s=...))
 
 A refused request raises :class:`~ps_common.transport.RemoteError` (``.code`` says why, e.g.
-``unknown_worker``, ``no_workers``, ``bad_request``); no reply within ``timeout_s`` raises
+``unknown_worker``, ``no_workers``, ``bad_request``, ``malformed`` for a report field out of its
+range); no reply within ``timeout_s`` raises
 :class:`~ps_common.transport.TransportTimeout`. After a timeout the socket is replaced, so a late
 reply can never be mistaken for the answer to the next request. Nothing is retried: reports are
 not idempotent. One client per thread (ZeroMQ sockets are not thread-safe).
@@ -19,11 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from typing import Any
 
 import zmq
 
 from ps_common import protocol as P
+from ps_common.report import Telemetry
 from ps_common.security.settings import SecurityConfig
 from ps_common.transport import Connection, RemoteError, TransportTimeout
 
@@ -72,18 +74,14 @@ class BatchSizeClient:
         self._request(P.BsmLeave(worker_id=int(worker_id)), P.Ack)
 
     # ----- reports and decisions ---------------------------------------------------------
-    def report(self, worker_id: int, iteration: int, batch_size: int, compute_s: float,
-               iteration_s: float = 0.0, telemetry: Mapping[str, float] | None = None) -> None:
+    def report(self, worker_id: int, iteration: int, batch_size: int, telemetry: Telemetry) -> None:
         """One worker's measurements of a finished iteration (the fields of ``WorkerReport``)."""
-        tel = {str(k): float(v) for k, v in (telemetry or {}).items()}
         self._request(P.BsmReport(worker_id=int(worker_id), iteration=int(iteration),
-                                  batch_size=int(batch_size), compute_s=float(compute_s),
-                                  iteration_s=float(iteration_s), telemetry=tel), P.Ack)
+                                  batch_size=int(batch_size), telemetry=telemetry), P.Ack)
 
     def observe(self, report: Any) -> None:
         """Send a ``WorkerReport`` (or any object with its attributes)."""
-        self.report(report.worker_id, report.iteration, report.batch_size, report.compute_s,
-                    report.iteration_s, getattr(report, "telemetry", None))
+        self.report(report.worker_id, report.iteration, report.batch_size, report.telemetry)
 
     def assign(self) -> dict[int, int]:
         """The next ``{worker: batch size}`` for the live workers (sums to the global batch)."""

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import signal
 import sys
@@ -38,20 +37,12 @@ log = logging.getLogger(__name__)
 
 #: Largest message accepted (ZMQ_MAXMSGSIZE): a header and nothing else; no BSM message has arrays.
 MAX_MSG_BYTES = P.MAX_HEADER_BYTES + 4096
-#: Telemetry entries accepted per report (the worker sends a dozen or so).
-MAX_TELEMETRY_KEYS = 256
 
 
 def _worker_id(w: int) -> int:
     if w < 0:
         raise Refused("bad_request", f"worker_id must be a non-negative int, got {w}")
     return w
-
-
-def _timing(name: str, v: float) -> float:
-    if not (math.isfinite(v) and v >= 0.0):
-        raise Refused("bad_request", f"{name} must be a finite number >= 0, got {v!r}")
-    return v
 
 
 class BatchSizeService:
@@ -168,19 +159,10 @@ class BatchSizeService:
             raise Refused("bad_request", f"iteration must be >= 0, got {msg.iteration}")
         if msg.batch_size < 0:
             raise Refused("bad_request", f"batch_size must be >= 0, got {msg.batch_size}")
-        _timing("compute_s", msg.compute_s)
-        _timing("iteration_s", msg.iteration_s)
-        if len(msg.telemetry) > MAX_TELEMETRY_KEYS:
-            raise Refused("bad_request", f"telemetry has {len(msg.telemetry)} entries, "
-                                         f"at most {MAX_TELEMETRY_KEYS} are accepted")
-        bad = sorted(k for k, v in msg.telemetry.items() if not math.isfinite(v))
-        if bad:
-            raise Refused("bad_request", f"telemetry values must be finite: {bad[:8]}")
         if not self.manager.is_live(w):
             raise Refused("unknown_worker", f"worker {w} is not live (join it first)")
         self.manager.observe(WorkerReport(worker_id=w, iteration=msg.iteration,
-                                          batch_size=msg.batch_size, compute_s=msg.compute_s,
-                                          iteration_s=msg.iteration_s, telemetry=dict(msg.telemetry)))
+                                          batch_size=msg.batch_size, telemetry=msg.telemetry))
         self.reports += 1
         return P.Ack(what="bsm_report")
 

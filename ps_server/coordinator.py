@@ -29,7 +29,7 @@ import hmac
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from batchsize_manager import WorkerReport
@@ -46,8 +46,6 @@ log = logging.getLogger(__name__)
 
 #: Async modes: assignments a worker may hold whose gradients are not committed yet.
 MAX_OUTSTANDING = 3
-#: Report keys the coordinator measures itself; a worker's own values for them are dropped.
-SERVER_OBSERVED = ("finish_s",)
 
 
 class NotReassigned(PsError):
@@ -161,7 +159,7 @@ class Coordinator:
         self.counters: dict[str, int] = {}
         self._last_X: int | None = None
         self._ramp: tuple[int, float, float] | None = None
-        self._unobserved: list[WorkerReport] = []
+        self._unobserved: dict[tuple[int, int], WorkerReport] = {}  # (worker, iteration), in arrival order
         self._sent: dict[int, tuple[int, float]] = {}  # worker -> (iteration, when it was answered)
         self._ahead: tuple[tuple[int, ...], tuple[dict[int, int], int]] | None = None
 
@@ -339,10 +337,21 @@ class Coordinator:
         self._observe_pending()
         return self._split(live)
 
-    def _observe_pending(self) -> None:
-        for r in self._unobserved:
-            self.manager.observe(r)
-        self._unobserved = []
+    def _observe_pending(self, whole_only: bool = False) -> bool:
+        """Feed the queued reports to the batch policy; True if any went. ``whole_only`` holds
+        back those whose gradient is still on its way to some shard, so that they reach the
+        policy with their finish time (all go when a split is decided now)."""
+        fed = 0
+        held: dict[tuple[int, int], WorkerReport] = {}
+        for key, r in self._unobserved.items():
+            g = self.ledger.get(key) if whole_only else None
+            if g is not None and not g.complete:
+                held[key] = r
+            else:
+                self.manager.observe(r)
+                fed += 1
+        self._unobserved = held
+        return fed > 0
 
     def background_work(self) -> None:
         """What can wait until the workers have their answers: feed the reports to the batch
@@ -353,8 +362,7 @@ class Coordinator:
         speed one iteration later. In exchange no predictor fit or split ever sits between the
         last gradient of an iteration and the answers that start the next one.
         """
-        fresh = bool(self._unobserved)
-        self._observe_pending()
+        fresh = self._observe_pending(whole_only=True)
         if not self.cfg.mode.plan_ahead or not self.started or self.stop:
             return
         live = self.live()
@@ -517,9 +525,10 @@ class Coordinator:
         rep = self.reports.get(worker_id)
         if sent is None or sent[0] != iteration or rep is None or rep.iteration != iteration:
             return
-        tel = rep.telemetry
-        if isinstance(tel, dict):
-            tel["finish_s"] = self.clock() - sent[1]
+        timed = replace(rep, telemetry=replace(rep.telemetry, finish_s=self.clock() - sent[1]))
+        self.reports[worker_id] = timed
+        if self._unobserved.get((worker_id, iteration)) is rep:   # not fed to the policy yet
+            self._unobserved[(worker_id, iteration)] = timed
 
     def _discard(self, key: tuple[int, int]) -> None:
         if self.ledger.pop(key, None) is not None:
@@ -529,15 +538,13 @@ class Coordinator:
         """Telemetry from a worker's push to shard 0; the batch policy gets it in
         :meth:`background_work`, off the path between the last push and the answers.
 
-        Keys the servers measure (``finish_s``) are the coordinator's alone: a worker's own value
+        What the servers measure (``finish_s``) is the coordinator's alone: a worker's own value
         is dropped here, so no worker can steer the split with a finish time it made up."""
-        tel = report.telemetry
-        if isinstance(tel, dict):
-            for key in SERVER_OBSERVED:
-                tel.pop(key, None)
+        if report.telemetry.finish_s is not None:
+            report = replace(report, telemetry=replace(report.telemetry, finish_s=None))
         self.reports[report.worker_id] = report
         self.losses[report.worker_id] = loss
-        self._unobserved.append(report)
+        self._unobserved[(report.worker_id, report.iteration)] = report
         self.heard_from(report.worker_id)
 
     def decide(self) -> list[CommitDecision]:
@@ -639,7 +646,7 @@ class Coordinator:
         self.members.clear()
         self.plan, self.outstanding, self.ledger = {}, {}, {}
         self._completed, self._pending_drops = [], []
-        self._unobserved, self._ahead = [], None
+        self._unobserved, self._ahead = {}, None
         self.cursor.load_state_dict(d["cursor"])
         self.iteration = int(d["iteration"])
         self.version = int(d.get("version", d["updates"]))

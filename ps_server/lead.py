@@ -22,6 +22,7 @@ from batchsize_manager.manager import BatchSizeManager
 from ps_common import protocol as P
 from ps_common.faults import fault
 from ps_common.metrics import MetricsWriter
+from ps_common.report import Telemetry
 from ps_ml.datasets import dataset_from_config
 from ps_server.checkpoint import list_checkpoints
 from ps_server.control import Followers
@@ -101,11 +102,9 @@ class Lead:
         return False
 
     def accepted_push(self, msg: P.Push) -> None:
-        tel = msg.telemetry
         self.coord.record_report(WorkerReport(
             worker_id=msg.worker_id, iteration=msg.iteration, batch_size=msg.batch_size,
-            compute_s=float(tel.get("compute_s", 0.0)), iteration_s=float(tel.get("iteration_s", 0.0)),
-            telemetry=dict(tel)), msg.loss)
+            telemetry=msg.telemetry or Telemetry()), msg.loss)
         self.coord.on_gradient(0, msg.worker_id, msg.iteration, msg.batch_size)
 
     def check_pull_token(self, worker_id: int, token: str) -> None:
@@ -369,7 +368,7 @@ class Lead:
             loss=rec.loss, epoch=rec.epoch, samples=rec.samples, applied_samples=rec.applied_samples,
             accepted=rec.accepted, batch_sizes={str(k): v for k, v in rec.batch_sizes.items()},
             ranges={str(k): v for k, v in rec.ranges.items()},
-            workers={str(r.worker_id): dict(r.telemetry) for r in rec.reports},
+            workers={str(r.worker_id): r.telemetry.to_dict() for r in rec.reports},
             dropped=server.state.dropped, drops=d.drops, stop=coord.stop, stop_reason=coord.stop_reason,
             decision_s=coord.manager.last_decision_s)
 

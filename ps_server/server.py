@@ -247,9 +247,6 @@ class ShardServer:
         return None
 
     def _on_push(self, ident: bytes, role: str, msg: P.Push) -> None:
-        if len(msg.telemetry) > self.cfg.transport.max_telemetry_keys:
-            raise Refused("too_many_keys", f"telemetry has {len(msg.telemetry)} entries, at most "
-                                           f"{self.cfg.transport.max_telemetry_keys} are accepted")
         late = self.role.check_push(msg)
         if late:
             self.counters["pushes_late"] += 1

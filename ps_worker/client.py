@@ -19,6 +19,7 @@ import zmq
 from ps_common import protocol as P
 from ps_common.errors import PsError
 from ps_common.faults import kill_in_push
+from ps_common.report import Telemetry
 from ps_common.security.settings import SecurityConfig
 from ps_common.timeouts import DEFAULT_TIMEOUTS, Timeouts
 from ps_common.transport import Connection, RemoteError, TransportTimeout, undialable
@@ -115,7 +116,7 @@ class ShardClients:
         return welcome
 
     def push_pull(self, grads: np.ndarray, params: np.ndarray, *, worker_id: int,
-                  assignment: P.Assignment, loss: float, telemetry: dict[str, float],
+                  assignment: P.Assignment, loss: float, telemetry: Telemetry,
                   consistent: bool = True, abort: Callable[[], str | None] | None = None) -> PullResult:
         """Send each shard its slice of the flat gradient (zero-copy) and wait for the
         parameters that include it. ``grads`` must not change until this returns."""
@@ -127,7 +128,7 @@ class ShardClients:
                 continue
             conn.send(P.Push(worker_id=worker_id, token=self.token, iteration=assignment.iteration,
                              batch_size=assignment.batch_size, loss=loss, pull=True,
-                             telemetry=telemetry if k == 0 else {}, arrays=[grads[a:b]]))
+                             telemetry=telemetry if k == 0 else None, arrays=[grads[a:b]]))
         if kill is not None:
             _die(kill)
         sent = time.perf_counter()

@@ -15,8 +15,9 @@ use still drifts a little (kernels cached per batch shape, :func:`bound_kernel_c
 the manager's search treats as a limit that moved.
 
 A CUDA worker without a configured limit measures against the device (free memory plus what it
-holds). Every iteration reports what it could still have used: ``mem_headroom_mb`` (limit minus the
-iteration's peak) and ``mem_per_sample_mb`` (its peak above the model's resting use, per sample).
+holds). Every iteration reports what it could still have used: ``Telemetry.mem_headroom_mb`` (limit
+minus the iteration's peak) and ``Telemetry.mem_per_sample_mb`` (its peak above the model's resting
+use, per sample).
 The BatchSizeManager turns them into a cap before anything fails (:mod:`batchsize_manager.memory`).
 """
 
@@ -31,6 +32,8 @@ import resource
 from typing import Any
 
 import torch
+
+from ps_common.report import Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -156,22 +159,22 @@ class MemoryLimit:
         st = _status_kb("VmSize", "VmRSS")
         self._base = {"vm": st["VmSize"], "rss": st["VmRSS"]}
 
-    def telemetry(self, batch_size: int) -> dict[str, float]:
-        """After a pass that fitted: headroom and memory per sample (empty without a limit)."""
+    def telemetry(self, batch_size: int) -> Telemetry:
+        """After a pass that fitted: the memory fields of its report (none without a limit)."""
         if not self.applied or not self._base or batch_size <= 0:
-            return {}
+            return Telemetry()
         if self.cuda:
             peak = torch.cuda.max_memory_allocated(self.device) / 1024
             used = max(0.0, peak - self._base["used"])
             head = self._as_limit_kb - peak
         else:
             if not self._can_reset_peak:
-                return {}
+                return Telemetry()
             st = _status_kb("VmHWM")
             used = max(0.0, st["VmHWM"] - self._base["rss"])
             head = self._as_limit_kb - self._base["vm"] - used
-        return {"mem_headroom_mb": max(0.0, head) / 1024, "mem_per_sample_mb": used / 1024 / batch_size,
-                "mem_limit_mb": self._as_limit_kb / 1024 if self.cuda else float(self.limit_mb or 0.0)}
+        return Telemetry(mem_headroom_mb=max(0.0, head) / 1024, mem_per_sample_mb=used / 1024 / batch_size,
+                         mem_limit_mb=self._as_limit_kb / 1024 if self.cuda else float(self.limit_mb or 0.0))
 
     def release(self) -> None:
         """After an out-of-memory error: give back what the failed pass held."""

@@ -2,8 +2,9 @@
 
 Reading /proc costs about 0.3 ms, a few percent of a short iteration, so a background thread
 samples every ``period_s`` and :meth:`ResourceProbe.sample` returns the latest reading: the
-critical path pays a dictionary copy. The values are averages over the last period, which is
-what a per-iteration predictor input can use anyway.
+critical path pays nothing (a reading is an immutable ``Telemetry`` holding only the resource
+fields). The values are averages over the last period, which is what a per-iteration predictor
+input can use anyway.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import threading
 
 import psutil
+
+from ps_common.report import Telemetry
 
 
 class ResourceProbe:
@@ -42,31 +45,26 @@ class ResourceProbe:
         while not self._stop.wait(self.period_s):
             self._latest = self._read()
 
-    def sample(self, device: str | None = None) -> dict[str, float]:
+    def sample(self, device: str | None = None) -> Telemetry:
         """The latest reading (a fresh one if the background thread is not running)."""
         if self._thread is None:
             self._latest = self._read(device)
-        return dict(self._latest)
+        return self._latest
 
-    def _read(self, device: str | None = None) -> dict[str, float]:
-        """proc_cpu: this process, % of one core; host_cpu: whole host, % of all cores;
-        cotenant_cpu: everything else on the host, % of all cores (what steals our cycles)."""
+    def _read(self, device: str | None = None) -> Telemetry:
+        """The resource fields of :class:`Telemetry`, everything else left at its default."""
         device = device or self.device
         vm = psutil.virtual_memory()
         proc_cpu = float(self.proc.cpu_percent(None))
         host_cpu = float(psutil.cpu_percent(None))
-        out = {
-            "proc_cpu": proc_cpu,
-            "host_cpu": host_cpu,
-            "cotenant_cpu": max(0.0, host_cpu - proc_cpu / self.ncpu),
-            "rss_mb": self.proc.memory_info().rss / 2**20,
-            "host_mem_pct": float(vm.percent),
-        }
+        gpu_free = gpu_total = gpu_alloc = None
         if device.startswith("cuda"):
             import torch
 
             free, total = torch.cuda.mem_get_info(torch.device(device))
-            out["gpu_mem_free_mb"] = free / 2**20
-            out["gpu_mem_total_mb"] = total / 2**20
-            out["gpu_mem_alloc_mb"] = torch.cuda.memory_allocated(torch.device(device)) / 2**20
-        return out
+            gpu_free, gpu_total = free / 2**20, total / 2**20
+            gpu_alloc = torch.cuda.memory_allocated(torch.device(device)) / 2**20
+        return Telemetry(proc_cpu=proc_cpu, host_cpu=host_cpu,
+                         cotenant_cpu=max(0.0, host_cpu - proc_cpu / self.ncpu),
+                         rss_mb=self.proc.memory_info().rss / 2**20, host_mem_pct=float(vm.percent),
+                         gpu_mem_free_mb=gpu_free, gpu_mem_total_mb=gpu_total, gpu_mem_alloc_mb=gpu_alloc)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
@@ -19,6 +20,7 @@ from ps_common.config import JobConfig
 from ps_common.errors import PsError
 from ps_common.metrics import MetricsWriter
 from ps_common.protocol import Assignment
+from ps_common.report import Telemetry
 from ps_common.timeouts import DEFAULT_TIMEOUTS, Timeouts
 from ps_common.transport import AuthenticationFailed, RemoteError, TransportTimeout
 from ps_ml.datasets import ArrayDataset, dataset_from_config, sample_order
@@ -231,7 +233,8 @@ class Worker:
             self.contention.start()  # the scenario clock starts with training, not start-up
         self._warm_up_then_limit_memory()  # last: every thread of the process is running
         origin = self.contention.origin
-        prev = {"push_s": 0.0, "wait_s": res.wait_s, "pull_s": res.pull_s, "iteration_s": 0.0}
+        # The previous iteration's communication (the current one's is not known before the push).
+        prev = Telemetry(prev_wait_s=res.wait_s, prev_pull_s=res.pull_s)
         while not res.stop and res.assignment is not None:
             if max_iterations is not None and self.iterations_done >= max_iterations:
                 return "leave"
@@ -242,15 +245,13 @@ class Worker:
             emulated = self.slowdown.after_compute(self.iterations_done, time.monotonic() - origin,
                                                    time.perf_counter() - t1)
             t2 = time.perf_counter()
-            resources = self.probe.sample()
-            resources.update(emulated_s=emulated, slowdown=self.slowdown.last_factor,
-                             burners=float(self.contention.target))
-            # Timings of this iteration's compute, and of the previous iteration's communication
-            # (the current one's is not known before the push).
-            tel = {"data_s": data_s, "compute_s": t2 - t1,
-                   "samples_per_s": a.batch_size / max(t2 - t1, 1e-9),
-                   **{f"prev_{k}": v for k, v in prev.items()}, **resources, **mem}
-            tel["iteration_s"] = prev["iteration_s"]
+            tel = dataclasses.replace(
+                self.probe.sample(), data_s=data_s, compute_s=t2 - t1,
+                iteration_s=prev.iteration_s, prev_push_s=prev.prev_push_s, prev_wait_s=prev.prev_wait_s,
+                prev_pull_s=prev.prev_pull_s, emulated_s=emulated, slowdown=self.slowdown.last_factor,
+                burners=self.contention.target, mem_headroom_mb=mem.mem_headroom_mb,
+                mem_per_sample_mb=mem.mem_per_sample_mb, mem_limit_mb=mem.mem_limit_mb,
+                oom_retries=mem.oom_retries)
             res = self.client.push_pull(self.host_grads, self.host_params, worker_id=self.worker_id,
                                         assignment=a, loss=loss, telemetry=tel,
                                         consistent=self.consistent, abort=abort)
@@ -259,21 +260,22 @@ class Worker:
             t4 = time.perf_counter()
             push_s = res.send_s
             t3 = t2 + push_s
-            prev = {"push_s": push_s, "wait_s": res.wait_s, "pull_s": res.pull_s,
-                    "iteration_s": t4 - t0}
+            prev = Telemetry(iteration_s=t4 - t0, prev_push_s=push_s, prev_wait_s=res.wait_s,
+                             prev_pull_s=res.pull_s)
             self.iterations_done += 1
             assert self.metrics is not None
+            # The report, with this iteration's communication and its own time, known by now.
             self.metrics.write(worker=self.worker_id, iteration=a.iteration, batch_size=a.batch_size,
-                               loss=loss, data_s=data_s, compute_s=t2 - t1, push_s=t3 - t2,
-                               wait_s=res.wait_s, pull_s=res.pull_s, iteration_s=t4 - t0,
-                               **resources, **mem)
+                               loss=loss, push_s=t3 - t2, wait_s=res.wait_s, pull_s=res.pull_s,
+                               **dict(tel.to_dict(), iteration_s=t4 - t0))
         log.info("worker %d stopping after %d iterations", self.worker_id, self.iterations_done)
         return "stop"
 
-    def _fitting_gradient(self, a: Assignment) -> tuple[Assignment, float, float, float, dict[str, float]]:
+    def _fitting_gradient(self, a: Assignment) -> tuple[Assignment, float, float, float, Telemetry]:
         """The gradient of ``a``; when it does not fit in memory, the coordinator gives a smaller
         share of the same samples (the rest go back to its data cursor) and it is retried.
-        Returns (the assignment computed, loss, data seconds, compute start, memory telemetry)."""
+        Returns (the assignment computed, loss, data seconds, compute start, the memory fields
+        of its report)."""
         retries = 0
         while True:
             t0 = time.perf_counter()
@@ -288,10 +290,8 @@ class Worker:
                 why = str(exc).splitlines()[0][:200]
                 exc.__traceback__ = None  # its frames hold the failed pass's tensors
             else:
-                mem = self.memory.telemetry(a.batch_size) if self.cfg.worker.memory_headroom else {}
-                if retries:
-                    mem["oom_retries"] = float(retries)
-                return a, loss, t1 - t0, t1, mem
+                mem = self.memory.telemetry(a.batch_size) if self.cfg.worker.memory_headroom else Telemetry()
+                return a, loss, t1 - t0, t1, dataclasses.replace(mem, oom_retries=retries)
             del x, y
             self.flat.zero_grad_()
             self.memory.release()

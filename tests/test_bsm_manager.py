@@ -11,6 +11,7 @@ from batchsize_manager import BatchPolicy, BatchSizeManager, WorkerReport, get_p
 from batchsize_manager.allocation import CapsArg
 from batchsize_manager.membership import Member, Membership
 from batchsize_manager.simulation import SimulatedWorker, Simulation
+from ps_common.report import Telemetry
 
 
 class FakeClock:
@@ -24,9 +25,8 @@ class FakeClock:
         return self.t
 
 
-def rep(w: int, x: int, compute: float = 0.1, **tel: float) -> WorkerReport:
-    return WorkerReport(worker_id=w, iteration=0, batch_size=x, compute_s=compute, iteration_s=0.0,
-                        telemetry={"compute_s": compute, **tel})
+def rep(w: int, x: int, compute: float = 0.1, **tel: float | bool) -> WorkerReport:
+    return WorkerReport(worker_id=w, iteration=0, batch_size=x, telemetry=Telemetry(compute_s=compute, **tel))
 
 
 def test_decision_time_is_measured_with_the_injected_clock():
@@ -79,7 +79,7 @@ def test_memory_caps_and_oom_apply_to_every_policy():
     for w in range(3):
         m.join(w)
     assert m.assign() == {0: 20, 1: 50, 2: 50}
-    m.observe(rep(1, 50, oom=1.0))              # OOM at 50, nothing known to fit: try the middle
+    m.observe(rep(1, 50, oom=True))              # OOM at 50, nothing known to fit: try the middle
     assert m.memory_caps == {0: 20, 1: 25}
     assert m.assign() == {0: 20, 1: 25, 2: 75}
     for fitted, cap in ((25, 37), (37, 43), (43, 46), (46, 47), (47, 47)):

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from batchsize_manager.memory import CannotFit, MemoryCaps
+from ps_common.report import Telemetry
 
 
 def search(limit: int, start: int, caps: MemoryCaps, name: str = "w", rounds: int = 40) -> tuple[int, int]:
@@ -41,14 +42,14 @@ def test_memory_that_shrinks_is_searched_again_and_nothing_failed_comes_back():
 
 def test_headroom_caps_before_anything_fails_and_never_below_a_size_that_fitted():
     caps = MemoryCaps(margin=0.0)
-    caps.completed("w", 100, {"mem_headroom_mb": 50.0, "mem_per_sample_mb": 0.5})
+    caps.completed("w", 100, Telemetry(mem_headroom_mb=50.0, mem_per_sample_mb=0.5))
     assert caps.cap("w") == 200
-    caps.completed("w", 150, {"mem_headroom_mb": 0.0, "mem_per_sample_mb": 0.5})
+    caps.completed("w", 150, Telemetry(mem_headroom_mb=0.0, mem_per_sample_mb=0.5))
     assert caps.cap("w") == 150
-    caps.completed("w", 120, {"mem_headroom_mb": 0.0, "mem_per_sample_mb": 0.5})
+    caps.completed("w", 120, Telemetry(mem_headroom_mb=0.0, mem_per_sample_mb=0.5))
     assert caps.cap("w") == 150, "150 fitted: a pessimistic estimate does not undo that"
-    caps.completed("v", 10, {"mem_per_sample_mb": 1.0})          # no headroom key: nothing learned
-    caps.completed("v", 10, {"mem_headroom_mb": "nan?", "mem_per_sample_mb": -1})
+    caps.completed("v", 10, Telemetry(mem_per_sample_mb=1.0))     # no headroom measured: nothing learned
+    caps.completed("v", 10, Telemetry(mem_headroom_mb=float("nan"), mem_per_sample_mb=-1))
     assert caps.cap("v") is None
 
 

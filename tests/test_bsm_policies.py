@@ -8,15 +8,14 @@ from hypothesis import strategies as st
 
 from batchsize_manager import BatchSizeManager, WorkerReport, get_policy, policy_names
 from batchsize_manager.simulation import SimulatedWorker, Simulation, ideal_iteration_time, simulate
+from ps_common.report import Telemetry
 
 
 def report(w: int, it: int, x: int, speed: float, overhead: float = 0.0, **extra: float) -> WorkerReport:
     """A report as ps_worker sends it; the whole fixed overhead is put in data_s."""
-    compute = x / speed
-    tel = {"data_s": overhead, "compute_s": compute, "samples_per_s": speed, "prev_push_s": 0.0,
-           "prev_wait_s": 0.0, "prev_pull_s": 0.0, "iteration_s": 0.0, **extra}
-    return WorkerReport(worker_id=w, iteration=it, batch_size=x, compute_s=compute, iteration_s=0.0,
-                        telemetry=tel)
+    tel = Telemetry(data_s=overhead, compute_s=x / speed, prev_push_s=0.0, prev_wait_s=0.0, prev_pull_s=0.0,
+                    iteration_s=0.0, **extra)
+    return WorkerReport(worker_id=w, iteration=it, batch_size=x, telemetry=tel)
 
 
 def feed(policy, sizes: dict[int, int], speeds: dict[int, float], it: int = 0,
@@ -421,13 +420,11 @@ def test_contract_every_policy_always_returns_a_valid_split(name, scenario):
         assert sorted(sizes) == live and sum(sizes.values()) == X
         assert all(min_batch <= x <= caps.get(w, X) for w, x in sizes.items())
         for (w, x), (bs, compute, data, oom, jitter) in zip(sizes.items(), raw):
-            tel = {"data_s": data, "compute_s": compute, "prev_push_s": jitter * 0.001,
-                   "prev_pull_s": data, "prev_wait_s": compute, "host_cpu": 50.0 + jitter}
-            if oom and jitter == 0:
-                tel["oom"] = 1.0
+            tel = Telemetry(data_s=data, compute_s=compute, iteration_s=data, prev_push_s=jitter * 0.001,
+                            prev_pull_s=data, prev_wait_s=compute, host_cpu=50.0 + jitter,
+                            oom=bool(oom and jitter == 0))
             use = x if jitter else bs                     # sometimes a report of another size
-            m.observe(WorkerReport(worker_id=w, iteration=it, batch_size=use, compute_s=compute,
-                                   iteration_s=data, telemetry=tel))
+            m.observe(WorkerReport(worker_id=w, iteration=it, batch_size=use, telemetry=tel))
 
 
 def test_row_quantile_matches_numpys_nanquantile():
@@ -461,11 +458,10 @@ def test_gpu_never_picks_a_leader_without_memory_headroom(full):
     sizes = m.assign()
     for it in range(6):
         for w, x in sizes.items():
-            tel = {"compute_s": x / (2000.0 if w == 0 else 1000.0)}
+            tel = Telemetry(compute_s=x / (2000.0 if w == 0 else 1000.0))
             if w == 0 and full:
-                tel.update(mem_headroom_mb=0.0, mem_per_sample_mb=0.5)
-            m.observe(WorkerReport(worker_id=w, iteration=it, batch_size=x, compute_s=tel["compute_s"],
-                                   iteration_s=0.0, telemetry=tel))
+                tel = Telemetry(compute_s=tel.compute_s, mem_headroom_mb=0.0, mem_per_sample_mb=0.5)
+            m.observe(WorkerReport(worker_id=w, iteration=it, batch_size=x, telemetry=tel))
         sizes = m.assign()
     if full:
         assert sizes == {0: 100, 1: 100} and m.memory_caps == {0: 100}

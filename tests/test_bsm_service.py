@@ -7,11 +7,13 @@ import os
 import signal
 from importlib.metadata import entry_points
 
+import msgpack
 import pytest
 import zmq
 
 from batchsize_manager import BatchSizeManager, WorkerReport
 from ps_common import protocol as P
+from ps_common.report import Telemetry
 from ps_common.transport import recv_frames
 from ps_server import bsm_service
 from ps_server.bsm_client import BatchSizeClient, RemoteError, TransportTimeout
@@ -44,8 +46,8 @@ def run_iterations(c: BatchSizeClient, n: int, first: int = 0) -> dict[int, int]
         sizes = c.assign()
         assert sum(sizes.values()) == X
         for w, x in sizes.items():
-            c.report(w, it, x, compute_s=x / SPEED[w], iteration_s=x / SPEED[w] + 0.002,
-                     telemetry={"data_s": 0.001, "prev_push_s": 0.0005})
+            c.report(w, it, x, Telemetry(compute_s=x / SPEED[w], iteration_s=x / SPEED[w] + 0.002,
+                                         data_s=0.001, prev_push_s=0.0005))
     return c.assign()
 
 
@@ -93,22 +95,22 @@ def test_bad_input_gets_errors_and_the_service_keeps_working(service):
         c.assign()
         before = c.stats(include_state=True)
 
+        ok = Telemetry(compute_s=0.1)
         bad_reports = [
-            (dict(worker_id=7, iteration=0, batch_size=10, compute_s=0.1), "unknown_worker"),
-            (dict(worker_id=-1, iteration=0, batch_size=10, compute_s=0.1), "bad_request"),
-            (dict(worker_id=0, iteration=-3, batch_size=10, compute_s=0.1), "bad_request"),
-            (dict(worker_id=0, iteration=0, batch_size=-10, compute_s=0.1), "bad_request"),
-            (dict(worker_id=0, iteration=0, batch_size=10, compute_s=-0.1), "bad_request"),
-            (dict(worker_id=0, iteration=0, batch_size=10, compute_s=math.nan), "bad_request"),
-            (dict(worker_id=0, iteration=0, batch_size=10, compute_s=0.1, iteration_s=math.inf),
-             "bad_request"),
-            (dict(worker_id=0, iteration=0, batch_size=10, compute_s=0.1,
-                  telemetry={"data_s": math.nan}), "bad_request"),
+            ((7, 0, 10, ok), "unknown_worker"),
+            ((-1, 0, 10, ok), "bad_request"),
+            ((0, -3, 10, ok), "bad_request"),
+            ((0, 0, -10, ok), "bad_request"),
+            # fields of the report itself: refused by the protocol's decode, like any bad field
+            ((0, 0, 10, Telemetry(compute_s=-0.1)), "malformed"),
+            ((0, 0, 10, Telemetry(compute_s=math.nan)), "malformed"),
+            ((0, 0, 10, Telemetry(compute_s=0.1, iteration_s=math.inf)), "malformed"),
+            ((0, 0, 10, Telemetry(compute_s=0.1, data_s=math.nan)), "malformed"),
         ]
-        for kwargs, code in bad_reports:
+        for args, code in bad_reports:
             with pytest.raises(RemoteError) as e:
-                c.report(**kwargs)
-            assert e.value.code == code, kwargs
+                c.report(*args)
+            assert e.value.code == code, args
         for call in (c.join, c.leave):
             with pytest.raises(RemoteError) as e:
                 call(-5)
@@ -129,7 +131,9 @@ def test_bad_input_gets_errors_and_the_service_keeps_working(service):
             ([P.HEADER_PREFIX + b"\xc1\xc1"], "malformed"),             # not msgpack
             ([b"LBPS\x09" + b"\x80"], "malformed"),                     # wrong version
             (P.encode(P.BsmJoin(worker_id="x")), "malformed"),          # type from the schema
-            (P.encode(P.BsmReport(worker_id=0, compute_s="fast")), "malformed"),
+            (P.encode(P.BsmReport(worker_id=0, telemetry=Telemetry(compute_s="fast"))), "malformed"),
+            ([P.HEADER_PREFIX + msgpack.packb({"t": "bsm_report", "worker_id": 0,
+                                               "telemetry": {"samples_per_s": 1.0}})], "malformed"),
             ([*P.encode(P.BsmAssign()), b"extra frame"], "malformed"),  # no arrays allowed
             (P.encode(P.Hello(name="probe")), "unsupported"),           # valid, not for us
             (P.encode(P.Error(code="x")), "unsupported"),
@@ -147,8 +151,8 @@ def test_bad_input_gets_errors_and_the_service_keeps_working(service):
         sizes = c.assign()
         assert sorted(sizes) == [0, 1] and sum(sizes.values()) == X
         st = c.stats()
-        assert st["malformed"] == 7
-        assert svc.malformed == 7
+        assert st["malformed"] == 12   # 4 reports with bad fields, 8 hostile frames
+        assert svc.malformed == 12
 
 
 @pytest.mark.timeout(20)
@@ -172,7 +176,8 @@ def test_client_observe_accepts_worker_reports_and_times_out(service):
     svc = service()
     with BatchSizeClient(svc.endpoint, timeout_s=5) as c:
         c.join(3)
-        c.observe(WorkerReport(worker_id=3, iteration=0, batch_size=X, compute_s=0.5, iteration_s=0.6))
+        c.observe(WorkerReport(worker_id=3, iteration=0, batch_size=X,
+                               telemetry=Telemetry(compute_s=0.5, iteration_s=0.6)))
         assert c.stats()["reports"] == 1
     with BatchSizeClient("tcp://127.0.0.1:9", timeout_s=0.3) as dead:   # nothing listens there
         with pytest.raises(TransportTimeout):

@@ -49,19 +49,18 @@ def test_reports_look_like_the_real_workers():
     assert recs[0].times == {0: pytest.approx(0.6), 1: pytest.approx(1.1)}
     assert recs[0].iteration_s == pytest.approx(1.1)
     r0, r1 = seen[0], seen[2]                                  # worker 0, iterations 0 and 1
-    keys = {"data_s", "compute_s", "samples_per_s", "prev_push_s", "prev_wait_s", "prev_pull_s",
-            "iteration_s", "proc_cpu", "host_cpu", "cotenant_cpu", "rss_mb", "host_mem_pct"}
-    assert keys <= set(r0.telemetry)
-    assert r0.compute_s == r0.telemetry["compute_s"] == pytest.approx(0.5)
-    assert r0.telemetry["samples_per_s"] == pytest.approx(100.0)
-    assert r0.telemetry["data_s"] == pytest.approx(0.02)
+    t0, t1 = r0.telemetry, r1.telemetry
+    assert (t0.proc_cpu, t0.host_cpu, t0.cotenant_cpu, t0.rss_mb, t0.host_mem_pct) == (100.0, 50.0, 0.0, 500.0, 40.0)
+    assert t0.compute_s == pytest.approx(0.5)
+    assert r0.speed() == pytest.approx(100.0)
+    assert t0.data_s == pytest.approx(0.02)
     # First report: previous comm is the initial pull; then the previous iteration's push/wait/pull.
-    assert (r0.telemetry["prev_push_s"], r0.telemetry["prev_wait_s"]) == (0.0, 0.0)
-    assert r0.telemetry["prev_pull_s"] == pytest.approx(0.04)
-    assert r1.telemetry["prev_push_s"] == pytest.approx(0.04)
-    assert r1.telemetry["prev_wait_s"] == pytest.approx(0.5)   # waited for worker 1 at the barrier
-    assert r1.iteration_s == r1.telemetry["iteration_s"] == pytest.approx(1.1)
-    assert "oom" not in r0.telemetry
+    assert (t0.prev_push_s, t0.prev_wait_s, t0.iteration_s) == (0.0, 0.0, 0.0)
+    assert t0.prev_pull_s == pytest.approx(0.04)
+    assert t1.prev_push_s == pytest.approx(0.04)
+    assert t1.prev_wait_s == pytest.approx(0.5)   # waited for worker 1 at the barrier
+    assert t1.iteration_s == pytest.approx(1.1)
+    assert t0.oom is False and t0.finish_s is None
 
 
 def test_oom_is_reported_with_the_failed_size():
@@ -76,7 +75,7 @@ def test_oom_is_reported_with_the_failed_size():
     rec = Simulation(m, [SimulatedWorker(10.0, memory_cap=40), SimulatedWorker(10.0)]).step()
     assert rec.oom == [0]
     bad = next(r for r in seen if r.worker_id == 0)
-    assert bad.telemetry["oom"] == 1.0 and bad.batch_size == 50
+    assert bad.telemetry.oom is True and bad.batch_size == 50
     assert m.memory_caps == {0: 25}                 # binary search: half the failed size
 
 

@@ -29,10 +29,9 @@ from batchsize_manager.allocation import (
     round_bounded_arrays,
     split_small,
 )
-from batchsize_manager.lbbsp import _num, fixed_overhead, is_oom, measured_speed
-from batchsize_manager.reports import SMALL_BATCH, ReportBatch, occurrence_rounds
+from batchsize_manager.reports import SMALL_BATCH, ReportBatch, _num_one, occurrence_rounds, overhead_one
 from batchsize_manager.simulation import SimulatedWorker, Simulation
-from predictors import exog_from_telemetry
+from ps_common.report import Telemetry
 
 INF = math.inf
 
@@ -173,17 +172,17 @@ def test_uniform_and_bounded_splits_match_the_reference():
 
 
 # ----------------------------------------------------------------------------- report columns
-def _random_telemetry(rng: random.Random) -> dict[str, Any]:
+def _random_telemetry(rng: random.Random, compute_s: Any) -> Telemetry:
+    """A report built locally, so unchecked: numbers out of range and junk of other types too."""
     pool = [None, "abc", "2.5", float("nan"), float("inf"), -1.0, 0.0, True, [1, 2], 3, 0.25, 7.5]
-    tel: dict[str, Any] = {}
-    for key in ("data_s", "prev_push_s", "prev_pull_s", "host_cpu", "cotenant_cpu", "host_mem_pct",
-                "oom"):
+    tel: dict[str, Any] = {"compute_s": compute_s, "oom": rng.random() < 0.3}
+    for key in ("data_s", "prev_push_s", "prev_pull_s", "finish_s", "host_cpu", "cotenant_cpu", "host_mem_pct"):
         r = rng.random()
         if r < 0.5:
-            tel[key] = rng.uniform(-0.1, 2.0) if key != "oom" else rng.choice([0.0, 1.0, 0.4, 0.6])
+            tel[key] = rng.uniform(-0.1, 2.0)
         elif r < 0.8:
             tel[key] = rng.choice(pool)
-    return tel
+    return Telemetry(**tel)
 
 
 @pytest.mark.parametrize("n", [1, SMALL_BATCH, SMALL_BATCH + 1, 300])
@@ -193,20 +192,20 @@ def test_report_columns_follow_the_per_report_rules(n):
     for i in range(n):
         bs = rng.choice([64, 0, -3, 17, 10**6])
         comp = rng.choice([0.01, 0.0, -1.0, float("nan"), float("inf"), 1e-320, 2.5])
-        reps.append(WorkerReport(worker_id=i, iteration=0, batch_size=bs, compute_s=comp,
-                                 iteration_s=0.0, telemetry=_random_telemetry(rng)))
+        reps.append(WorkerReport(worker_id=i, iteration=0, batch_size=bs, telemetry=_random_telemetry(rng, comp)))
     b = ReportBatch(reps)
     assert b.worker.tolist() == list(range(n))
-    assert b.oom.tolist() == [is_oom(r) for r in reps]
-    assert b.any_oom == any(is_oom(r) for r in reps)
-    for key in ("data_s", "prev_push_s", "prev_pull_s"):
-        assert b.num(key).tolist() == [_num(r.telemetry, key) for r in reps]
-    assert np.allclose(b.overhead(), [fixed_overhead(r) for r in reps], rtol=0, atol=1e-15)
-    exp_v = [measured_speed(r) for r in reps]
+    assert b.oom.tolist() == [r.telemetry.oom for r in reps]
+    assert b.any_oom == any(r.telemetry.oom for r in reps)
+    for key in ("data_s", "prev_push_s", "prev_pull_s", "finish_s"):
+        assert b._durations(key).tolist() == [_num_one(getattr(r.telemetry, key)) for r in reps]
+    assert b.finish.tolist() == [_num_one(r.telemetry.finish_s) for r in reps]
+    assert np.allclose(b.overhead(), [overhead_one(r.telemetry) for r in reps], rtol=0, atol=1e-15)
+    exp_v = [r.speed() for r in reps]
     got_v = b.speed()
     for g, e in zip(got_v.tolist(), exp_v):
         assert (math.isnan(g) and e is None) or g == e
-    assert b.exog().tolist() == [exog_from_telemetry(r.telemetry) for r in reps]
+    assert b.exog().tolist() == [r.telemetry.exog() for r in reps]
     sub = b.take(np.array([n - 1, 0]))
     assert sub.worker.tolist() == [n - 1, 0] and sub.oom.tolist() == [b.oom[-1], b.oom[0]]
 
@@ -220,11 +219,10 @@ def test_occurrence_rounds_split_duplicates_in_arrival_order():
 
 
 # ----------------------------------------------------------------------------- batching is exact
-def _report(w: int, it: int, x: int, speed: float, **tel: float) -> WorkerReport:
-    compute = x / speed
-    return WorkerReport(worker_id=w, iteration=it, batch_size=x, compute_s=compute, iteration_s=0.0,
-                        telemetry={"data_s": 0.002, "prev_push_s": 0.001 * (w % 3),
-                                   "prev_pull_s": 0.001, "host_cpu": 40.0 + w, **tel})
+def _report(w: int, it: int, x: int, speed: float, oom: bool = False) -> WorkerReport:
+    return WorkerReport(worker_id=w, iteration=it, batch_size=x,
+                        telemetry=Telemetry(compute_s=x / speed, data_s=0.002, prev_push_s=0.001 * (w % 3),
+                                            prev_pull_s=0.001, host_cpu=40.0 + w, oom=oom))
 
 
 @pytest.mark.parametrize("name,args", [
@@ -248,8 +246,7 @@ def test_batched_reports_equal_one_at_a_time(name, args):
         reps = []
         for w, x in sizes.items():
             for k in range(rng.choice([1, 1, 2])):       # some workers report twice
-                tel = {"oom": 1.0} if rng.random() < 0.02 else {}
-                reps.append(_report(w, it, x, 100.0 * (1 + w % 4) * (1 + 0.05 * k), **tel))
+                reps.append(_report(w, it, x, 100.0 * (1 + w % 4) * (1 + 0.05 * k), oom=rng.random() < 0.02))
         rng.shuffle(reps)
         for r in reps:
             one.observe(r)
@@ -282,9 +279,9 @@ def test_policy_state_is_current_when_read_between_observe_and_assign():
     for w in range(3):
         m.join(w)
     m.assign()
-    m.observe(_report(1, 0, 100, 50.0, oom=1.0))
+    m.observe(_report(1, 0, 100, 50.0, oom=True))
     assert m.memory_caps == {1: 50}                           # applied when the caps are read
-    m.observe(_report(2, 0, 100, 50.0, oom=1.0))
+    m.observe(_report(2, 0, 100, 50.0, oom=True))
     m.leave(2)                                                # applied before the leave
     assert m.memory_caps == {1: 50} and m.memory.cap("2") == 50 and m.ignored_reports == 0
 
@@ -312,8 +309,8 @@ def test_model_checkpoints_round_trip(predictor, pargs):
         sb, sc = b.assign(), c.assign()
         assert sb == sc and sum(sb.values()) == 512
         for w, x in sb.items():
-            r = WorkerReport(worker_id=w, iteration=0, batch_size=x, compute_s=x / (1000.0 + 300 * w),
-                             iteration_s=0.0, telemetry={"data_s": 0.001, "host_cpu": 30.0})
+            r = WorkerReport(worker_id=w, iteration=0, batch_size=x,
+                             telemetry=Telemetry(compute_s=x / (1000.0 + 300 * w), data_s=0.001, host_cpu=30.0))
             b.observe(r)
             c.observe(r)
     for m in (a, b, c):

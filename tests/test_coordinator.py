@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import pytest
 
+from batchsize_manager import WorkerReport
 from batchsize_manager.manager import BatchSizeManager
 from batchsize_manager.policies import UniformPolicy
 from ps_common.config import validate
+from ps_common.report import Telemetry
 from ps_server.coordinator import Coordinator
 from ps_server.sync import BSP, sync_policy_for
 
@@ -219,8 +221,6 @@ def test_state_dict_round_trip_resumes_at_the_next_iteration():
 def test_plan_ahead_decides_the_split_off_the_critical_path_one_iteration_older(ahead):
     """With plan_ahead the split of iteration t+1 comes from reports up to t-1 (decided while t
     computes); without it, from the reports of t, decided inside the commit."""
-    from batchsize_manager import WorkerReport
-
     cfg = validate({"training": {"global_batch": 60, "max_iterations": 100}, "cluster": {"num_workers": 2},
                     "mode": {"batch_policy": "lbbsp-cpu", "batch_policy_args": {"predictor": "last", "warmup": 0},
                              "plan_ahead": ahead}})
@@ -234,8 +234,8 @@ def test_plan_ahead_decides_the_split_off_the_critical_path_one_iteration_older(
     for it in range(3):
         for w, speed in ((0, 3000.0), (1, 1000.0)):  # samples per second
             x = c.plan[w].batch_size
-            c.record_report(WorkerReport(worker_id=w, iteration=it, batch_size=x, compute_s=x / speed,
-                                         iteration_s=x / speed), 0.0)
+            c.record_report(WorkerReport(worker_id=w, iteration=it, batch_size=x,
+                                         telemetry=Telemetry(compute_s=x / speed, iteration_s=x / speed)), 0.0)
             c.on_gradient(0, w, it, x)
         (d,) = c.decide()
         plans.append(sizes(c))
@@ -248,52 +248,76 @@ def test_plan_ahead_decides_the_split_off_the_critical_path_one_iteration_older(
         assert plans[1][0] > plans[1][1], "plan 1 already uses iteration 0's reports"
 
 
-def test_finish_time_is_measured_from_the_answer_to_the_gradient_being_whole_on_every_shard():
-    """What the barrier waits for, as the servers see it: a gradient that sits on shards 0 and 1
-    but crosses a slow link to shard 2 finishes when shard 2 has it, not when the worker sent it."""
-    from batchsize_manager import WorkerReport
-
-    now = [100.0]
+def answered_on(now: list[float]) -> Coordinator:
+    """A coordinator on the clock ``now[0]`` whose three workers were answered just now."""
     c = coordinator()
     c.clock = lambda: now[0]
     for w in range(3):
         c.assignment_answered(w, 0)
+    return c
+
+
+def report(c: Coordinator, w: int, **tel: float) -> None:
+    """Worker ``w``'s report of iteration 0, as shard 0 records it from its push."""
+    c.record_report(WorkerReport(worker_id=w, iteration=0, batch_size=20,
+                                 telemetry=Telemetry(**{"compute_s": 0.03, **tel})), 1.0)
+
+
+def test_finish_time_is_measured_from_the_answer_to_the_gradient_being_whole_on_every_shard():
+    """What the barrier waits for, as the servers see it: a gradient that sits on shards 0 and 1
+    but crosses a slow link to shard 2 finishes when shard 2 has it, not when the worker sent it."""
+    now = [100.0]
+    c = answered_on(now)
     now[0] = 100.05
     for w in range(3):
-        c.record_report(WorkerReport(worker_id=w, iteration=0, batch_size=20, compute_s=0.03,
-                                     iteration_s=0.0, telemetry={"compute_s": 0.03}), 1.0)
+        report(c, w)
         push(c, w, shards=[0, 1])
     now[0] = 100.08
     push(c, 0, shards=[2])
     push(c, 1, shards=[2])
     now[0] = 100.20
     push(c, 2, shards=[2])
-    fin = {w: c.reports[w].telemetry.get("finish_s") for w in range(3)}
+    fin = {w: c.reports[w].telemetry.finish_s for w in range(3)}
     assert fin[0] == pytest.approx(0.08) and fin[1] == pytest.approx(0.08)
     assert fin[2] == pytest.approx(0.20)
     # A gradient of an iteration the worker was never answered for gets no finish time.
     c2 = coordinator()
-    c2.record_report(WorkerReport(worker_id=0, iteration=0, batch_size=20, compute_s=0.03,
-                                  iteration_s=0.0, telemetry={}), 1.0)
+    report(c2, 0)
     push(c2, 0)
-    assert "finish_s" not in c2.reports[0].telemetry
+    assert c2.reports[0].telemetry.finish_s is None
 
 
 def test_a_finish_time_a_worker_made_up_never_reaches_the_policy():
     """finish_s is measured by the coordinator; a (buggy or hostile) worker that puts its own in
     its push telemetry is ignored, also for a gradient the coordinator cannot time itself."""
-    from batchsize_manager import WorkerReport
-
     c = coordinator()
-    c.record_report(WorkerReport(worker_id=0, iteration=0, batch_size=20, compute_s=0.03,
-                                 iteration_s=0.0, telemetry={"compute_s": 0.03, "finish_s": 1000.0}), 1.0)
+    report(c, 0, finish_s=1000.0)
     push(c, 0)  # never answered with an assignment here: nothing to time it by
-    assert "finish_s" not in c.reports[0].telemetry
+    assert c.reports[0].telemetry.finish_s is None
     c.assignment_answered(1, 0)
-    c.record_report(WorkerReport(worker_id=1, iteration=0, batch_size=20, compute_s=0.03,
-                                 iteration_s=0.0, telemetry={"finish_s": 1e-9}), 1.0)
+    report(c, 1, finish_s=1e-9)
     push(c, 1)
-    assert c.reports[1].telemetry["finish_s"] != 1e-9   # the coordinator's own measurement
+    assert c.reports[1].telemetry.finish_s != 1e-9   # the coordinator's own measurement
+
+
+def test_a_report_reaches_the_policy_with_its_finish_time():
+    """The policy gets a report only once its gradient is whole on every shard (or a split is
+    decided now): work done while a gradient is still on its way does not feed it untimed."""
+    now = [100.0]
+    c = answered_on(now)
+    seen = []
+    c.manager.observe = seen.append
+    now[0] = 100.05
+    for w in range(3):
+        report(c, w)
+        push(c, w, shards=[0, 1] if w == 2 else range(S))
+    c.background_work()
+    assert [r.worker_id for r in seen] == [0, 1], "worker 2's gradient is not whole yet"
+    now[0] = 100.25
+    push(c, 2, shards=[2])
+    c.background_work()
+    assert [(r.worker_id, r.telemetry.finish_s) for r in seen] == [
+        (0, pytest.approx(0.05)), (1, pytest.approx(0.05)), (2, pytest.approx(0.25))]
 
 
 # ----- out of memory: a smaller share of the same samples, the rest back to the cursor ---------

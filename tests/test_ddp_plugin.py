@@ -35,6 +35,7 @@ from batchsize_manager.integrations.torch_ddp import (
 )
 from batchsize_manager.manager import BatchSizeManager
 from batchsize_manager.policies import BatchPolicy
+from ps_common.report import Telemetry
 from ps_ml.datasets import load_dataset, sample_order
 from ps_ml.models import build_model
 from ps_ml.reference import flat_parameters, global_batch_indices, train_reference
@@ -190,9 +191,9 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
             opt.step()
             bal.step()
         out.update(sgd_params=flat_parameters(ddp.module), sgd_sizes=history, sgd_indices=used,
-                   sgd_buckets=hooks, sgd_reports=[(r.worker_id, r.iteration, r.batch_size, r.compute_s)
+                   sgd_buckets=hooks, sgd_reports=[(r.worker_id, r.iteration, r.batch_size, r.telemetry.compute_s)
                                                    for r in bal.last_reports],
-                   sgd_finish=[(r.compute_s, r.telemetry.get("finish_s")) for r in bal.last_reports])
+                   sgd_finish=[(r.telemetry.compute_s, r.telemetry.finish_s) for r in bal.last_reports])
         if rank == 0:
             out["sgd_observed"] = policy.observed
             out["sgd_reference"] = train_reference("mlp", MODEL_SEED, data, DATA_SEED, X, SGD_STEPS,
@@ -205,7 +206,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
             bal.report(compute_s=0.01 * (rank + 1), data_s=0.001)
             fixed.append(bal.step())
         out["fixed_sizes"] = fixed
-        out["fixed_reports"] = [(r.worker_id, r.iteration, r.compute_s, r.telemetry["data_s"])
+        out["fixed_reports"] = [(r.worker_id, r.iteration, r.telemetry.compute_s, r.telemetry.data_s)
                                 for r in bal.last_reports]
 
         # A BatchSizeManager instead of a policy (only rank 0's is used).
@@ -215,16 +216,16 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
         if rank == 0:
             out["manager_decisions"] = manager.decisions
 
-        # lbbsp-cpu reacts to reported timings (rank 1 is 3x slower per sample); extra
-        # telemetry keys travel to the reports.
+        # lbbsp-cpu reacts to reported timings (rank 1 is 3x slower per sample); the rest of a
+        # rank's report travels to the reports.
         per_sample = [3e-3 if r == 1 else 1e-3 for r in range(world)]
-        bal = DDPBatchBalancer(X, "lbbsp-cpu", telemetry_keys=("host_cpu",))
+        bal = DDPBatchBalancer(X, "lbbsp-cpu")
         lb = [bal.sizes]
         for _ in range(3):
-            bal.report(compute_s=bal.my_batch_size * per_sample[rank], telemetry={"host_cpu": rank})
+            bal.report(compute_s=bal.my_batch_size * per_sample[rank], telemetry=Telemetry(host_cpu=rank))
             lb.append(bal.step())
         out["lbbsp_sizes"] = lb
-        out["lbbsp_telemetry"] = [r.telemetry["host_cpu"] for r in bal.last_reports]
+        out["lbbsp_telemetry"] = [r.telemetry.host_cpu for r in bal.last_reports]
 
         # A policy failure on rank 0 surfaces on every rank instead of hanging the others.
         bal = DDPBatchBalancer(X, _FailsSecondTime())

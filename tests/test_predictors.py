@@ -19,12 +19,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from predictors import EXOG_KEYS, exog_from_telemetry, get_predictor, predictor_names
+from predictors import get_predictor, predictor_names
 from predictors.base import PREDICTOR_REGISTRY, BaselineGate, Predictor, register_predictor
 from predictors.cli import main
 from predictors.evaluate import evaluate, evaluate_many, format_table
 from predictors.record import burners_at, parse_schedule, random_schedule
 from predictors.traces import Trace, load_trace, save_trace, trace_from_worker_metrics
+from ps_common.report import EXOG_KEYS, Telemetry
 
 FIXTURES = sorted((Path(__file__).parent / "fixtures" / "traces").glob("*.csv"))
 NAMES = predictor_names()
@@ -98,11 +99,11 @@ def test_register_custom_and_duplicate():
         PREDICTOR_REGISTRY.unregister("_test_const")
 
 
-def test_exog_from_telemetry():
+def test_exog_of_a_report():
     assert EXOG_KEYS == ("host_cpu", "cotenant_cpu", "host_mem_pct")
-    tel = {"host_mem_pct": 40.0, "host_cpu": 75.5, "proc_cpu": 99.0, "cotenant_cpu": None}
-    assert exog_from_telemetry(tel) == [75.5, 0.0, 40.0]
-    assert exog_from_telemetry({"cotenant_cpu": float("nan")}) == [0.0, 0.0, 0.0]
+    tel = Telemetry(host_mem_pct=40.0, host_cpu=75.5, proc_cpu=99.0, cotenant_cpu=None)
+    assert tel.exog() == [75.5, 0.0, 40.0]
+    assert Telemetry(cotenant_cpu=float("nan")).exog() == [0.0, 0.0, 0.0]
 
 
 # ------------------------------------------------------------------------------- contract

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import msgpack
 import numpy as np
 import pytest
@@ -9,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ps_common import protocol as P
+from ps_common.report import Telemetry
 
 
 def roundtrip(msg: P.Message) -> P.Message:
@@ -29,10 +33,28 @@ def test_array_roundtrip_dtypes_shapes(dtype, shape):
     assert (out.shard, out.version, out.version_time) == (1, 7, 1.5)
 
 
+REPORT_FIELDS = dataclasses.fields(Telemetry)
+RANGED = [f for f in REPORT_FIELDS if "range" in f.metadata]
+
+
+def _field_values(f: dataclasses.Field) -> st.SearchStrategy:
+    """Every value a report field may hold on the wire (its type, within its range)."""
+    if isinstance(f.default, bool):
+        return st.booleans()
+    lo, hi = f.metadata["range"]
+    if isinstance(f.default, int):
+        return st.integers(lo, hi)
+    values = st.floats(lo, hi)
+    return st.one_of(st.none(), values) if f.default is None else values
+
+
+reports = st.builds(Telemetry, **{f.name: _field_values(f) for f in REPORT_FIELDS})
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     worker=st.integers(0, 2**31), it=st.integers(0, 2**40), bs=st.integers(1, 10**6),
-    loss=st.floats(allow_nan=False), tel=st.dictionaries(st.text(max_size=10), st.floats(allow_nan=False), max_size=5),
+    loss=st.floats(allow_nan=False), tel=st.one_of(st.none(), reports),
     values=st.lists(st.floats(width=32, allow_nan=False), max_size=50),
 )
 def test_push_roundtrip_property(worker, it, bs, loss, tel, values):
@@ -85,7 +107,11 @@ def header(body: dict, prefix: bytes = P.HEADER_PREFIX) -> bytes:
         ([header({"t": "push", "arrays": [["<f4", [-1]]]}), b""], "bad shape"),
         ([header({"t": "push", "arrays": [["<f4"]]}), b""], r"\[dtype, shape\]"),
         ([header({"t": "hello", "arrays": [["<f4", [1]]]}), b"\0" * 4], "array frames"),
-        ([header({"t": "push", "telemetry": {"a": "x"}, "arrays": [["<f4", [1]]]}), b"\0" * 4], "expected float"),
+        ([header({"t": "push", "telemetry": {"compute_s": "x"}, "arrays": [["<f4", [1]]]}), b"\0" * 4],
+         r"push\.telemetry\.compute_s: expected float"),
+        ([header({"t": "push", "telemetry": {"a": 1.0}, "arrays": [["<f4", [1]]]}), b"\0" * 4],
+         r"push\.telemetry: unknown field\(s\) \['a'\]"),
+        ([header({"t": "push", "telemetry": [1.0], "arrays": [["<f4", [1]]]}), b"\0" * 4], "expected a map"),
         ([header({"t": "params", "assignment": {"iteration": 1}, "arrays": [["<f4", [1]]]}), b"\0" * 4],
          "missing field"),
     ],
@@ -93,6 +119,39 @@ def header(body: dict, prefix: bytes = P.HEADER_PREFIX) -> bytes:
 def test_malformed_frames_rejected(frames, match):
     with pytest.raises(P.ProtocolError, match=match):
         P.decode(frames)
+
+
+def _push_with_report(report: dict) -> list[bytes]:
+    return [header({"t": "push", "telemetry": report, "arrays": [["<f4", [1]]]}), b"\0" * 4]
+
+
+@pytest.mark.parametrize("f", RANGED, ids=lambda f: f.name)
+def test_every_report_field_is_bounded_on_decode(f):
+    """Each measured field: finite, non-negative, within its range, of its type; in a Push and in
+    a BsmReport alike. Its bounds are accepted."""
+    lo, hi = f.metadata["range"]
+    for ok in (lo, hi):
+        assert getattr(P.decode(_push_with_report({f.name: ok})).telemetry, f.name) == ok
+    bad = [-1, hi + 1, hi * 10] if isinstance(f.default, int) else [-1e-9, hi * 1.001, math.nan, math.inf, -math.inf]
+    for v in bad:
+        with pytest.raises(P.ProtocolError, match=rf"push\.telemetry\.{f.name}: must be a finite number in"):
+            P.decode(_push_with_report({f.name: v}))
+        frames = [header({"t": "bsm_report", "worker_id": 0, "telemetry": {f.name: v}})]
+        with pytest.raises(P.ProtocolError, match=rf"bsm_report\.telemetry\.{f.name}: must be a finite number in"):
+            P.decode(frames)
+    wrong = 0.5 if isinstance(f.default, int) else "1"
+    with pytest.raises(P.ProtocolError, match=rf"push\.telemetry\.{f.name}: expected"):
+        P.decode(_push_with_report({f.name: wrong}))
+
+
+def test_report_flags_and_optional_fields_on_decode():
+    assert P.decode(_push_with_report({"oom": True})).telemetry.oom is True
+    with pytest.raises(P.ProtocolError, match=r"push\.telemetry\.oom: expected bool"):
+        P.decode(_push_with_report({"oom": 1}))
+    assert P.decode(_push_with_report({"finish_s": None})).telemetry.finish_s is None
+    with pytest.raises(P.ProtocolError, match=r"push\.telemetry\.compute_s: expected float, got NoneType"):
+        P.decode(_push_with_report({"compute_s": None}))   # not optional: only "not measured" ones are
+    assert P.decode(_push_with_report({})).telemetry == Telemetry()
 
 
 def test_array_size_limit():

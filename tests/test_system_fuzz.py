@@ -11,8 +11,9 @@ Three kinds of attacker, all during the run, all at once:
   (Hello then Shutdown and EvalReport, RegisterShard/Have/ShardSync posing as a shard, Join with
   an empty or wrong digest, right-sized finite pushes to every shard with the ids of the real
   workers and huge batch sizes, pulls with and without worker ids, floods of pulls) plus
-  malformed frames: at least 100,000 messages, every one refused by role, token, plan or
-  bound checks, and answered.
+  malformed frames, pushes among them whose report has a field out of range, of the wrong type
+  or unknown: at least 100,000 messages, every one refused by role, token, plan or bound
+  checks, and answered.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import zmq
 
 from ps_common import protocol as P
 from ps_common.metrics import read_jsonl
+from ps_common.report import Telemetry
 from ps_common.security.credentials import generate_master
 from ps_common.security.settings import SecurityConfig
 from ps_common.security.sockets import secure_client_socket
@@ -81,7 +83,7 @@ def forgeries(rng: random.Random, sizes: list[int], digest: str):
             msg = P.Push(worker_id=rng.randrange(3), token=rng.choice(["", token()]),
                          iteration=rng.randrange(400), batch_size=rng.choice([1, 32, 10**9]),
                          loss=0.0, pull=rng.random() < 0.5,
-                         telemetry={"compute_s": 0.01}, arrays=[np.full(n, 0.5, np.float32)])
+                         telemetry=Telemetry(compute_s=0.01), arrays=[np.full(n, 0.5, np.float32)])
         elif kind == "out_of_memory":  # a real worker's id and iteration range, a guessed token
             msg = P.OutOfMemory(worker_id=rng.randrange(3), token=rng.choice(["", token()]),
                                 iteration=rng.randrange(400), batch_size=rng.choice([1, 32, 10**9]))
@@ -93,6 +95,13 @@ def forgeries(rng: random.Random, sizes: list[int], digest: str):
                               P.Leave(worker_id=rng.randrange(3), token=token())])
         elif kind == "hello_status":
             msg = rng.choice([P.Hello(name="probe"), P.StatusRequest()])
+        elif kind == "bad_report":  # a real worker's push but for one field of its report
+            field, value = rng.choice(BAD_REPORT_FIELDS)
+            yield kind, [hdr + msgpack.packb({"t": "push", "worker_id": rng.randrange(3), "token": token(),
+                                              "iteration": rng.randrange(400), "batch_size": 32,
+                                              "telemetry": {"compute_s": 0.01, field: value},
+                                              "arrays": [["<f4", [n]]]}), bytes(4 * n)], k
+            continue
         elif kind == "malformed":
             yield kind, rng.choice([
                 [rng.randbytes(rng.randrange(0, 64))],
@@ -108,7 +117,11 @@ def forgeries(rng: random.Random, sizes: list[int], digest: str):
 
 
 KINDS = ["shutdown", "eval_report", "claim_shard", "register_shard", "have", "shard_sync", "rollback", "join", "push",
-         "out_of_memory", "pull", "heartbeat", "hello_status", "malformed"]
+         "out_of_memory", "pull", "heartbeat", "hello_status", "malformed", "bad_report"]
+#: Report fields a forged push gets wrong: not finite, negative, out of range, wrong type, unknown.
+BAD_REPORT_FIELDS = [("compute_s", float("nan")), ("data_s", -1.0), ("finish_s", float("inf")),
+                     ("host_cpu", 1e9), ("mem_headroom_mb", -0.5), ("burners", 0.5), ("oom", 1),
+                     ("prev_wait_s", "slow"), ("samples_per_s", 1.0)]
 
 
 def _dealer(ctx, endpoint: str, security: SecurityConfig | None, role: str = "worker") -> zmq.Socket:

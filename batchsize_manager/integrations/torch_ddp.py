@@ -42,6 +42,7 @@ Nothing here initialises ``torch.distributed`` or needs ZeroMQ; importing it is 
 # No `from __future__ import annotations`: DDP inspects the hook's annotations at runtime and
 # rejects string annotations ("bucket annotation should be dist.GradBucket").
 
+import dataclasses
 import math
 import time
 from collections import OrderedDict
@@ -55,7 +56,9 @@ import torch.distributed as dist
 
 from batchsize_manager.allocation import CapsArg
 from batchsize_manager.manager import BatchSizeManager
-from batchsize_manager.policies import BatchPolicy, WorkerReport, get_policy
+from batchsize_manager.policies import BatchPolicy, get_policy
+from batchsize_manager.reports import WorkerReport
+from ps_common.report import Telemetry
 
 __all__ = [
     "DDPBatchBalancer",
@@ -322,9 +325,10 @@ class DDPBatchBalancer:
     Construct on every rank after ``init_process_group`` (all ranks, same arguments). The
     decision runs on rank 0 only (the policy object exists only there, so stateful or
     randomised policies cannot diverge across ranks); each :meth:`step` costs one small
-    ``all_gather`` (4 floats per rank, plus one per ``telemetry_keys`` entry) and one
-    ``broadcast`` (one int per rank) on the gradients' process group: two tiny collectives
-    per iteration, plus the policy's own decision time on rank 0 while the others wait.
+    ``all_gather`` (every rank's :class:`~ps_common.report.Telemetry`, a float per
+    field) and one ``broadcast`` (one int per rank) on the gradients' process group: two tiny
+    collectives per iteration, plus the policy's own decision time on rank 0 while the others
+    wait.
 
     ``policy`` is a registered policy name (built with ``get_policy(policy, **policy_args)``)
     or a ready ``BatchPolicy``; ``manager`` is a configured
@@ -353,7 +357,6 @@ class DDPBatchBalancer:
         min_batch: int = 1,
         device: torch.device | str | None = None,
         verify: bool = False,
-        telemetry_keys: Sequence[str] = (),
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("DDPBatchBalancer needs torch.distributed to be initialised first")
@@ -370,10 +373,6 @@ class DDPBatchBalancer:
             device = (torch.device("cuda", torch.cuda.current_device())
                       if dist.get_backend(process_group) == "nccl" else torch.device("cpu"))
         self.device = torch.device(device)
-        self.telemetry_keys = tuple(str(k) for k in telemetry_keys)
-        reserved = {"data_s", "samples_per_s", "finish_s"} & set(self.telemetry_keys)
-        if reserved or len(set(self.telemetry_keys)) != len(self.telemetry_keys):
-            raise ValueError(f"telemetry_keys must be unique and not {sorted(reserved)}")
         self.iteration = 0
         self.hook_state = WeightedHookState(batch_size=0, global_batch=self.global_batch,
                                             process_group=process_group, verify=verify)
@@ -451,7 +450,7 @@ class DDPBatchBalancer:
         self._cuda_spans: list[tuple[Any, Any]] = []
         self._reported_compute: float | None = None
         self._reported_data: float | None = None
-        self._telemetry: dict[str, float] = {}
+        self._telemetry = Telemetry()
         self._ready_s = math.nan  # when this rank's last gradient bucket was ready (CPU clock)
 
     @contextmanager
@@ -486,7 +485,7 @@ class DDPBatchBalancer:
 
     @contextmanager
     def timed_data(self) -> Iterator[None]:
-        """Time this rank's data loading (reported as telemetry ``data_s``)."""
+        """Time this rank's data loading (reported as ``Telemetry.data_s``)."""
         t0 = time.perf_counter()
         try:
             yield
@@ -494,17 +493,16 @@ class DDPBatchBalancer:
             self._data_s += time.perf_counter() - t0
 
     def report(self, compute_s: float | None = None, data_s: float | None = None,
-               telemetry: Mapping[str, float] | None = None) -> None:
+               telemetry: Telemetry | None = None) -> None:
         """Override this iteration's measured compute and/or data time (seconds).
 
-        ``telemetry`` values (for the keys declared as ``telemetry_keys``, e.g. host CPU use for
-        the NARX predictor, or ``oom=1`` after an out-of-memory) reach the policy's reports.
+        ``telemetry``: this rank's other measurements of the iteration (e.g. ``host_cpu`` for
+        the NARX predictor, or ``oom=True`` after an out-of-memory), which reach the policy's
+        reports; its ``compute_s``, ``data_s``, ``iteration_s`` and ``finish_s`` are the
+        balancer's own (measured, or given here as ``compute_s`` and ``data_s``).
         """
-        for key, value in (telemetry or {}).items():
-            if key not in self.telemetry_keys:
-                raise ValueError(f"telemetry key {key!r} was not declared in telemetry_keys "
-                                 f"{list(self.telemetry_keys)}")
-            self._telemetry[key] = float(value)
+        if telemetry is not None:
+            self._telemetry = telemetry
         if compute_s is not None:
             if not math.isfinite(compute_s) or compute_s < 0:
                 raise ValueError(f"compute_s must be finite and >= 0, got {compute_s}")
@@ -535,28 +533,20 @@ class DDPBatchBalancer:
         iteration_s = time.perf_counter() - self._iter_start
         compute_s = self._measured_compute()
         data_s = self._reported_data if self._reported_data is not None else self._data_s
-        extra = [self._telemetry.get(k, math.nan) for k in self.telemetry_keys]
         # What the all-reduce waits for, like the servers' finish time: from the moment every
         # rank knew its size (the end of the last step) to this rank's last gradient bucket,
         # data loading and CPU-quota stalls included. Measured, so not with reported timings.
         finish_s = (self._ready_s - self._iter_start
                     if self._reported_compute is None and math.isfinite(self._ready_s) else math.nan)
-        local = torch.tensor([compute_s, iteration_s, data_s, finish_s, *extra], dtype=torch.float64,
-                             device=self.device)
+        mine = dataclasses.replace(self._telemetry, compute_s=compute_s, iteration_s=iteration_s,
+                                   data_s=data_s, finish_s=finish_s if finish_s > 0 else None)
+        local = torch.tensor(mine.to_floats(), dtype=torch.float64, device=self.device)
         gathered = [torch.empty_like(local) for _ in range(self.world_size)]
         dist.all_gather(gathered, local, group=self.group)
         rows = torch.stack(gathered).cpu().tolist()
         self.last_reports = [
-            WorkerReport(
-                worker_id=r, iteration=self.iteration, batch_size=self._sizes[r],
-                compute_s=row[0], iteration_s=row[1],
-                telemetry={
-                    "data_s": row[2],
-                    "samples_per_s": self._sizes[r] / row[0] if row[0] > 0 else 0.0,
-                    **({"finish_s": row[3]} if math.isfinite(row[3]) and row[3] > 0 else {}),
-                    **{k: v for k, v in zip(self.telemetry_keys, row[4:]) if math.isfinite(v)},
-                },
-            )
+            WorkerReport(worker_id=r, iteration=self.iteration, batch_size=self._sizes[r],
+                         telemetry=Telemetry.from_floats(row))
             for r, row in enumerate(rows)
         ]
         self._sizes = self._decide(self.last_reports)
