@@ -11,7 +11,7 @@ measures each iteration. Inputs at iteration t, to forecast the speed of t+1:
 Everything is z-scored with the statistics of the training window. The target is, by default, the
 log-ratio ``log v_{t+1} - log v_t`` (``target="ratio"``): most of a speed series is its level,
 which the last value already gets right, so the network only has to learn the change; this beat
-the raw level (``target="level"``) on the recorded traces (see tests/test_predictors.py and the
+the raw level (``target="level"``) on the recorded traces (see tests/unit/test_predictors.py and the
 ``ps-predict eval`` table in the report).
 
 Online training: every ``refit_every`` updates, ``epochs`` full-batch Adam steps (warm-started

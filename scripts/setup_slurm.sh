@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A single-host Slurm for tests/test_system_slurm.py: Debian's slurm-wlm and munge, this host as
+# A single-host Slurm for tests/system/test_system_slurm.py: Debian's slurm-wlm and munge, this host as
 # the only node (with more CPUs declared than it has, so a job's tasks all fit), controller and
 # node daemons started in the background. Needs root and the package registry. Idempotent.
 #   bash scripts/setup_slurm.sh          # install, configure, start

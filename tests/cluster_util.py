@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import select
 import time
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 import yaml
@@ -63,6 +65,13 @@ def start_workers(procs: ProcessGroup, cfg_path: Path, endpoint: str, n: int, ru
     return [procs.start(f"worker-{i}", "ps_worker.cli",
                         ["--config", str(cfg_path), "--server", endpoint, "--run-dir", str(run_dir),
                          "--name", f"worker-{i}", *extra], env=env) for i in range(n)]
+
+
+def read_line(stream: IO[str], timeout_s: float) -> str:
+    """A child's next line of output, or "" when none came within ``timeout_s``: a child that
+    hangs before it prints fails the test instead of hanging it."""
+    ready, _, _ = select.select([stream], [], [], timeout_s)
+    return stream.readline() if ready else ""
 
 
 def wait_exit(children: list, timeout_s: float) -> None:

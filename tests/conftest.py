@@ -1,4 +1,5 @@
-"""Shared fixtures: a process group that is always torn down, with logs shown on failure."""
+"""Shared fixtures: a process group that is always torn down, with logs shown on failure, and a
+job secret with its role files. Every test is marked with its tier, the folder it lives in."""
 
 from __future__ import annotations
 
@@ -15,6 +16,18 @@ os.environ.setdefault("PYTHONPATH", str(ROOT))
 
 from ps_launcher.processes import ProcessGroup  # noqa: E402
 
+TIERS = ("unit", "integration", "system")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """``-m "not system"`` and ``-m unit`` select by folder (tests/unit, tests/integration,
+    tests/system), so a system test needs no marker of its own to be left out."""
+    tests = Path(__file__).resolve().parent
+    for item in items:
+        path = Path(item.path).resolve()
+        if path.is_relative_to(tests) and path.relative_to(tests).parts[0] in TIERS:
+            item.add_marker(path.relative_to(tests).parts[0])
+
 
 @pytest.fixture
 def procs(tmp_path, request):
@@ -29,6 +42,21 @@ def procs(tmp_path, request):
     if rep is not None and rep.failed:
         for c in group.children:
             print(f"----- {c.role} (rc={c.proc.returncode}) -----\n{c.tail(40)}")
+
+
+@pytest.fixture
+def secrets(tmp_path):
+    """A job secret (the master), a file for each client role made from it, and an unrelated master."""
+    from ps_common.security import credentials as C
+
+    master = C.generate_master(tmp_path / "job.secret")
+    files = {"master": str(tmp_path / "job.secret")}
+    for role in ("worker", "evaluator", "operator"):
+        C.write_role_secret(tmp_path / f"{role}.secret", master, role)
+        files[role] = str(tmp_path / f"{role}.secret")
+    C.generate_master(tmp_path / "other.secret")
+    files["other"] = str(tmp_path / "other.secret")
+    return files
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)

@@ -9,7 +9,7 @@ import pytest
 from ps_common.config import ConfigError, JobConfig, load_config
 from ps_server.job_config import check_job_config
 
-CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])

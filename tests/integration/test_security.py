@@ -1,21 +1,19 @@
-"""Credentials: CURVE key files and the allow-list (each key's file name is its role), the job
-secret (PLAIN, one secret per role), and real ROUTER/DEALER pairs on loopback that show what
-the server learns of each client (its role, in every message's User-Id)."""
+"""Credentials on real ROUTER/DEALER pairs on loopback: CURVE and the allow-list (each key's file
+name is its role), the job secret (PLAIN, one secret per role), and what the server learns of each
+client (its role, in every message's User-Id). The files alone: tests/unit/test_security_files.py."""
 
 from __future__ import annotations
 
 import shutil
-import stat
 
 import pytest
 import zmq
 from pydantic import ValidationError
 
 from ps_common.security.authenticator import ZAP_DOMAIN, authenticator_running, stop_authenticators
-from ps_common.security.keys import SecurityError, generate_keypair, load_keypair, load_public_key, role_of_key_file
+from ps_common.security.keys import SecurityError, generate_keypair, role_of_key_file
 from ps_common.security.settings import SecurityConfig, init_local_keys
 from ps_common.security.sockets import close_socket, secure_client_socket, secure_server_socket, timeout_hint
-from ps_launcher.keys_cli import main as keys_main
 
 pytestmark = [
     pytest.mark.timeout(20),
@@ -97,33 +95,6 @@ def _round_trip(router: zmq.Socket, dealer: zmq.Socket) -> zmq.Frame:
 def _refused(router: zmq.Socket, dealer: zmq.Socket) -> None:
     dealer.send(b"let me in")
     assert router.poll(REFUSED_WAIT_MS) == 0, "a refused client got a message through"
-
-
-# ----- keys and CLI ---------------------------------------------------------------------------
-def test_generate_load_round_trip_and_cli(tmp_path, capsys):
-    public, secret = generate_keypair(tmp_path, "w1")
-    assert (public.name, secret.name) == ("w1.key", "w1.key_secret")
-    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
-    pub, sec = load_keypair(secret)
-    assert len(pub) == len(sec) == 40
-    assert load_public_key(public) == pub == load_public_key(secret)
-    assert zmq.curve_public(sec) == pub
-    assert not list(tmp_path.glob(".ps-keys-*")), "temporary directory left behind"
-    with pytest.raises(SecurityError, match="refusing to overwrite"):
-        generate_keypair(tmp_path, "w1")
-    with pytest.raises(SecurityError, match="no secret key"):
-        load_keypair(public)
-
-    assert keys_main(["generate", str(tmp_path / "cli"), "w2"]) == 0
-    out = capsys.readouterr().out.split()
-    assert out == [str(tmp_path / "cli" / "w2.key"), str(tmp_path / "cli" / "w2.key_secret")]
-    assert stat.S_IMODE((tmp_path / "cli" / "w2.key_secret").stat().st_mode) == 0o600
-    assert keys_main(["show", out[0]]) == 0
-    assert capsys.readouterr().out.strip() == load_public_key(out[1]).decode()
-    assert keys_main(["show", str(tmp_path / "missing.key")]) == 2
-    assert "no such file" in capsys.readouterr().err
-    assert keys_main(["init", str(tmp_path / "local")]) == 0
-    assert "curve: true" in capsys.readouterr().out
 
 
 # ----- curve on -------------------------------------------------------------------------------
@@ -262,20 +233,6 @@ def test_validation_errors_name_the_key(keys, tmp_path):
 
 
 # ----- the job secret (PLAIN) -----------------------------------------------------------------
-@pytest.fixture
-def secrets(tmp_path):
-    from ps_common.security import credentials as C
-
-    master = C.generate_master(tmp_path / "job.secret")
-    files = {"master": str(tmp_path / "job.secret")}
-    for role in ("worker", "evaluator", "operator"):
-        C.write_role_secret(tmp_path / f"{role}.secret", master, role)
-        files[role] = str(tmp_path / f"{role}.secret")
-    C.generate_master(tmp_path / "other.secret")
-    files["other"] = str(tmp_path / "other.secret")
-    return files
-
-
 def test_job_secret_authenticates_each_role(ctx, secrets):
     server = SecurityConfig(secret_file=secrets["master"])
     assert server.mechanism == "plain"
@@ -302,35 +259,3 @@ def test_wrong_or_missing_secrets_cannot_connect(ctx, secrets):
     forged.setsockopt(zmq.PLAIN_PASSWORD, load_secret(secrets["worker"]).secret_for("worker").encode())
     forged.connect(ep)
     _refused(router, forged)
-
-
-def test_a_role_file_grants_that_role_only(secrets):
-    from ps_common.security.credentials import CredentialError, load_secret
-
-    worker = load_secret(secrets["worker"])
-    assert worker.roles == ("worker",)
-    with pytest.raises(CredentialError, match="holds the worker secret only"):
-        worker.secret_for("operator")
-    with pytest.raises(CredentialError, match="servers need the job's master"):
-        SecurityConfig(secret_file=secrets["worker"]).require_server()
-    SecurityConfig(secret_file=secrets["worker"]).require_client("worker")
-
-
-def test_secret_files_cli_and_errors(tmp_path, capsys):
-    from ps_common.security.credentials import CredentialError, load_secret
-
-    assert keys_main(["secret", str(tmp_path / "m.secret")]) == 0
-    assert stat.S_IMODE((tmp_path / "m.secret").stat().st_mode) == 0o600
-    assert keys_main(["secret", str(tmp_path / "w.secret"), "--role", "worker",
-                      "--from", str(tmp_path / "m.secret")]) == 0
-    worker = load_secret(tmp_path / "w.secret").secret_for("worker")
-    assert worker == load_secret(tmp_path / "m.secret").secret_for("worker")
-    capsys.readouterr()
-    assert keys_main(["secret", str(tmp_path / "m.secret")]) == 2
-    assert "refusing to overwrite" in capsys.readouterr().err
-    assert keys_main(["secret", str(tmp_path / "x.secret"), "--role", "worker"]) == 2
-    (tmp_path / "junk").write_text("hello")
-    with pytest.raises(CredentialError, match="not an lbbsp secret file"):
-        load_secret(tmp_path / "junk")
-    with pytest.raises(CredentialError, match="no such file"):
-        load_secret(tmp_path / "missing")

@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 from ps_common import protocol as P
-from ps_common.transport import Connection
+from ps_common.transport import Connection, recv_frames
 from tests.cluster_util import start_servers, status, write_config
 
 pytestmark = pytest.mark.system
@@ -66,6 +66,14 @@ def test_launch_rejects_bad_config_naming_the_key(tmp_path):
     assert "training.lr: unknown key" in out.stderr
 
 
+def raw_reply(conn: Connection) -> P.Message:
+    """The next reply as it came, an Error included (``Connection.recv`` raises those), polled
+    for the connection's timeout."""
+    frames = recv_frames(conn.sock, conn.timeout_s)
+    assert frames is not None, f"no reply within {conn.timeout_s:.0f} s"
+    return P.decode(frames)
+
+
 def test_server_survives_malformed_messages(procs, tmp_path):
     cfg_path, cfg = write_config(tmp_path, {
         "model": {"name": "mlp"}, "data": {"dataset": "synthetic"},
@@ -78,10 +86,10 @@ def test_server_survives_malformed_messages(procs, tmp_path):
                 [P.encode(P.Hello())[0], b"extra frame"]]
         for frames in junk:
             conn.sock.send_multipart(frames)
-            reply = P.decode(conn.sock.recv_multipart())
+            reply = raw_reply(conn)
             assert isinstance(reply, P.Error) and reply.code == "malformed"
         conn.send(P.Push(worker_id=99, arrays=[__import__("numpy").zeros(3, "float32")]))
-        reply = P.decode(conn.sock.recv_multipart())
+        reply = raw_reply(conn)
         assert isinstance(reply, P.Error) and reply.code == "unauthorized"
     finally:
         conn.close()

@@ -26,7 +26,7 @@ from tests.cluster_util import consistent_end, wait_exit
 
 pytestmark = pytest.mark.system
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODULES = {"ps-server": "ps_server.cli", "ps-worker": "ps_worker.cli", "ps-evaluator": "ps_worker.evaluator_cli",
            "ps-keys": "ps_launcher.keys_cli"}
 JOB = {"run": {"name": "multihost", "seed": 1}, "model": {"name": "mlp"},

@@ -40,7 +40,7 @@ def launch(tmp_path: Path) -> tuple[subprocess.Popen, list[psutil.Process]]:
     while time.monotonic() < deadline:  # training has started: the first commits are logged
         if coord.exists() and sum(1 for line in coord.read_text().splitlines() if '"iteration"' in line) > 20:
             break
-        assert proc.poll() is None, proc.stdout.read().decode()
+        assert proc.poll() is None, proc.communicate(timeout=30)[0].decode()
         time.sleep(0.2)
     else:
         proc.kill()

@@ -19,7 +19,7 @@ from ps_common.security.settings import init_local_keys
 from ps_server.cli import build_parser as server_parser
 from ps_worker.cli import build_parser as worker_parser
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = [d for f in sorted((ROOT / "deploy" / "k8s").glob("*.yaml")) for d in yaml.safe_load_all(f.read_text()) if d]
 PARSERS = {"ps-server": server_parser, "ps-worker": worker_parser}
 

@@ -2,24 +2,20 @@
 
 * each batched predictor forecasts what the scalar predictor of the same name forecasts;
 * the numpy NARX trainer takes the steps torch.optim.Adam takes;
-* background refits (thread, helper process) give the synchronous forecasts once they have landed;
+* background refits on a thread give the synchronous forecasts once they have landed;
 * a refit in progress never blocks a decision (a deliberately slow fit injected through the
   ``fit_hook`` test hook; no sleep anywhere else);
-* refits are staggered over the refit period; the helper process goes away with its owner.
+* refits are staggered over the refit period.
+
+The same for the helper process, and its lifetime: tests/system/test_predictor_refit_process.py.
 """
 
 from __future__ import annotations
 
-import functools
-import gc
 import math
-import os
 import threading
-import time
-from pathlib import Path
 
 import numpy as np
-import psutil
 import pytest
 import torch
 
@@ -29,7 +25,6 @@ from predictors import get_predictor
 from predictors.arima import BatchARIMA
 from predictors.batch import BatchEMA, BatchLast, ScalarPredictors, get_batch_predictor
 from predictors.narx import BatchNARX, NARXConfig, design, init_weights, train
-from predictors.refit import ProcessRefits, ThreadRefits
 
 K = 6
 T = 90
@@ -150,9 +145,10 @@ def test_numpy_trainer_takes_torch_adam_steps():
 
 
 # ----------------------------------------------------------------------------- background
-@pytest.mark.parametrize("cls,kw", [(BatchNARX, {"epochs": 8}), (BatchARIMA, {"refit_every": 8})])
-@pytest.mark.parametrize("mode", ["thread", "process"])
-def test_background_refits_equal_sync_once_landed(cls, kw, mode):
+REFIT_CASES = [(BatchNARX, {"epochs": 8}), (BatchARIMA, {"refit_every": 8})]
+
+
+def assert_background_equals_sync(cls, kw, mode: str) -> None:
     """With every refit waited for before the next update, background = sync, exactly."""
     sync = fresh(cls(**kw, refit="sync"))
     bg = fresh(cls(**kw, refit=mode))
@@ -161,6 +157,11 @@ def test_background_refits_equal_sync_once_landed(cls, kw, mode):
         assert bg.n_fits() == sync.n_fits() and bg.in_flight == 0
     finally:
         bg.close()
+
+
+@pytest.mark.parametrize("cls,kw", REFIT_CASES)
+def test_thread_refits_equal_sync_once_landed(cls, kw):
+    assert_background_equals_sync(cls, kw, "thread")
 
 
 class Gate:
@@ -242,34 +243,6 @@ def test_a_refit_in_progress_never_blocks_a_decision():
         m.close()
 
 
-def wait_for_file(path: str) -> None:
-    """Process-mode hook: hold the fit until ``path`` exists (the only sleep is here)."""
-    end = time.monotonic() + 60
-    while not os.path.exists(path) and time.monotonic() < end:
-        time.sleep(0.01)
-
-
-def test_a_slow_fit_in_the_helper_process_does_not_block(tmp_path: Path):
-    flag = tmp_path / "go"
-    m = BatchSizeManager("lbbsp-cpu", 256, policy_args={
-        "predictor": "arima", "refit": "background", "predictor_args": {"refit_every": 5}})
-    pred = m.policy.predictor
-    assert isinstance(pred.executor, ProcessRefits) and psutil.pid_exists(pred.executor.pid)
-    pred.fit_hook = functools.partial(wait_for_file, str(flag))
-    sim = Simulation(m, [SimulatedWorker(1000.0 * (1 + i), 0.002, noise=0.02, seed=i) for i in range(4)])
-    try:
-        for _ in range(40):
-            rec = sim.step()
-            assert sum(rec.sizes.values()) == 256
-        assert pred.submitted_jobs >= 1 and pred.landed_fits == 0 and pred.in_flight >= 1
-        assert pred.in_flight <= pred.max_jobs
-        flag.touch()
-        assert pred.drain(60) and pred.landed_fits > 0
-    finally:
-        flag.touch()
-        m.close()
-
-
 def test_refits_are_staggered_over_the_period():
     """100 workers joined together: after their first fits, about 1/refit_every of them refit
     per iteration (without staggering, all 100 at once)."""
@@ -289,37 +262,3 @@ def test_refits_are_staggered_over_the_period():
     first = next(i for i, k in enumerate(staggered) if k)
     assert staggered[first] == 100 and max(staggered[first + 1:]) <= 10
     assert sorted(set(together[first + 1:])) == [0, 100]
-
-
-def test_helper_process_goes_away_with_its_owner():
-    def helpers() -> set[int]:
-        return {c.pid for c in psutil.Process().children() if c.is_running()
-                and c.status() != psutil.STATUS_ZOMBIE}
-
-    before = helpers()
-    m = BatchSizeManager("lbbsp-cpu", 64, policy_args={"predictor": "narx"})
-    pid = m.policy.predictor.executor.pid
-    assert pid in helpers() - before
-    m.close()
-    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    m = BatchSizeManager("lbbsp-cpu", 64, policy_args={"predictor": "arima"})
-    pid = m.policy.predictor.executor.pid
-    del m
-    gc.collect()
-    assert helpers() <= before
-
-
-def test_helper_death_falls_back_to_a_thread():
-    p = fresh(BatchARIMA(refit_every=6, refit="process"))
-    try:
-        for t in range(20):
-            p.update(ALL, YS[:, t])
-        assert p.drain(60)
-        psutil.Process(p.executor.pid).kill()
-        psutil.Process(p.executor.pid).wait(10)
-        for t in range(20, 60):
-            p.update(ALL, YS[:, t])
-        assert p.drain(60)
-        assert isinstance(p.executor._fallback, ThreadRefits) and p.landed_fits >= 2 * K
-    finally:
-        p.close()

@@ -1,11 +1,10 @@
-"""ps-bsm: the batch-size manager served over the protocol (real sockets on loopback)."""
+"""ps-bsm: the batch-size manager served over the protocol (real sockets on loopback, the service
+in a thread). Its command line: tests/unit/test_bsm_service_args.py; as its own process:
+tests/system/test_bsm_service_cli.py."""
 
 from __future__ import annotations
 
 import math
-import os
-import signal
-from importlib.metadata import entry_points
 
 import msgpack
 import pytest
@@ -15,7 +14,6 @@ from batchsize_manager import BatchSizeManager, WorkerReport
 from ps_common import protocol as P
 from ps_common.report import Telemetry
 from ps_common.transport import recv_frames
-from ps_server import bsm_service
 from ps_server.bsm_client import BatchSizeClient, RemoteError, TransportTimeout
 from ps_server.bsm_service import BatchSizeService
 
@@ -210,31 +208,3 @@ def test_curve_clients_must_be_allowed(tmp_path):
         stop_authenticators(ctx)
         ctx.term()
     assert not thread.is_alive()
-
-
-def test_cli_rejects_bad_arguments(capsys):
-    assert bsm_service.main(["--policy", "nope", "--global-batch", "8"]) == 2
-    assert "unknown batch policy" in capsys.readouterr().err
-    assert bsm_service.main(["--global-batch", "8", "--policy-args", "[1]"]) == 2
-    assert "JSON object" in capsys.readouterr().err
-    assert bsm_service.main(["--global-batch", "0"]) == 2
-    scripts = {ep.name: ep.value for ep in entry_points(group="console_scripts")}
-    assert scripts.get("ps-bsm") == "ps_server.bsm_service:main"
-
-
-@pytest.mark.timeout(30)
-def test_cli_serves_and_stops_on_sigterm(procs):
-    child = procs.start("ps-bsm", "ps_server.bsm_service",
-                        ["--policy", "lbbsp-cpu", "--global-batch", str(X),
-                         "--policy-args", '{"predictor": "ema"}', "--port", "0"])
-    endpoint = procs.wait_endpoint(child, 15)
-    assert endpoint.startswith("tcp://127.0.0.1:")
-    with BatchSizeClient(endpoint, timeout_s=5) as c:
-        for w in range(3):
-            c.join(w)
-        sizes = run_iterations(c, 4)
-        assert sorted(sizes) == [0, 1, 2] and sum(sizes.values()) == X
-        assert sizes[2] < sizes[0] and sizes[2] < sizes[1]
-    os.killpg(child.proc.pid, signal.SIGTERM)
-    assert child.proc.wait(timeout=5) == 0, child.tail()
-    assert "ps-bsm stopping" in child.tail(), child.tail()

@@ -12,7 +12,6 @@ import re
 
 import pytest
 
-from ps_common.dmlc import DmlcEnvError, read_dmlc_env
 from tests.cluster_util import consistent_end, wait_exit, write_config
 
 pytestmark = pytest.mark.system
@@ -47,18 +46,3 @@ def test_a_job_started_from_dmlc_variables_alone(procs, tmp_path):
     assert claimed == [1, 2], "each server claimed its own follower index"
     params, version = consistent_end(run_dir, 3)                # DMLC_NUM_SERVER + 1 shards
     assert version == 25 and params.size > 0
-
-
-def test_the_contract_names_what_is_missing_or_wrong():
-    assert read_dmlc_env({}) is None
-    full = {"DMLC_ROLE": "server", "DMLC_PS_ROOT_URI": "10.0.0.1", "DMLC_PS_ROOT_PORT": "9091",
-            "DMLC_NUM_SERVER": "4", "DMLC_NUM_WORKER": "8"}
-    d = read_dmlc_env(full)
-    assert d.coordinator == "tcp://10.0.0.1:9091"
-    assert d.overrides() == ["cluster.num_shards=5", "cluster.num_workers=8"]
-    assert read_dmlc_env({**full, "DMLC_NODE_HOST": "node7"}).advertise() == "node7"
-    for change, text in [({"DMLC_ROLE": "boss"}, "expected one of"), ({"DMLC_PS_ROOT_URI": ""}, "DMLC_PS_ROOT_URI"),
-                         ({"DMLC_PS_ROOT_PORT": "x"}, "not an integer"), ({"DMLC_PS_ROOT_PORT": "0"}, ">= 1"),
-                         ({"DMLC_NUM_WORKER": "0"}, "DMLC_NUM_WORKER=0")]:
-        with pytest.raises(DmlcEnvError, match=text):
-            read_dmlc_env({**full, **change})

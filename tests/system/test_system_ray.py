@@ -131,18 +131,18 @@ def test_sigterm_to_ps_launch_on_ray_stops_everything_and_keeps_the_records(tmp_
                             text=True, start_new_session=True)
     try:
         wait_for_commits(run_dir, 5)  # mid-run, however long a loaded host took to start it
-        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert proc.poll() is None, proc.communicate(timeout=30)[0][-3000:]
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=90)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            proc.wait(timeout=10)
     assert proc.returncode == 130, out[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["iterations"] > 0 and summary["stop_reason"].startswith("interrupted"), summary["stop_reason"]
     assert len(summary["workers"]) == 2 and (run_dir / "logs" / "evaluator.log").exists()
-    pids = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True).stdout.split()
+    pids = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True, timeout=30).stdout.split()
     assert not pids, f"processes of the run outlived it: {pids}"
 
 

@@ -4,7 +4,7 @@ coordinator's reason (a diagnostic that leaves a trace of a stall in shard 0's l
 from __future__ import annotations
 
 from ps_server.pulls import PendingPull, PendingPulls
-from tests.test_coordinator import coordinator
+from tests.unit.test_coordinator import coordinator
 
 
 def test_a_long_wait_is_reported_once_and_a_fresh_one_not_at_all():

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -17,20 +16,20 @@ import pytest
 
 from ps_launcher.lab import probe
 from ps_launcher.lab.netns import Host, NetLab, cleanup_stale, delay_available, netns_available
+from tests.cluster_util import read_line
 
 _WHY = netns_available()
 pytestmark = pytest.mark.skipif(_WHY is not None, reason=f"network labs unavailable: {_WHY}")
 _NO_DELAY = delay_available()
 PROBE = probe.__file__
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PORT = 5701
 
 
 def start_server(host: Host, port: int = PORT) -> subprocess.Popen:
     p = host.popen([sys.executable, PROBE, "serve", "--port", str(port)],
                    stdout=subprocess.PIPE, text=True)  # fmt: skip
-    ready, _, _ = select.select([p.stdout], [], [], 10.0)
-    assert ready and p.stdout.readline().strip() == "listening", "probe server did not start"
+    assert read_line(p.stdout, 10.0).strip() == "listening", "probe server did not start"
     return p
 
 
@@ -53,12 +52,12 @@ def mbit(host: Host, server: Host, direction: str, nbytes: int) -> float:
 
 
 def lbps_links() -> list[str]:
-    out = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    out = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, timeout=30).stdout
     return [line for line in out.splitlines() if "lbps-" in line]
 
 
 def lab_namespaces(run_id: str) -> list[str]:
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
     return [line.split()[0] for line in out.splitlines() if f"lbps-{run_id}-" in line]
 
 
@@ -79,13 +78,14 @@ def test_two_hosts_talk_tcp_and_zeromq(lab):
 
     rep = a.popen([sys.executable, "-c",
                    "import zmq,sys\n"
-                   "s=zmq.Context().socket(zmq.ROUTER); s.bind('tcp://0.0.0.0:5702')\n"
+                   "s=zmq.Context().socket(zmq.ROUTER); s.setsockopt(zmq.RCVTIMEO, 10000)\n"
+                   "s.bind('tcp://0.0.0.0:5702')\n"
                    "print('bound', flush=True)\n"
                    "for _ in range(3):\n"
                    "    ident, msg = s.recv_multipart()\n"
                    "    s.send_multipart([ident, b'echo:' + msg])\n"],
                   stdout=subprocess.PIPE, text=True)  # fmt: skip
-    assert rep.stdout.readline().strip() == "bound"
+    assert read_line(rep.stdout, 10.0).strip() == "bound"
     code = (
         "import zmq\n"
         "s=zmq.Context().socket(zmq.DEALER); s.setsockopt(zmq.LINGER, 0)\n"
@@ -148,10 +148,10 @@ def test_relay_delay_adds_rtt_and_can_be_removed(lab):
         "c=zmq.Context(); r=c.socket(zmq.REP); r.bind('tcp://0.0.0.0:5703')\n"
         "q=c.socket(zmq.REQ); q.setsockopt(zmq.RCVTIMEO, 5000)\n"
         "print('bound', flush=True)\n"
-        "r.send(r.recv())\n"
+        "r.setsockopt(zmq.RCVTIMEO, 10000); r.send(r.recv())\n"
     )
     rep = server.popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    assert rep.stdout.readline().strip() == "bound"
+    assert read_line(rep.stdout, 10.0).strip() == "bound"
     req = (
         "import zmq, time\n"
         "q=zmq.Context().socket(zmq.REQ); q.setsockopt(zmq.RCVTIMEO, 5000)\n"
@@ -204,8 +204,7 @@ def test_cleanup_stale_removes_lab_of_killed_owner():
                              env=env, start_new_session=True)  # fmt: skip
     try:
         with NetLab() as mine:  # a live owner's lab must survive
-            ready, _, _ = select.select([owner.stdout], [], [], 20.0)
-            line = owner.stdout.readline().split() if ready else []
+            line = read_line(owner.stdout, 20.0).split()
             assert line, "owner did not start"
             run_id, inner_pid = line[0], int(line[1])
             assert len(lab_namespaces(run_id)) == 3

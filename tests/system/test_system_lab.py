@@ -27,7 +27,7 @@ BASE = [
 
 def leftovers() -> list[str]:
     out = [p.name for p in Path("/sys/fs/cgroup/cpu").glob("lbps-*")] if Path("/sys/fs/cgroup/cpu").exists() else []
-    ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
     return out + [line.split()[0] for line in ns.splitlines() if line.startswith("lbps-")]
 
 

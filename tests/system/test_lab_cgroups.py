@@ -16,6 +16,7 @@ import pytest
 from ps_launcher.lab import cgroups
 from ps_launcher.lab.cgroups import CpuQuotaGroup, cleanup_stale, cpu_quota_available
 from ps_launcher.lab.errors import LabError
+from tests.cluster_util import read_line
 
 _WHY = cpu_quota_available()
 pytestmark = pytest.mark.skipif(_WHY is not None, reason=f"CPU quotas unavailable: {_WHY}")
@@ -124,14 +125,14 @@ time.sleep(600)
 
 @pytest.mark.timeout(60)
 def test_cleanup_stale_removes_groups_of_killed_owner():
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     owner = subprocess.Popen(
         [sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True, env=env
     )
     leftover_pid = None
     try:
         with CpuQuotaGroup("alive") as mine:  # a live owner's group must survive
-            line = owner.stdout.readline().split()
+            line = read_line(owner.stdout, 30.0).split()
             assert line, "owner did not start"
             path, leftover_pid = Path(line[0]), int(line[1])
             assert path.is_dir() and leftover_pid in cgroups._read_pids(path)

@@ -332,7 +332,7 @@ def test_concurrent_ensure_mnist_converts_once(tmp_path: Path, monkeypatch: pyte
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(timeout=30)
     assert len(results) == 4 and set(results) == {tmp_path / MNIST_NPZ_NAME}
     assert len(conversions) == 1
     assert not list(tmp_path.glob("*.tmp")), "no temp files left"

@@ -209,7 +209,7 @@ def test_shard_killed_and_resumed_from_checkpoint(procs, tmp_path, sync):
     wait_version(eps[0], 25)
     shard1 = next(c for c in procs.children if c.role == "shard-1")
     os.kill(shard1.proc.pid, signal.SIGKILL)
-    shard1.proc.wait()
+    shard1.proc.wait(timeout=10)
     ckpts = sorted((run / "checkpoints").glob("shard-1-v*.npz"))
     assert ckpts, "shard 1 wrote no checkpoint"
     resumed_version = int(ckpts[-1].stem.split("-v")[1])
