@@ -546,6 +546,7 @@ class LBBSPCpuPolicy(SlotPolicy):
         ready = (self._fn[slots] >= 4) & (v > 0)
         if not ready.any():
             return oh
+        assert self.finish_quantile is not None  # the caller asks only when it is set
         s = slots[ready]
         with np.errstate(invalid="ignore", divide="ignore"):
             if self.finish_tail == "finish":

@@ -550,7 +550,8 @@ def encode(msg: Message) -> list[Any]:
         specs.append([dt, list(a.shape)])
     body["arrays"] = specs
     header = HEADER_PREFIX + msgpack.packb(body, use_bin_type=True)
-    return [header, *(memoryview(a).cast("B") if a.ndim else a.tobytes() for a in msg.arrays)]
+    return [header, *(memoryview(a).cast("B") if a.ndim else a.tobytes()  # type: ignore[arg-type]
+                      for a in msg.arrays)]  # numpy's stubs do not declare the buffer protocol
 
 
 # ---------------------------------------------------------------------------------------------
@@ -620,7 +621,7 @@ def _make_validator(tp: Any) -> Validator:
                 out[k] = val(x, f"{where}.{k}")
             return out
         return map_of
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         def part(value: Any, where: str) -> Any:
             if not isinstance(value, dict):
                 raise ProtocolError(f"{where}: expected a map for {tp.__name__}")
