@@ -34,15 +34,20 @@ def test_noise_is_seeded_and_bounded():
     assert 0.04 < (sum(d * d for d in draws) / len(draws)) ** 0.5 < 0.06
 
 
-def test_reports_look_like_the_real_workers():
-    seen = []
+def spied_manager() -> tuple[BatchSizeManager, list]:
+    """A uniform manager (X = 100) that keeps every report it observes, in order."""
+    seen: list = []
 
     class Spy(BatchSizeManager):
         def observe(self, report):
             seen.append(report)
             super().observe(report)
 
-    m = Spy("uniform", 100)
+    return Spy("uniform", 100), seen
+
+
+def test_reports_look_like_the_real_workers():
+    m, seen = spied_manager()
     workers = {0: SimulatedWorker(100.0, overhead=0.1), 1: SimulatedWorker(50.0, overhead=0.1)}
     recs = simulate(m, workers, 2)
     assert recs[0].sizes == {0: 50, 1: 50}
@@ -64,14 +69,7 @@ def test_reports_look_like_the_real_workers():
 
 
 def test_oom_is_reported_with_the_failed_size():
-    seen = []
-
-    class Spy(BatchSizeManager):
-        def observe(self, report):
-            seen.append(report)
-            super().observe(report)
-
-    m = Spy("uniform", 100)
+    m, seen = spied_manager()
     rec = Simulation(m, [SimulatedWorker(10.0, memory_cap=40), SimulatedWorker(10.0)]).step()
     assert rec.oom == [0]
     bad = next(r for r in seen if r.worker_id == 0)
