@@ -203,8 +203,8 @@ class RayConfig(StrictModel):
     records_every_s: float = Field(2.0, gt=0, description="how often the driver brings back new log lines "
                                                           "and metrics records")
     restart_lost_shards: int = Field(
-        3, ge=0, description="times a follower shard lost with its node is started again elsewhere from "
-                             "its last checkpoint (needs checkpoint.dir on storage every node shares)")
+        3, ge=0, description="times a shard lost with its node is started again elsewhere from its last "
+                             "checkpoint (needs checkpoint.dir on storage every node shares)")
 
 
 class JobConfig(StrictModel):

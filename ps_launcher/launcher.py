@@ -164,12 +164,13 @@ class LocalCluster:
                   for k in range(1, c.cluster.num_shards)]
         self.shard_endpoints += [self.group.wait_endpoint(ch, self.startup_timeout_s) for ch in others]
         for i in range(c.cluster.num_workers):
-            self._start_child(f"worker-{i}", "ps_worker.cli",
-                              [*self._common(cfg_path), "--server", ep0, "--name", f"worker-{i}",
-                               "--scenario-index", str(i)], "worker")
+            self._start_child(f"worker-{i}", "ps_worker.cli", self._worker_args(cfg_path, ep0, i), "worker")
         if c.evaluator.enabled:
             self._start_child("evaluator", "ps_worker.evaluator_cli", [*self._common(cfg_path), "--server", ep0],
                               "evaluator")
+
+    def _worker_args(self, cfg_path: Path, ep0: str, i: int) -> list[str]:
+        return [*self._common(cfg_path), "--server", ep0, "--name", f"worker-{i}", "--scenario-index", str(i)]
 
     def _roles(self, prefix: str) -> list:
         return [ch for ch in self.group.children if ch.role.startswith(prefix)]
@@ -190,9 +191,14 @@ class LocalCluster:
                    dynamic_ncols=True)
         last = 0
         shard0 = self._roles("shard-0")[0]
+        ep0 = self.shard_endpoints[0]
         try:
             while True:
                 self._raise_if_a_child_failed()
+                if self.shard_endpoints[0] != ep0:  # shard 0 was started again elsewhere (Ray)
+                    ep0, shard0 = self.shard_endpoints[0], self._roles("shard-0")[0]
+                    conn.close()
+                    conn = Connection(ctx, ep0, role="operator", timeout_s=10.0, security=self.cfg.security)
                 if shard0.proc.poll() == 0:  # the job finished between two status requests
                     self._wait_finish()
                     return self._final_stop_reason()

@@ -15,11 +15,11 @@ The driver brings every process's new log lines and metrics records back every
 lost node's processes wrote is kept.
 
 Failures: a worker lost with its node is a lost worker to the job (training goes on), the
-evaluator lost with its node ends the measurements. A follower shard lost with its node is
-started again on another node from its last checkpoint when ``checkpoint.dir`` is on storage
-every node shares (``ray.restart_lost_shards`` times at most); shard 0, or a follower without
-shared checkpoints, fails the run. Ctrl-C, SIGTERM or a failure stops every process and kills
-every actor.
+evaluator lost with its node ends the measurements. A shard lost with its node is started again
+on another node from its last checkpoint when ``checkpoint.dir`` is on storage every node shares
+(``ray.restart_lost_shards`` times at most); when it is shard 0, the workers and the evaluator
+start again at its new address. Without shared checkpoints a lost shard fails the run. Ctrl-C,
+SIGTERM or a failure stops every process and kills every actor.
 """
 
 from __future__ import annotations
@@ -256,6 +256,18 @@ class RayProcessGroup:
         self.children.remove(child)
         self.retired.append(child)
 
+    def stop_and_retire(self, children: list[RemoteChild], grace_s: float = 5.0) -> None:
+        """Stop these live processes, bring back what they wrote, and stop watching them."""
+        stops = [c.actor.stop.remote(grace_s) for c in children]
+        ray.wait(stops, num_returns=len(stops), timeout=grace_s + 15)
+        self.gather(final=True, timeout_s=30, only=children)
+        for c in children:
+            try:
+                ray.kill(c.actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+            self.retire(c)
+
     def node_of(self, role: str) -> str:
         """The Ray node id a live process runs on."""
         child = next(c for c in self.children if c.role == role)
@@ -282,10 +294,11 @@ class RayProcessGroup:
             self._streamer.join(30)
             self._streamer = None
 
-    def gather(self, *, final: bool, timeout_s: float) -> None:
-        """Read what each live process wrote since the last time, append it on the driver."""
+    def gather(self, *, final: bool, timeout_s: float, only: list[RemoteChild] | None = None) -> None:
+        """Read what each live process (or each of ``only``) wrote since the last time, append it
+        on the driver."""
         with self._lock:
-            live = [c for c in self.children if c.proc.returncode != LOST]
+            live = [c for c in (self.children if only is None else only) if c.proc.returncode != LOST]
             refs = {c.role: c.actor.read_new.remote(dict(c.taken), final) for c in live}
             ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
             for c in live:
@@ -433,17 +446,17 @@ class RayCluster(LocalCluster):
     def _host(self, shard: int) -> list[str]:
         return ["--host", "0.0.0.0", "--advertise", "{node_ip}"]
 
-    def _start_child(self, name: str, module: str, args: list[str], role: str):
+    def _role_env(self, role: str) -> dict[str, str]:
+        """Where a process of ``role`` finds the credentials that travelled with its actor."""
         env = {"LBBSP__SECURITY__SECRET_FILE": f"{{dir}}/{role}.secret"} if role in self.role_env else {}
-        env.update(self.curve_env.get(role, {}))
-        return self.ray_group.start(name, module, args, env, role, self.startup_timeout_s)
+        return {**env, **self.curve_env.get(role, {})}
+
+    def _start_child(self, name: str, module: str, args: list[str], role: str):
+        return self.ray_group.start(name, module, args, self._role_env(role), role, self.startup_timeout_s)
 
     def _restartable(self, child: RemoteChild) -> str | None:
         """Why a lost shard cannot be started again, or None if it can."""
         ck, role = self.cfg.checkpoint, child.role
-        if role == "shard-0":
-            return ("shard 0 is the coordinator, whose address every process holds: restart the job, or "
-                    "shard 0 by hand with ps-server --resume on a host with its checkpoints")
         if not (ck.dir and Path(ck.dir).is_absolute() and (ck.every_iterations or ck.every_seconds)):
             return ("its checkpoints were on the lost node: set checkpoint.dir to an absolute path on storage "
                     "every node shares, and checkpoint.every_iterations or every_seconds")
@@ -452,22 +465,41 @@ class RayCluster(LocalCluster):
         return None
 
     def _restart_shard(self, child: RemoteChild) -> None:
-        """A follower lost with its node starts again on another node from its last checkpoint
-        (``--resume``): it registers with shard 0, which rolls every shard back to their last
-        common checkpoint, and the workers join again and learn its new address."""
+        """A shard lost with its node starts again on another node from its last checkpoint
+        (``--resume``). A follower registers with shard 0, which rolls every shard back to their
+        last common checkpoint; the workers join again and learn its new address. Shard 0 tells
+        the followers to roll back to its checkpoint and where it is now, and the workers and
+        the evaluator, which hold its old address, start again pointed at the new one."""
         group = self.ray_group
         k = int(child.role.split("-")[1])
         n = self.restarts[child.role] = self.restarts.get(child.role, 0) + 1
         log.warning("%s was lost with its node: starting it again from its last checkpoint (restart %d)",
                     child.role, n)
         group.retire(child)
-        args = [*self._common(Path()), "--shard", str(k), "--port", "0", *self._host(k),
-                "--coordinator", self.shard_endpoints[0], "--resume"]
-        env = {"LBBSP__SECURITY__SECRET_FILE": "{dir}/shard.secret"} if "shard" in self.role_env else {}
-        env.update(self.curve_env.get("shard", {}))
-        again = group.start(child.role, "ps_server.cli", args, env, "shard", self.startup_timeout_s,
+        args = [*self._common(Path()), "--shard", str(k), "--port", "0", *self._host(k), "--resume",
+                *(["--coordinator", self.shard_endpoints[0]] if k else [])]
+        again = group.start(child.role, "ps_server.cli", args, self._role_env("shard"), "shard", self.startup_timeout_s,
                             log_name=f"{child.role}.restart-{n}.log")
         self.shard_endpoints[k] = group.wait_endpoint(again, self.startup_timeout_s)
+        if k == 0:
+            self._restart_clients(n)
+
+    def _restart_clients(self, n: int) -> None:
+        """Workers and the evaluator keep no state the job needs (the resumed coordinator plans
+        from its checkpoint and waits for cluster.num_workers to join): each live one stops,
+        its records come back, and it starts again on a node Ray picks, at shard 0's new address."""
+        group, ep0 = self.ray_group, self.shard_endpoints[0]
+        clients = [c for c in group.children if (c.role.startswith("worker-") or c.role == "evaluator")
+                   and c.proc.poll() is None]
+        group.stop_and_retire(clients)
+        for c in clients:
+            if c.role == "evaluator":
+                module, role, args = "ps_worker.evaluator_cli", "evaluator", [*self._common(Path()), "--server", ep0]
+            else:
+                i = int(c.role.split("-")[1])
+                module, role, args = "ps_worker.cli", "worker", self._worker_args(Path(), ep0, i)
+            group.start(c.role, module, args, self._role_env(role), role, self.startup_timeout_s,
+                        log_name=f"{c.role}.restart-{n}.log")
 
     def _raise_if_a_child_failed(self) -> None:
         failed = self.ray_group.failed()
