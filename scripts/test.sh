@@ -6,4 +6,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check .   # lint first: a finding stops the run, before 10 minutes of tests
 .venv/bin/mypy           # the packages listed in [tool.mypy]; about 30 s from a cold cache
-exec .venv/bin/python -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q --durations=15 "$@"

@@ -68,7 +68,7 @@ def test_a_ray_job_survives_losing_a_workers_node(ray_cluster, tmp_path):
 
     cluster, nodes = ray_cluster
     cfg = load_config("configs/quick_synthetic.yaml", [
-        "training.max_iterations=null", "training.max_seconds=18", "training.global_batch=96",
+        "training.max_iterations=null", "training.max_seconds=12", "training.global_batch=96",
         "cluster.num_shards=2", "cluster.num_workers=3", "evaluator.enabled=true",
         "heartbeat.interval_s=0.2", "heartbeat.timeout_s=2",
         "ray.shard_resources={server: 1}", "ray.shard_cpus=0.5", "ray.worker_cpus=0.5",
