@@ -86,9 +86,13 @@ class Follow:
         if t <= self.last_iteration:
             return True
         plan = self.plan
-        if plan is None or plan.iteration != t:
-            raise Refused("not_planned", f"no plan for iteration {t} here "
-                                         f"(collecting {plan.iteration if plan else 'nothing'})")
+        if plan is None or plan.iteration < t:
+            # The plan travels from shard 0 on another connection than the worker's push, and can
+            # arrive after it: the worker sends the push again shortly (nothing is held here).
+            raise Refused("plan_pending", f"no plan for iteration {t} here yet "
+                                          f"(collecting {plan.iteration if plan else 'nothing'})")
+        if plan.iteration != t:
+            raise Refused("not_planned", f"no plan for iteration {t} here (collecting {plan.iteration})")
         try:
             planned = plan.batch_sizes[plan.workers.index(w)]
         except ValueError:

@@ -122,18 +122,23 @@ class ShardClients:
         parameters that include it. ``grads`` must not change until this returns."""
         self.comm_delay(grads.nbytes)
         kill = kill_in_push(self.name, assignment.iteration)
+
+        def push_to(k: int) -> None:
+            a, b = self.ranges[k]
+            self.conns[k].send(P.Push(worker_id=worker_id, token=self.token, iteration=assignment.iteration,
+                                      batch_size=assignment.batch_size, loss=loss, pull=True,
+                                      telemetry=telemetry if k == 0 else None, arrays=[grads[a:b]]))
+
         t0 = time.perf_counter()
-        for k, (conn, (a, b)) in enumerate(zip(self.conns, self.ranges)):
-            if kill is not None and k not in kill["shards"]:
-                continue
-            conn.send(P.Push(worker_id=worker_id, token=self.token, iteration=assignment.iteration,
-                             batch_size=assignment.batch_size, loss=loss, pull=True,
-                             telemetry=telemetry if k == 0 else None, arrays=[grads[a:b]]))
+        for k in range(len(self.conns)):
+            if kill is None or k in kill["shards"]:
+                push_to(k)
         if kill is not None:
             _die(kill)
         sent = time.perf_counter()
         res = self._collect(params, worker_id=worker_id, min_version=assignment.iteration + 1, t0=sent,
-                            consistent=consistent, abort=abort, honor_stop=True, exact=False)
+                            consistent=consistent, abort=abort, honor_stop=True, exact=False,
+                            push_again=push_to)
         res.send_s = sent - t0
         return res
 
@@ -149,7 +154,7 @@ class ShardClients:
 
     def _collect(self, params: np.ndarray, *, worker_id: int, min_version: int, t0: float,
                  consistent: bool, abort: Callable[[], str | None] | None, honor_stop: bool,
-                 exact: bool) -> PullResult:
+                 exact: bool, push_again: Callable[[int], None] | None = None) -> PullResult:
         """Gather one answer per shard. With ``consistent`` (round modes) the shards can answer at
         different versions (a backup worker whose iteration was committed without it, an
         observer racing an update), so a shard behind the newest version seen is asked again
@@ -161,6 +166,7 @@ class ShardClients:
         for conn in self.conns:
             poller.register(conn.sock, zmq.POLLIN)
         waiting = set(range(len(self.conns)))
+        tries: dict[int, int] = {}
         error: RemoteError | None = None
         deadline = time.monotonic() + self.timeout_s
         while waiting:
@@ -183,6 +189,13 @@ class ShardClients:
                 try:
                     reply = conn.recv(0)
                 except RemoteError as exc:
+                    if exc.code == "plan_pending" and push_again is not None:
+                        # A follower got the push before shard 0's plan for it: send it again
+                        # once the plan has had time to arrive (bounded by the pull deadline).
+                        tries[k] = tries.get(k, 0) + 1
+                        time.sleep(self.timeouts.plan_pending_backoff.ceiling(min(tries[k] - 1, 8)))
+                        push_again(k)
+                        continue
                     if k == 0 and exc.code in REJOIN_CODES:
                         # The coordinator ended this membership (rolled back, declared lost): the
                         # worker joins again on new connections, so nothing left queued on these

@@ -197,6 +197,10 @@ def test_shards_lost_with_their_nodes_start_again_from_their_checkpoints(tmp_pat
 
         def remove_later() -> None:
             wait_for_commits(run_dir, 60)  # past the first checkpoints (every 20 iterations)
+            deadline = time.monotonic() + 120  # and every process started, the driver's monitor dialled
+            while not any(c.role == "evaluator" for c in job.group.children) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            time.sleep(1.0)
             (tmp_path / "keys").rename(tmp_path / "keys-gone")  # only the shipped copies remain
             remove("shard-1", "shard-1.jsonl")
             deadline = time.monotonic() + 120
