@@ -166,8 +166,10 @@ class LocalCluster:
         for i in range(c.cluster.num_workers):
             self._start_child(f"worker-{i}", "ps_worker.cli", self._worker_args(cfg_path, ep0, i), "worker")
         if c.evaluator.enabled:
-            self._start_child("evaluator", "ps_worker.evaluator_cli", [*self._common(cfg_path), "--server", ep0],
-                              "evaluator")
+            self._start_child("evaluator", "ps_worker.evaluator_cli", self._evaluator_args(cfg_path, ep0), "evaluator")
+
+    def _evaluator_args(self, cfg_path: Path, ep0: str) -> list[str]:
+        return [*self._common(cfg_path), "--server", ep0]
 
     def _worker_args(self, cfg_path: Path, ep0: str, i: int) -> list[str]:
         return [*self._common(cfg_path), "--server", ep0, "--name", f"worker-{i}", "--scenario-index", str(i)]

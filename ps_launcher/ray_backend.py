@@ -494,7 +494,7 @@ class RayCluster(LocalCluster):
         group.stop_and_retire(clients)
         for c in clients:
             if c.role == "evaluator":
-                module, role, args = "ps_worker.evaluator_cli", "evaluator", [*self._common(Path()), "--server", ep0]
+                module, role, args = "ps_worker.evaluator_cli", "evaluator", self._evaluator_args(Path(), ep0)
             else:
                 i = int(c.role.split("-")[1])
                 module, role, args = "ps_worker.cli", "worker", self._worker_args(Path(), ep0, i)
