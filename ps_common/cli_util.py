@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import signal
@@ -27,6 +28,10 @@ def add_common_args(ap: argparse.ArgumentParser, *, config_required: bool = True
 
 
 def setup_logging(level: str) -> None:
+    """Log lines with time and pid; ``kill -USR1 PID`` writes every thread's stack to stderr
+    (the role's log under ps-launch), to see where a process that does not stop is waiting."""
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
                         format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
 
@@ -71,6 +76,35 @@ def _parent_death_signal() -> None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     except (OSError, AttributeError):
         pass
+
+
+class StopFlag:
+    """A stop request that a signal handler may set.
+
+    ``threading.Event.set`` takes a lock: a second signal that arrives while the first
+    handler holds it runs the handler again in the same thread, which then waits on that
+    lock forever (seen: a shard that never exited after its launcher's SIGKILL, because the
+    parent-death signal and the parent watchdog sent it SIGTERM twice). ``from_signal`` only
+    stores a number; ``set`` (other threads, the loop itself) keeps the Event.
+    """
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.signal: int | None = None
+
+    def set(self) -> None:
+        self._event.set()
+
+    def from_signal(self, signum: int, _frame: object = None) -> None:
+        self.signal = signum  # nothing here may take a lock
+
+    def is_set(self) -> bool:
+        return self.signal is not None or self._event.is_set()
+
+    def install(self, signals: tuple[signal.Signals, ...]) -> None:
+        """Main thread only (Python's rule for signal handlers)."""
+        for sig in signals:
+            signal.signal(sig, self.from_signal)
 
 
 def interrupt_on_signals() -> None:

@@ -27,6 +27,7 @@ import zmq
 
 from batchsize_manager import BatchSizeManager, WorkerReport
 from ps_common import protocol as P
+from ps_common.cli_util import StopFlag
 from ps_common.errors import PsError
 from ps_common.security.settings import SecurityConfig
 from ps_common.security.sockets import close_socket
@@ -61,7 +62,7 @@ class BatchSizeService:
         self.sock, bound = make_router(self.ctx, bind_address(host, port),
                                        max_msg_bytes=MAX_MSG_BYTES, security=security)
         self.endpoint = advertised(bound, advertise_host)
-        self.stop_event = threading.Event()
+        self.stop_event = StopFlag()
         self.started = time.monotonic()
         self.reports = 0
         self._closed = False
@@ -120,8 +121,7 @@ class BatchSizeService:
 
     def install_signal_handlers(self) -> None:
         """SIGINT/SIGTERM end :meth:`run` cleanly (main thread only)."""
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: self.stop_event.set())
+        self.stop_event.install((signal.SIGINT, signal.SIGTERM))
 
     # ----- dispatch ------------------------------------------------------------------------
     def handle(self, frames: list[zmq.Frame]) -> None:

@@ -26,7 +26,6 @@ import logging
 import os
 import signal
 import socket
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,7 @@ import torch
 import zmq
 
 from ps_common import protocol as P
+from ps_common.cli_util import StopFlag
 from ps_common.config import JobConfig
 from ps_common.metrics import MetricsWriter
 from ps_common.security.sockets import close_socket
@@ -120,7 +120,7 @@ class ShardServer:
         self.pulls = PendingPulls(t.max_pending_pulls_per_peer, t.max_pending_pulls)
         self.job_digest = cfg.job_digest()
         self.incarnation = os.urandom(6).hex()
-        self.stop_event = threading.Event()
+        self.stop_event = StopFlag()
         self.exit_code = 0
         self.finished = False
         self.resumed = False
@@ -194,8 +194,7 @@ class ShardServer:
         close_socket(self.sock)
 
     def install_signal_handlers(self) -> None:
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, lambda *_: self.stop_event.set())
+        self.stop_event.install((signal.SIGINT, signal.SIGTERM, signal.SIGHUP))
 
     def fail(self, why: str) -> None:
         """This shard cannot go on without risking a different history: stop it, loudly."""

@@ -4,16 +4,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 
-from ps_common.cli_util import add_common_args, load_cli_config, setup_logging, watch_parent
+from ps_common.cli_util import add_common_args, interrupt_on_signals, load_cli_config, setup_logging, watch_parent
 from ps_common.dmlc import read_dmlc_env
 from ps_common.errors import PsError
-
-
-def _raise_interrupt(*_: object) -> None:
-    raise KeyboardInterrupt
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,8 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 
         worker = Worker(cfg, args.server, name=args.name, run_dir=args.run_dir,
                         scenario_index=args.scenario_index)
-        signal.signal(signal.SIGTERM, _raise_interrupt)
-        signal.signal(signal.SIGHUP, _raise_interrupt)
+        interrupt_on_signals()
         worker.run(max_iterations=args.max_iterations)
         return 0
     except KeyboardInterrupt:

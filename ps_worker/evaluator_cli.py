@@ -3,15 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 
-from ps_common.cli_util import add_common_args, load_cli_config, setup_logging, watch_parent
+from ps_common.cli_util import add_common_args, interrupt_on_signals, load_cli_config, setup_logging, watch_parent
 from ps_common.errors import PsError
-
-
-def _raise_interrupt(*_: object) -> None:
-    raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,8 +20,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_cli_config(args.config, args.set, args.secret_file)
         from ps_worker.evaluator import Evaluator
 
-        signal.signal(signal.SIGTERM, _raise_interrupt)
-        signal.signal(signal.SIGHUP, _raise_interrupt)
+        interrupt_on_signals()
         Evaluator(cfg, args.server, run_dir=args.run_dir).run()
         return 0
     except KeyboardInterrupt:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 
@@ -153,9 +154,14 @@ def test_worker_joins_mid_run_and_gets_a_share(procs, tmp_path):
 def test_a_worker_that_joins_again_replaces_itself(procs, tmp_path):
     """Two worker processes of a three-worker job wait so long for the start that their pulls time
     out and they join again: each still counts once, so the job does not start until a third
-    process joins, and then runs with three."""
+    process joins, and then runs with three.
+
+    A pull can time out just as the third process's join starts the job (seen in CI, 1 ms
+    apart): that worker joins once more after the start and replaces itself mid-run, so a few
+    early commits may accept two pushes; never more than three members, and the run ends
+    with all three."""
     cfg_path, cfg = write_config(tmp_path, job(transport={"timeout_s": 1.5, "connect_timeout_s": 60},
-                                               training={"max_iterations": 30}))
+                                               training={"max_iterations": 80}))
     run = tmp_path / "run"
     eps = start_servers(procs, cfg_path, 2, run)
     first = start_workers(procs, cfg_path, eps[0], 2, run)
@@ -172,7 +178,12 @@ def test_a_worker_that_joins_again_replaces_itself(procs, tmp_path):
     shards_exit(procs)
     _, version = consistent_end(run, 2)
     updates, _ = coordinator_records(run)
-    assert version == 30 and all(len(r["accepted"]) == 3 for r in updates)
+    assert version == 80
+    assert max(len(r["accepted"]) for r in updates) == 3
+    assert all(len(r["accepted"]) == 3 for r in updates[-20:]), [r["accepted"] for r in updates]
+    shard0_log = next(c for c in procs.children if c.role == "shard-0").tail(200)
+    live = [int(n) for n in re.findall(r"(\d+) live", shard0_log)]
+    assert live and max(live) == 3, shard0_log
 
 
 def test_coordinator_stall_longer_than_the_heartbeat_timeout_loses_no_worker(procs, tmp_path):

@@ -71,6 +71,23 @@ def describe(procs: list[psutil.Process]) -> list[str]:
     return out
 
 
+def stacks(procs: list[psutil.Process], run: Path) -> str:
+    """What the processes left behind are waiting on: SIGUSR1 makes each write every thread's
+    stack into its log (faulthandler, see ``setup_logging``)."""
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGUSR1)
+        except psutil.Error:
+            pass
+    time.sleep(1.0)
+    tails = []
+    for log in sorted((run / "logs").glob("*.log")):
+        text = log.read_text(errors="replace")
+        if "most recent call first" in text:
+            tails.append(f"----- {log.name} -----\n" + "\n".join(text.splitlines()[-60:]))
+    return "\n".join(tails)
+
+
 def kill_all(procs: list[psutil.Process]) -> None:
     for p in procs:
         try:
@@ -88,7 +105,7 @@ def test_signal_to_the_launcher_stops_every_child(tmp_path, sig):
         rc = proc.wait(timeout=30)
         assert rc == 130, f"ps-launch exited {rc}"
         alive = left_alive(children, 10.0)
-        assert not alive, f"left running 10 s after {sig.name}: {describe(alive)}"
+        assert not alive, f"left running 10 s after {sig.name}: {describe(alive)}\n{stacks(alive, tmp_path / 'run')}"
         out = proc.stdout.read().decode()
         assert "interrupted" in out, out[-2000:]
     finally:
@@ -103,7 +120,8 @@ def test_a_job_whose_launcher_was_sigkilled_ends_by_itself(tmp_path):
         proc.kill()
         proc.wait(timeout=10)
         alive = left_alive(children, 10.0)
-        assert not alive, f"orphans left running 10 s after the launcher was SIGKILLed: {describe(alive)}"
+        assert not alive, (f"orphans left running 10 s after the launcher was SIGKILLed: {describe(alive)}\n"
+                           f"{stacks(alive, tmp_path / 'run')}")
     finally:
         kill_all(children)
 
