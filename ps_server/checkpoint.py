@@ -127,7 +127,7 @@ class CheckpointWriter:
                 try:
                     self.written.append(save_checkpoint(self.directory, self.shard, version, arrays, meta,
                                                         keep=self.keep))
-                except OSError as exc:
+                except Exception as exc:  # the thread must outlive any failed write, or flush() waits forever
                     self.errors.append(f"version {version}: {exc}")
             finally:
                 self._queue.task_done()

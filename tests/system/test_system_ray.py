@@ -46,6 +46,19 @@ def wait_for_commits(run_dir, n: int, timeout_s: float = 120.0) -> None:
     raise AssertionError(f"fewer than {n} commits streamed to the driver within {timeout_s:.0f}s")
 
 
+def run_showing_logs(job, run_dir):
+    """``job.run()``; when it fails, the last lines of every role's log, not only the failed
+    one's (a shard that cannot register needs the coordinator's side to be understood)."""
+    from ps_launcher.launcher import RunFailed
+
+    try:
+        return job.run()
+    except RunFailed as exc:
+        tails = [f"----- {log.name} -----\n" + "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+                 for log in sorted((run_dir / "logs").glob("*.log"))]
+        pytest.fail(f"{exc}\n" + "\n".join(tails))
+
+
 @pytest.fixture
 def ray_cluster():
     from ray.cluster_utils import Cluster
@@ -86,7 +99,7 @@ def test_a_ray_job_survives_losing_a_workers_node(ray_cluster, tmp_path):
 
     killer = threading.Thread(target=remove_later, daemon=True)
     killer.start()
-    summary = job.run()
+    summary = run_showing_logs(job, run_dir)
     killer.join(30)
     assert removed_at, "the node was never removed"
     assert summary["final"]["agree"] and len(summary["final"]["shards"]) == 2, summary["final"]
@@ -216,7 +229,7 @@ def test_shards_lost_with_their_nodes_start_again_from_their_checkpoints(tmp_pat
 
         killer = threading.Thread(target=remove_later, daemon=True)
         killer.start()
-        summary = job.run()
+        summary = run_showing_logs(job, run_dir)
         killer.join(30)
     finally:
         ray.shutdown()
