@@ -9,6 +9,7 @@ the archive; loading never unpickles anything.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -17,6 +18,8 @@ from typing import Any
 import numpy as np
 
 from ps_common.errors import PsError
+
+log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^shard-(\d+)-v(\d+)\.npz$")
 
@@ -129,6 +132,7 @@ class CheckpointWriter:
                                                         keep=self.keep))
                 except Exception as exc:  # the thread must outlive any failed write, or flush() waits forever
                     self.errors.append(f"version {version}: {exc}")
+                    log.error("shard %d: checkpoint of version %d not written: %s", self.shard, version, exc)
             finally:
                 self._queue.task_done()
 
