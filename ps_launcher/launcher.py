@@ -162,11 +162,13 @@ class LocalCluster:
                                     [*self._common(cfg_path), "--shard", str(k), "--port", "0", *self._host(k),
                                      "--coordinator", ep0], "shard")
                   for k in range(1, c.cluster.num_shards)]
-        self.shard_endpoints += [self.group.wait_endpoint(ch, self.startup_timeout_s) for ch in others]
+        # Clients need only shard 0's address, and shard 0 holds their joins until every shard has
+        # registered: they start (importing torch, loading data) while the followers do.
         for i in range(c.cluster.num_workers):
             self._start_child(f"worker-{i}", "ps_worker.cli", self._worker_args(cfg_path, ep0, i), "worker")
         if c.evaluator.enabled:
             self._start_child("evaluator", "ps_worker.evaluator_cli", self._evaluator_args(cfg_path, ep0), "evaluator")
+        self.shard_endpoints += [self.group.wait_endpoint(ch, self.startup_timeout_s) for ch in others]
 
     def _evaluator_args(self, cfg_path: Path, ep0: str) -> list[str]:
         return [*self._common(cfg_path), "--server", ep0]

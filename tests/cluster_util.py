@@ -49,11 +49,9 @@ def start_servers(procs: ProcessGroup, cfg_path: Path, num_shards: int, run_dir:
     common = ["--config", str(cfg_path), "--run-dir", str(run_dir), "--port", "0"]
     s0 = procs.start("shard-0", "ps_server.cli", [*common, "--shard", "0"], env=env)
     ep0 = procs.wait_endpoint(s0, 60)
-    eps = [ep0]
-    for k in range(1, num_shards):
-        ch = procs.start(f"shard-{k}", "ps_server.cli", [*common, "--shard", str(k), "--coordinator", ep0],
-                         env=env)
-        eps.append(procs.wait_endpoint(ch, 60))
+    followers = [procs.start(f"shard-{k}", "ps_server.cli", [*common, "--shard", str(k), "--coordinator", ep0],
+                             env=env) for k in range(1, num_shards)]  # together: each one imports torch
+    eps = [ep0, *(procs.wait_endpoint(ch, 60) for ch in followers)]
     cfg = load_config(cfg_path, env={})
     for ep in eps:
         _CFG[ep] = cfg

@@ -40,7 +40,8 @@ def test_launch_mnist_lenet_reaches_accuracy(tmp_path):
 def test_a_run_directory_holds_one_run_unless_overwritten(tmp_path):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "ps_launcher.cli", "configs/quick_synthetic.yaml", "--run-dir", str(run_dir),
-           "--no-progress", "--set", "training.max_iterations=30", "--set", "evaluator.enabled=false"]
+           "--no-progress", "--set", "training.max_iterations=30", "--set", "evaluator.enabled=false",
+           "--set", "cluster.num_shards=1", "--set", "cluster.num_workers=1"]  # what is tested is the directory
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stdout + first.stderr
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
