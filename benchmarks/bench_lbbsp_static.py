@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--global-batch", type=int, default=256)
     ap.add_argument("--model", default="lenet")
     ap.add_argument("--predictor", default="ema")
+    ap.add_argument("--lb-args", default="",
+                    help="more lbbsp-cpu arguments, YAML flow style without braces, e.g. 'finish_quantile: null'")
     args = ap.parse_args(argv)
     X, N = args.global_batch, len(SLOWDOWNS)
     base = [f"model.name={args.model}", f"training.global_batch={X}", "evaluator.enabled=false",
@@ -69,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
             "scenario.name=static-1-1-2-4", f"scenario.slowdowns={SLOWDOWNS}"]
     bsp = run(base, [*scen, "mode.batch_policy=uniform"], tmp / "bsp")
     lb = run(base, [*scen, "mode.batch_policy=lbbsp-cpu",
-                    f"mode.batch_policy_args={{predictor: {args.predictor}}}"], tmp / "lbbsp")
+                    f"mode.batch_policy_args={{predictor: {args.predictor}"
+                    f"{', ' + args.lb_args if args.lb_args else ''}}}"], tmp / "lbbsp")
     t_bsp = statistics.median(r["duration"] for r in bsp[10:])
     t_lb = statistics.median(r["duration"] for r in lb[20:])
     stats = {name: (statistics.mean(r["duration"] for r in recs[skip:]),
@@ -85,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
             slow_of[w] = tel["slowdown"]
     split = ", ".join(f"{final[w]} (x{slow_of.get(w, 0):g})" for w in sorted(final, key=lambda w: slow_of.get(w, 0)))
     print(f"model {args.model}, X = {X}, {N} workers slowed {SLOWDOWNS} (EMULATED), 1 shard, "
-          f"{args.iterations} iterations, lbbsp-cpu with {args.predictor}\n")
+          f"{args.iterations} iterations, lbbsp-cpu with {args.predictor}"
+          f"{' (' + args.lb_args + ')' if args.lb_args else ''}\n")
     print("speeds measured alone (samples/s, whole iterations at batch X/N): "
           + ", ".join(f"{v:.0f}" for v in alone) + "\n")
     print("| | median iteration (ms) | mean | p95 | / ideal bound | / BSP | finish-time spread |")
@@ -98,6 +102,21 @@ def main(argv: list[str] | None = None) -> int:
     print("\nfinish-time spread: max / min over workers of each one's 0.8 quantile of the time from the "
           "answer that starts its iteration to its gradient being whole on every shard (last 30 iterations); "
           "1.00 is a perfectly even barrier.")
+    print("\nper worker, last 30 iterations (medians; ms, samples/s): what the split is made from")
+    print("| slowdown | run | batch | compute | finish | compute / batch (ms per sample) |")
+    print("|---|---|---|---|---|---|")
+    for name, recs in (("BSP", bsp), ("LB-BSP", lb)):
+        per: dict[str, list[tuple[int, float, float]]] = {}
+        slowdown: dict[str, float] = {}  # worker ids follow join order, which differs between runs
+        for r in recs[-30:]:
+            for w, tel in r["workers"].items():
+                per.setdefault(w, []).append((r["batch_sizes"][w], tel["compute_s"], tel.get("finish_s", 0.0)))
+                slowdown[w] = tel["slowdown"]
+        for w in sorted(per, key=lambda w: slowdown[w]):
+            xs, cs, fs = zip(*per[w])
+            x, c = statistics.median(xs), statistics.median(cs)
+            print(f"| x{slowdown[w]:g} | {name} | {x:.0f} | {c * 1e3:.1f} | {statistics.median(fs) * 1e3:.1f} | "
+                  f"{c * 1e3 / x:.3f} |")
     print(f"\nLB-BSP final split (slowdown): {split}; decision time per iteration median "
           f"{decision_median * 1e3:.3f} ms, mean {decision * 1e3:.3f} ms = {decision / t_lb:.2%} of its median "
           f"iteration (wall clock in shard 0, which shares the cores with the workers)")

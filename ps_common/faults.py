@@ -9,6 +9,9 @@
   with backup workers a late worker's next assignment can skip iteration T.
 - ``"coordinator_stall": {"version": V, "seconds": S}``: shard 0's message loop sleeps S
   seconds once, when it reaches version V (a refit burst, a slow disk).
+- ``"plan_delay": {"shard": K, "seconds": S}``: follower K takes each plan from shard 0 into
+  account S seconds after it arrived (a slow link between the shards), so workers' pushes
+  reach it before the plan they belong to (``plan_pending``, sent again by the worker).
 
 Unknown keys are an error, so a typo cannot silently disarm a test.
 """
@@ -21,7 +24,7 @@ from functools import lru_cache
 from typing import Any
 
 ENV = "LBBSP_FAULTS"
-_KNOWN = {"kill_in_push", "coordinator_stall"}
+_KNOWN = {"kill_in_push", "coordinator_stall", "plan_delay"}
 
 
 @lru_cache(maxsize=1)

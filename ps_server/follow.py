@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from ps_common import protocol as P
+from ps_common.faults import fault
 from ps_server.checkpoint import CheckpointError
 from ps_server.control import CoordinatorLink
 from ps_server.coordinator import member_token
@@ -48,6 +49,9 @@ class Follow:
         self.haves: list[list[int]] = []
         self.next_sync = 0.0
         self.relink_to: str | None = None
+        delay = fault("plan_delay")
+        self._plan_delay_s = float(delay["seconds"]) if delay and int(delay["shard"]) == server.shard_id else 0.0
+        self._delayed_plans: list[tuple[float, P.Plan]] = []  # (due, plan) under the plan_delay fault
 
     # ----- the hooks the server calls ---------------------------------------------------------
     def handlers(self) -> dict[type, Any]:
@@ -123,6 +127,12 @@ class Follow:
         return None  # an operator's Shutdown to a follower stops this process only
 
     def after_messages(self) -> None:
+        if self._delayed_plans:
+            now = time.monotonic()
+            due = [plan for t, plan in self._delayed_plans if t <= now]
+            self._delayed_plans = [(t, plan) for t, plan in self._delayed_plans if t > now]
+            for plan in due:
+                self._set_plan(plan)
         if self.haves and self.link is not None:
             self.link.send(P.Have(shard=self.server.shard_id, entries=self.haves))
             self.haves = []
@@ -145,6 +155,7 @@ class Follow:
     def restored(self, meta: dict) -> None:
         self.plan, self.last_iteration = None, -1
         self.stop_version, self._stop_reason = -1, ""
+        self._delayed_plans = []
 
     def resumed(self, meta: dict) -> None:
         pass
@@ -176,7 +187,7 @@ class Follow:
             if isinstance(msg, P.Commit):
                 self._apply_commit(msg)
             elif isinstance(msg, P.PlanMessage):
-                self._set_plan(msg.plan)
+                self._plan_from_link(msg.plan)
             elif isinstance(msg, P.Stop):
                 self.stop_version, self._stop_reason = msg.version, msg.reason
                 self.server.pulls_changed()
@@ -196,6 +207,12 @@ class Follow:
         self.link.send(P.ShardSync(shard=self.server.shard_id, version=st.version, log_hash=st.log_hash,
                                    entries=st.holds()[:4096]))
         self.next_sync = time.monotonic() + self.cfg.transport.shard_sync_s
+
+    def _plan_from_link(self, plan: P.Plan | None) -> None:
+        if self._plan_delay_s and plan is not None:
+            self._delayed_plans.append((time.monotonic() + self._plan_delay_s, plan))
+        else:
+            self._set_plan(plan)
 
     def _set_plan(self, plan: P.Plan | None) -> None:
         if plan is not None and plan.iteration > self.last_iteration and (
@@ -229,7 +246,7 @@ class Follow:
             st.drop_through(msg.iteration)
             if self.plan is not None and self.plan.iteration <= msg.iteration:
                 self.plan = None
-            self._set_plan(msg.next_plan)
+            self._plan_from_link(msg.next_plan)
         server.pulls_changed()
         t0 = tm.since("commit", t0)
         server.serve_pulls()  # answer the workers first

@@ -34,12 +34,19 @@ def rel_err(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-@pytest.mark.parametrize("policy, args", [("uniform", {}), ("fixed", {"weights": [1, 3, 6]})])
-def test_bsp_equals_single_process_sgd(procs, tmp_path, policy, args):
+PLAN_DELAY = {"LBBSP_FAULTS": '{"plan_delay": {"shard": 1, "seconds": 0.03}}'}
+
+
+@pytest.mark.parametrize("policy, args, env", [
+    ("uniform", {}, None), ("fixed", {"weights": [1, 3, 6]}, None),
+    # Shard 1 takes every plan into account 30 ms late: the workers' pushes get there first, are
+    # refused with plan_pending, and are sent again; nothing is lost or applied twice.
+    ("uniform", {}, PLAN_DELAY)], ids=["uniform", "fixed", "uniform-plans-late"])
+def test_bsp_equals_single_process_sgd(procs, tmp_path, policy, args, env):
     job = {**JOB, "mode": {"sync": "bsp", "batch_policy": policy, "batch_policy_args": args}}
     cfg_path, cfg = write_config(tmp_path, job)
     run_dir = tmp_path / "run"
-    eps = start_servers(procs, cfg_path, 2, run_dir)
+    eps = start_servers(procs, cfg_path, 2, run_dir, env=env)
     wait_exit(start_workers(procs, cfg_path, eps[0], 3, run_dir), timeout_s=180)
     # Every process ends by itself once the stop rule is met, the shards after saving the final
     # version, which must be the same on both.
@@ -51,6 +58,11 @@ def test_bsp_equals_single_process_sgd(procs, tmp_path, policy, args):
     init = train_reference("lenet", 11, data, 11, 100, 0, lr=0.05)
     assert rel_err(params, init) > 1e-2, "training must have moved the parameters"
     assert rel_err(params, ref) < 1e-5, f"PS result differs from single-process SGD: {rel_err(params, ref):.2e}"
+    if env is not None:
+        shutdown = [r for r in read_jsonl(run_dir / "metrics" / "shard-1.jsonl") if r.get("event") == "shutdown"]
+        refused = shutdown[-1]["counters"].get("refused.plan_pending", 0)
+        assert refused > 0, f"no push reached shard 1 before its plan: {shutdown[-1]['counters']}"
+        print(f"\nshard 1 refused {refused} pushes with plan_pending; the workers sent them again")
 
     # The coordinator's assignment log: batch sizes as the policy says, samples exactly once per epoch.
     recs = [r for r in read_jsonl(run_dir / "metrics" / "coordinator.jsonl") if "event" not in r]
