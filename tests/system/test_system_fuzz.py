@@ -38,12 +38,12 @@ from tests.cluster_util import consistent_end, start_servers, start_workers, wai
 
 pytestmark = pytest.mark.system
 
-INSIDER_MESSAGES = 100_000
+INSIDER_MESSAGES = 60_000
 JOB = {
     "run": {"name": "fuzz", "seed": 9},
     "model": {"name": "mlp"},
     "data": {"dataset": "synthetic", "synthetic_train": 512, "synthetic_test": 128},
-    "training": {"global_batch": 64, "max_iterations": 4000, "finish_timeout_s": 10},
+    "training": {"global_batch": 64, "max_iterations": 2400, "finish_timeout_s": 10},
     "optimizer": {"lr": 0.05, "momentum": 0.9},
     "cluster": {"num_shards": 2, "num_workers": 2},
     "evaluator": {"enabled": False},
