@@ -206,13 +206,9 @@ class LocalCluster:
                 if shard0.proc.poll() == 0:  # the job finished between two status requests
                     self._wait_finish()
                     return self._final_stop_reason()
-                try:
-                    st = conn.request(P.StatusRequest(), P.Status, timeout_s=5.0)
-                except TransportTimeout:
-                    if shard0.proc.poll() is not None:
-                        continue
-                    raise RunFailed("shard 0 stopped answering status requests") from None
-                assert isinstance(st, P.Status)
+                st = self._status(conn, shard0)
+                if st is None:
+                    continue  # shard 0 ended meanwhile: the check above sees how
                 if st.started and self.lab is not None:
                     self.lab.start_clock()
                 done = int(st.iterations)
@@ -228,6 +224,26 @@ class LocalCluster:
         finally:
             bar.close()
             conn.close()
+
+    @staticmethod
+    def _status(conn: Connection, shard0: Any) -> P.Status | None:
+        """Shard 0's status, or None once shard 0 has exited. A job can end between two
+        requests (shard 0 exits by itself after the stop), so the answer is awaited in short
+        slices while the process lives, not for the whole 5 s (which every short run used to
+        wait out at its end)."""
+        conn.send(P.StatusRequest())
+        deadline = time.monotonic() + 5.0
+        while True:
+            try:
+                reply = conn.recv(timeout_s=0.1)
+            except TransportTimeout:
+                if shard0.proc.poll() is not None:
+                    return None
+                if time.monotonic() > deadline:
+                    raise RunFailed("shard 0 stopped answering status requests") from None
+                continue
+            if isinstance(reply, P.Status):
+                return reply
 
     def _monitor_files(self) -> str:
         """Progress from shard 0's metrics when the processes run on lab hosts, which this

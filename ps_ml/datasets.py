@@ -29,12 +29,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from ps_common.errors import PsError
+
+if TYPE_CHECKING:  # torch is imported where tensors are made: ps-launch and ps-data never need it
+    import torch
 
 try:  # POSIX only; elsewhere the atomic rename alone has to do.
     import fcntl
@@ -153,6 +155,8 @@ class ArrayDataset:
         return self._to_tensors(np.array(self.x_test[sl]), np.array(self.y_test[sl]))
 
     def _to_tensors(self, x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch
+
         images = torch.from_numpy(x)
         if images.dtype == torch.uint8:
             images = images.to(torch.float32).mul_(1.0 / 256.0)

@@ -104,3 +104,17 @@ def test_key_paths_in_a_config_file_name_files_beside_it(tmp_path, monkeypatch):
     assert cfg.security.allowed_clients_dir == "/etc/lbbsp/allowed"
     typed = load_config(d / "job.yaml", ["security.client_keys_dir=mine"], env={})
     assert typed.security.client_keys_dir == "mine", "a path typed on the command line stays as typed"
+
+
+def test_the_launchers_list_of_built_in_models_is_the_registrys():
+    """ps-launch checks built-in model names without importing torch; the list must be exactly
+    what ps_ml.models registers (a new model there must be added to it)."""
+    import re
+    from pathlib import Path
+
+    import ps_ml.models as models
+    from ps_server.job_config import BUILTIN_MODELS
+
+    source = Path(models.__file__).read_text()
+    assert set(re.findall(r'@register_model\("(\w+)"\)', source)) == BUILTIN_MODELS
+    assert BUILTIN_MODELS <= set(models.MODEL_REGISTRY.names())
