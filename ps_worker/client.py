@@ -8,6 +8,7 @@ belonged to. Shard 0's answer carries the next assignment.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -166,17 +167,24 @@ class ShardClients:
         for conn in self.conns:
             poller.register(conn.sock, zmq.POLLIN)
         waiting = set(range(len(self.conns)))
-        tries: dict[int, int] = {}
+        tries: dict[int, int] = {}         # plan_pending answers per shard
+        resend_at: dict[int, float] = {}   # shard -> when its push goes again (plan_pending)
         error: RemoteError | None = None
         deadline = time.monotonic() + self.timeout_s
         while waiting:
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            left = deadline - now
             if left <= 0:
                 for k in sorted(waiting):
                     self.conns[k].check_auth()
                 eps = [self.conns[k].endpoint for k in sorted(waiting)]
                 raise TransportTimeout(f"no parameters from {eps} within {self.timeout_s:.0f}s")
-            events = dict(poller.poll(int(min(left, self.timeouts.pull_poll_s) * 1000)))
+            for k in [k for k, at in resend_at.items() if at <= now]:
+                del resend_at[k]
+                assert push_again is not None  # only set when there is a push to send again
+                push_again(k)
+            wait_s = min(left, self.timeouts.pull_poll_s, *(at - now for at in resend_at.values()))
+            events = dict(poller.poll(math.ceil(max(0.0, wait_s) * 1000)))
             if not events:
                 for k in sorted(waiting):
                     self.conns[k].check_auth()
@@ -191,10 +199,10 @@ class ShardClients:
                 except RemoteError as exc:
                     if exc.code == "plan_pending" and push_again is not None:
                         # A follower got the push before shard 0's plan for it: send it again
-                        # once the plan has had time to arrive (bounded by the pull deadline).
+                        # once the plan has had time to arrive (bounded by the pull deadline),
+                        # reading the other shards' answers meanwhile.
                         tries[k] = tries.get(k, 0) + 1
-                        time.sleep(self.timeouts.plan_pending_backoff.ceiling(min(tries[k] - 1, 8)))
-                        push_again(k)
+                        resend_at[k] = time.monotonic() + self.timeouts.plan_pending_backoff.ceiling(tries[k] - 1)
                         continue
                     if k == 0 and exc.code in REJOIN_CODES:
                         # The coordinator ended this membership (rolled back, declared lost): the
