@@ -57,6 +57,44 @@ def _row_quantile(a: np.ndarray, q: float) -> np.ndarray:
     return np.where(n > 0, out, np.nan)
 
 
+STALL_MODELS = ("per_sample", "fixed")
+STALL_BASE_QUANTILE = 0.25
+
+
+def stall_share(finish: np.ndarray, compute: np.ndarray, x: np.ndarray,
+                planned: np.ndarray) -> np.ndarray:
+    """Per worker (row), the share of its time above its usual floor that its planned work explains.
+
+    A worker held to a CPU quota runs at full speed until its share of the period is spent, then
+    stalls until the next period: the stalls are the bill for the work it did, and giving it
+    fewer samples makes them shorter and rarer. Charged as a fixed time instead (the tail
+    quantile of finish_j - x_j / v_i), a stall every few iterations dominates every split
+    alike, no move looks worth ``threshold``, and the split stays where it is (seen in CI:
+    a 0.2-core worker kept 128 of 256 samples for 785 iterations). A stall lands in compute or
+    outside it, and a smoothed speed forecast barely sees either, so each iteration's work is
+    x_j over the speed its batch was planned with (``planned``; its measured compute where there
+    was no plan). The floor b_i is the ``STALL_BASE_QUANTILE`` of finish_j - work_j (a low
+    quantile: the time outside compute when nothing stalls); the share is sum(work_j) /
+    sum(finish_j - b_i), at most 1, and the forecast speed times the share is the speed the
+    worker kept up over the window. The plan follows a real change of speed within a few
+    iterations, so such a change is not taken for a stall for longer than that. A link's
+    constant delay leaves the share at 1; random stalls unrelated to the work are charged to the
+    samples too, which gives that worker fewer samples than a fixed charge would.
+    """
+    with np.errstate(invalid="ignore", divide="ignore"):
+        work = np.where(planned > 0, x / planned, compute)           # nan > 0 is False
+        work = np.where(np.isnan(finish), np.nan, work)
+        base = _row_quantile(finish - work, STALL_BASE_QUANTILE)      # nan rows: no finish yet
+        share = np.nansum(work, axis=1) / np.nansum(finish - base[:, None], axis=1)
+    return np.where(np.isfinite(share) & (share > 0), np.minimum(share, 1.0), 1.0)
+
+
+def _ring_order(count: int, size: int) -> list[int]:
+    """Positions of a ring buffer of ``size`` that has had ``count`` writes, oldest first."""
+    n = min(count, size)
+    return [(count - n + j) % size for j in range(n)]
+
+
 def _str_keys(d: Mapping[int, Any]) -> dict[str, Any]:
     return {str(k): v for k, v in d.items()}
 
@@ -353,6 +391,10 @@ class LBBSPCpuPolicy(SlotPolicy):
     kernel quotas 0.7, 0.7, 0.2, 0.2 it gave 60 ms per iteration against 48 ms for the default
     (``benchmarks/bench_lab_quota.py --variants``), so noisy compute belongs in the tail too.
     In the same bench, 0.9 over 32 iterations gave 44 ms against 51 ms for 0.8 over 16.
+    ``stalls="per_sample"`` (default; with ``finish_tail="finish"``) first lowers v_i to the
+    speed the worker kept up over the window (:func:`stall_share`), because a quota's stalls
+    grow with the work given; ``"fixed"`` charges them as time outside compute only, which left
+    a 0.2-core worker at half the batch for a whole run (those lab numbers predate the change).
 
     Cost: every worker's state (predictor, overhead, history) is a row of numpy arrays and one
     iteration's reports are applied together (:mod:`predictors.batch`), so a decision costs a few
@@ -371,10 +413,13 @@ class LBBSPCpuPolicy(SlotPolicy):
                  memory_caps: Mapping[Any, int] | None = None,
                  predictor_factory: Callable[[], Any] | None = None, refit: str = "background",
                  stagger: bool = True, finish_quantile: float | None = 0.9, finish_window: int = 32,
-                 finish_tail: str = "finish") -> None:
+                 finish_tail: str = "finish", stalls: str = "per_sample") -> None:
         if finish_tail not in ("finish", "overhead"):
             raise ValueError(f"finish_tail must be 'finish' or 'overhead', got {finish_tail!r}")
+        if stalls not in STALL_MODELS:
+            raise ValueError(f"stalls must be one of {', '.join(STALL_MODELS)}, got {stalls!r}")
         self.finish_tail = finish_tail
+        self.stalls = stalls
         if finish_quantile is not None and not (0.0 < finish_quantile <= 1.0):
             raise ValueError(f"finish_quantile must be in (0, 1] (or None), got {finish_quantile}")
         if finish_window < 2:
@@ -384,6 +429,8 @@ class LBBSPCpuPolicy(SlotPolicy):
         self._fx = np.zeros((0, self.finish_window))  # batch sizes of the last finish times
         self._ff = np.full((0, self.finish_window), math.nan)  # finish_s, nan: none yet
         self._fc = np.zeros((0, self.finish_window))  # compute_s of the same iterations
+        self._fv = np.full((0, self.finish_window), math.nan)  # the speed each batch was planned with
+        self._vplan = np.zeros(0)                     # predicted speed at the last decision, nan: none
         self._fn = np.zeros(0, dtype=np.int64)        # finish times seen per worker
         if not (0.0 <= threshold < 1.0):
             raise ValueError(f"threshold must be in [0, 1), got {threshold}")
@@ -445,6 +492,8 @@ class LBBSPCpuPolicy(SlotPolicy):
         self._fx = grown(self._fx, capacity, 0.0)
         self._ff = grown(self._ff, capacity, math.nan)
         self._fc = grown(self._fc, capacity, 0.0)
+        self._fv = grown(self._fv, capacity, math.nan)
+        self._vplan = grown(self._vplan, capacity, math.nan)
         self._fn = grown(self._fn, capacity, 0)
         self._pred.resize(capacity)
 
@@ -452,6 +501,8 @@ class LBBSPCpuPolicy(SlotPolicy):
         self._overhead[slots] = math.nan
         self._seen[slots] = 0
         self._ff[slots] = math.nan
+        self._fv[slots] = math.nan
+        self._vplan[slots] = math.nan
         self._fn[slots] = 0
         self._pred.reset(slots, ids)
 
@@ -506,6 +557,7 @@ class LBBSPCpuPolicy(SlotPolicy):
                 self._ff[fs, pos] = fin[has]
                 comp = batch.compute if rows is None else batch.compute[rows]
                 self._fc[fs, pos] = np.nan_to_num(comp[has])
+                self._fv[fs, pos] = self._vplan[fs]
                 self._fn[fs] += 1
 
     def _feed(self, slots: np.ndarray, v: np.ndarray, exog: np.ndarray | None) -> None:
@@ -516,17 +568,21 @@ class LBBSPCpuPolicy(SlotPolicy):
             self._hx[slots, pos] = 0.0 if exog is None else exog
 
     # ----- decision -----------------------------------------------------------------------
-    def _estimate_arrays(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    def _estimate_arrays(self, slots: np.ndarray,
+                         plan: bool = False) -> tuple[np.ndarray, np.ndarray] | None:
         """Predicted speeds and overheads aligned with ``slots`` (unmeasured: the means), or None
-        when no worker is measured."""
+        when no worker is measured. ``plan``: a decision uses them, so remember each worker's
+        forecast as the speed its next batch is planned with (:func:`stall_share`)."""
         v = self._pred.predict(slots)            # nan (unmeasured) or finite and > 0
+        if plan:
+            self._vplan[slots] = v
         ok = v > 0
         k = int(np.count_nonzero(ok))
         if k == 0:
             return None
         oh = self._overhead[slots]
         if self.finish_quantile is not None:
-            oh = self._tail_overhead(slots, v, oh)
+            v, oh = self._tail_overhead(slots, v, oh)
         if k == v.size:
             v_all = v
             known_c = oh == oh                   # not nan
@@ -540,23 +596,31 @@ class LBBSPCpuPolicy(SlotPolicy):
         mean_c = float(np.add.reduce(oh[known_c])) / kc if kc else 0.0
         return v_all, np.where(known_c, oh, mean_c)
 
-    def _tail_overhead(self, slots: np.ndarray, v: np.ndarray, oh: np.ndarray) -> np.ndarray:
-        """c_i from server-seen finish times: the quantile of finish_j - x_j / v_i over the last
-        iterations, for workers with at least 4 of them and a speed; the others keep ``oh``."""
+    def _tail_overhead(self, slots: np.ndarray, v: np.ndarray,
+                       oh: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(v_i, c_i) from server-seen finish times, for workers with at least 4 of them and a
+        speed (the others keep ``v`` and ``oh``): c_i is the quantile of finish_j - x_j / v_i over
+        the last iterations; with ``stalls="per_sample"`` v_i is first lowered by
+        :func:`stall_share`, so that stalls which come from the worker's own work are charged to
+        its samples rather than fixed."""
         ready = (self._fn[slots] >= 4) & (v > 0)
         if not ready.any():
-            return oh
+            return v, oh
         assert self.finish_quantile is not None  # the caller asks only when it is set
         s = slots[ready]
+        vr = v[ready]
+        if self.finish_tail == "finish" and self.stalls == "per_sample":
+            vr = vr * stall_share(self._ff[s], self._fc[s], self._fx[s], self._fv[s])
         with np.errstate(invalid="ignore", divide="ignore"):
             if self.finish_tail == "finish":
-                rest = self._ff[s] - self._fx[s] / v[ready][:, None]
+                rest = self._ff[s] - self._fx[s] / vr[:, None]
             else:
                 rest = self._ff[s] - self._fc[s]
         q = _row_quantile(rest, self.finish_quantile)
-        out = oh.copy()
+        out, v_out = oh.copy(), v.copy()
         out[ready] = np.maximum(0.0, q)
-        return out
+        v_out[ready] = vr
+        return v_out, out
 
     def estimates(self, workers: Sequence[int]) -> tuple[dict[int, float], dict[int, float]]:
         """Predicted speed and overhead per worker (unmeasured ones get the measured means)."""
@@ -574,7 +638,7 @@ class LBBSPCpuPolicy(SlotPolicy):
 
     def _assign(self, ids: np.ndarray, slots: np.ndarray, total: int, min_batch: int,
                 caps: np.ndarray) -> np.ndarray:
-        est = self._estimate_arrays(slots)
+        est = self._estimate_arrays(slots, plan=True)
         prev = self._prev
         if est is None:
             out = bounded_split_arrays(np.ones(ids.size), total, min_batch, caps)
@@ -612,9 +676,7 @@ class LBBSPCpuPolicy(SlotPolicy):
 
     # ----- checkpoints ----------------------------------------------------------------------
     def _history(self, s: int) -> list[list[Any]]:
-        total, H = int(self._pred.n_updates(np.array([s]))[0]), self.history
-        n = min(total, H)
-        idx = [(total - n + j) % H for j in range(n)]
+        idx = _ring_order(int(self._pred.n_updates(np.array([s]))[0]), self.history)
         if self._hx.shape[2]:
             return [[float(self._hv[s, i]), self._hx[s, i].tolist()] for i in idx]
         return [[float(self._hv[s, i]), None] for i in idx]
@@ -630,11 +692,20 @@ class LBBSPCpuPolicy(SlotPolicy):
             "seen": {str(w): int(self._seen[s]) for w, s in items if self._seen[s] > 0},
             "prev": _split_dict(self._prev),
             "changes": self.changes,
+            "finish": {str(w): self._finish_rows(s) for w, s in items if self._fn[s] > 0},
         }
+
+    def _finish_rows(self, s: int) -> list[list[float]]:
+        """Worker slot ``s``'s finish window, oldest first, as [batch, finish_s, compute_s,
+        planned speed (nan: none)] rows."""
+        idx = _ring_order(int(self._fn[s]), self.finish_window)
+        return [[float(self._fx[s, i]), float(self._ff[s, i]), float(self._fc[s, i]), float(self._fv[s, i])]
+                for i in idx]
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Rebuild predictors by replaying the saved observations (exact for EMA/last up to the
-        replay window; NARX and ARIMA refit on the replayed history, synchronously)."""
+        replay window; NARX and ARIMA refit on the replayed history, synchronously), and restore
+        each worker's window of finish times (older checkpoints have none: it refills)."""
         if state.get("predictor", self.predictor_name) != self.predictor_name:
             log.warning("checkpoint used predictor %r, now %r: replaying its history anyway",
                         state.get("predictor"), self.predictor_name)
@@ -661,6 +732,13 @@ class LBBSPCpuPolicy(SlotPolicy):
             self._overhead[self._slots.add(int(k))] = float(v)
         for k, v in state.get("seen", {}).items():
             self._seen[self._slots.add(int(k))] = int(v)
+        for k, rows in state.get("finish", {}).items():
+            s = self._slots.add(int(k))
+            rows = list(rows)[-self.finish_window:]
+            for j, row in enumerate(rows):
+                self._fx[s, j], self._ff[s, j], self._fc[s, j] = (float(r) for r in row[:3])
+                self._fv[s, j] = float(row[3]) if len(row) > 3 else math.nan
+            self._fn[s] = len(rows)
         self._prev = _split_arrays(state.get("prev"))
         self.changes = int(state.get("changes", 0))
 

@@ -25,11 +25,13 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
+from ps_common.errors import PsError
+
 if TYPE_CHECKING:
     from ps_common.report import Telemetry
 
 
-class CannotFit(ValueError):
+class CannotFit(PsError, ValueError):
     """Even one sample does not fit in a worker's memory."""
 
 

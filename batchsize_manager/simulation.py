@@ -3,10 +3,13 @@
 A simulated worker takes ``overhead + compute`` seconds for a batch of x samples, where compute
 is ``x / speed`` on a CPU-like worker and ``max(x, saturation_batch) / speed`` on a GPU-like one
 (flat below saturation), times a multiplicative noise factor. Batches above ``memory_cap`` fail
-with an out-of-memory report. :class:`Simulation` drives a :class:`BatchSizeManager` exactly like
-the coordinator does (observe every report of iteration t, then assign t+1) and builds the
-reports exactly like ``ps_worker`` does (this iteration's data and compute times, the previous
-iteration's push/wait/pull), so policies see the same fields in simulation as in a real run.
+with an out-of-memory report. Under a ``cpu_quota`` (a fraction of a core, :class:`CpuQuota`)
+the busy time runs on a clock that stalls when the period's share is spent; the stall shows in
+the finish time the servers see, not in compute. :class:`Simulation` drives a
+:class:`BatchSizeManager` exactly like the coordinator does (observe every report of
+iteration t, then assign t+1) and builds the reports exactly like ``ps_worker`` does (this
+iteration's data and compute times, the previous iteration's push/wait/pull, and the finish
+time the coordinator adds), so policies see the same fields in simulation as in a real run.
 """
 
 from __future__ import annotations
@@ -38,7 +41,10 @@ class SimulatedWorker:
     seed: int = 0
     schedule: Sequence[tuple[int, float]] = ()
     data_fraction: float = 0.2
+    cpu_quota: float | None = None
+    quota_period_s: float = 0.1
     _rng: random.Random = field(init=False, repr=False)
+    _quota: CpuQuota | None = field(init=False, repr=False, default=None)
 
     def __post_init__(self) -> None:
         if not (self.speed > 0 and math.isfinite(self.speed)):
@@ -49,6 +55,13 @@ class SimulatedWorker:
             raise ValueError(f"scheduled speeds must be > 0: {list(self.schedule)}")
         self.schedule = sorted((int(i), float(s)) for i, s in self.schedule)
         self._rng = random.Random(self.seed)
+        if self.cpu_quota is not None:
+            self._quota = CpuQuota(self.cpu_quota, self.quota_period_s)
+
+    def busy_until(self, start_s: float, busy_s: float) -> float:
+        """When ``busy_s`` of work begun at ``start_s`` (simulated clock) is done: at once
+        without a quota, later under one if the period's share runs out on the way."""
+        return start_s + busy_s if self._quota is None else self._quota.run(start_s, busy_s)
 
     def speed_at(self, iteration: int) -> float:
         """Samples/s at ``iteration`` (the latest scheduled step at or before it)."""
@@ -75,6 +88,33 @@ class SimulatedWorker:
         if self.noise <= 0:
             return 0.0
         return max(-3 * self.noise, min(3 * self.noise, self._rng.gauss(0.0, self.noise)))
+
+
+class CpuQuota:
+    """The kernel's CFS bandwidth control as a clock: at most ``fraction * period_s`` seconds of
+    CPU in each period [k P, (k + 1) P); a worker whose share is spent stalls until the next one.
+    Its stalls therefore grow with the work it is given (``docs/lab.md``)."""
+
+    def __init__(self, fraction: float, period_s: float = 0.1) -> None:
+        if not (0.0 < fraction <= 1.0) or not period_s > 0:
+            raise ValueError(f"cpu_quota must be in (0, 1] and the period > 0, got {fraction}, {period_s}")
+        self.fraction, self.period_s = float(fraction), float(period_s)
+        self._period, self._used = 0, 0.0
+
+    def run(self, start_s: float, busy_s: float) -> float:
+        t, need, share = start_s, busy_s, self.fraction * self.period_s
+        while True:
+            k = int(math.floor(t / self.period_s + 1e-9))   # float-safe: 0.3 // 0.1 is 2.0
+            if k != self._period:
+                self._period, self._used = k, 0.0
+            use = min(need, share - self._used, (k + 1) * self.period_s - t)
+            if use > 0:
+                self._used += use
+                t += use
+                need -= use
+                if need <= 1e-12:
+                    return t
+            t = max(t, (k + 1) * self.period_s)             # share spent or period over
 
 
 @dataclass
@@ -107,6 +147,7 @@ class Simulation:
         self.workers: dict[int, SimulatedWorker] = {}
         self._prev: dict[int, _Prev] = {}
         self.iteration = start_iteration
+        self.clock_s = 0.0                 # simulated wall clock, for CPU quota periods
         items = workers.items() if isinstance(workers, Mapping) else enumerate(workers)
         for wid, w in items:
             self.add_worker(int(wid), w)
@@ -141,7 +182,8 @@ class Simulation:
             else:
                 compute = w.compute_time(x, t, w.draw_noise())
             parts[wid] = (data, compute, comm, comm)
-            times[wid] = data + compute + 2 * comm
+            busy = data + compute + 2 * comm
+            times[wid] = w.busy_until(self.clock_s, busy) - self.clock_s
         it_s = max(times.values())
         for wid, x in sizes.items():
             w = self.workers[wid]
@@ -154,10 +196,12 @@ class Simulation:
                 proc_cpu=100.0, host_cpu=50.0,
                 cotenant_cpu=max(0.0, 100.0 * (1.0 - w.speed_at(t) / base)),
                 rss_mb=500.0, host_mem_pct=40.0, oom=wid in oom,
+                finish_s=None if wid in oom else times[wid],
             )
             self.manager.observe(WorkerReport(worker_id=wid, iteration=t, batch_size=x, telemetry=tel))
             self._prev[wid] = _Prev(push_s=push, wait_s=it_s - times[wid], pull_s=pull, iteration_s=it_s)
         self.iteration += 1
+        self.clock_s += it_s
         return SimRecord(t, dict(sizes), times, it_s, oom, decision_s)
 
     def run(self, iterations: int) -> list[SimRecord]:

@@ -41,8 +41,10 @@ from ps_ml.models import build_model  # noqa: E402
 from ps_worker.memory import bound_kernel_cache, is_out_of_memory  # noqa: E402
 
 
-def saturation(model: str, device: str, sizes: list[int], passes: int) -> list[tuple[int, float | None]]:
-    """(batch, median seconds of forward + backward), None where it did not fit."""
+def saturation(model: str, device: str, sizes: list[int],
+               passes: int) -> list[tuple[int, float | None, float | None]]:
+    """(batch, median seconds of forward + backward, peak MB the CUDA caching allocator reserved
+    for the pass, model and gradients included), None where it did not fit (peak None on a CPU)."""
     dev = torch.device(device)
     if dev.type == "cpu":
         torch.set_num_threads(1)
@@ -54,6 +56,8 @@ def saturation(model: str, device: str, sizes: list[int], passes: int) -> list[t
             x = torch.randn(b, 1, 28, 28, device=dev)
             y = torch.randint(0, 10, (b,), device=dev)
             times = []
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(dev)
             for i in range(passes + 2):
                 t0 = time.perf_counter()
                 net.zero_grad(set_to_none=True)
@@ -62,11 +66,12 @@ def saturation(model: str, device: str, sizes: list[int], passes: int) -> list[t
                     torch.cuda.synchronize(dev)
                 if i >= 2:
                     times.append(time.perf_counter() - t0)
-            out.append((b, statistics.median(times)))
+            peak = torch.cuda.max_memory_reserved(dev) / 2**20 if dev.type == "cuda" else None
+            out.append((b, statistics.median(times), peak))
         except Exception as exc:  # noqa: BLE001 - only an allocation failure ends the curve
             if not is_out_of_memory(exc):
                 raise
-            out.append((b, None))
+            out.append((b, None, None))
             break
         finally:
             x = y = None
@@ -91,13 +96,26 @@ def run_policy(args: argparse.Namespace, policy: str, work: Path) -> dict:
     recs = [r for r in rows if "event" not in r]
     events = [r for r in rows if "event" in r]
     d = [r["duration"] for r in recs][args.skip:]
-    caps: dict[str, int] = {}
+    # worker ids follow join order; the launcher names worker i of the scenario "worker-i"
+    name = {str(e["worker"]): e["name"].removeprefix("worker-") for e in events if e["event"] == "worker_joined"}
+    who = lambda w: name.get(str(w), f"id {w}")  # noqa: E731
+    # What the memory search learned, per worker: the smallest size that ran out of memory (in
+    # a run or the start-up probe) and the largest size committed from its last failure on.
+    fails: dict[str, int] = {}
+    last_oom: dict[str, int] = {}
     for e in events:
-        if e["event"] in ("out_of_memory", "memory_probe") and e.get("cap") is not None:
-            caps[str(e["worker"])] = e["cap"]
+        failed = e.get("failed") if e["event"] == "out_of_memory" else e.get("fails") or None
+        if e["event"] in ("out_of_memory", "memory_probe") and failed:
+            w = who(e["worker"])
+            fails[w] = min(failed, fails.get(w, failed))
+            last_oom[w] = max(last_oom.get(w, -1), e.get("iteration", -1))
+    fits = {w: max((x for r in recs if r["iteration"] >= last_oom[w]
+                    for wid, x in r["batch_sizes"].items() if who(wid) == w), default=0) for w in fails}
+    caps = {w: f"fits {fits[w]}, fails {fails[w]}" for w in fails}
+    split = {who(w): x for w, x in recs[-1]["batch_sizes"].items()} if recs else {}
     return {"policy": policy, "median": statistics.median(d), "mean": statistics.fmean(d),
             "p95": percentile(d, 0.95), "ooms": sum(e["event"] == "out_of_memory" for e in events),
-            "caps": caps, "split": recs[-1]["batch_sizes"] if recs else {}}
+            "caps": dict(sorted(caps.items())), "split": dict(sorted(split.items()))}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,19 +148,19 @@ def main(argv: list[str] | None = None) -> int:
     if "a" in args.tables:
         curve = saturation(args.model, args.device, [int(v) for v in args.sizes.split(",")], args.passes)
         print("## (a) Forward + backward time against batch size\n")
-        print("| batch | ms | µs per sample |")
-        print("|---|---|---|")
-        for b, t in curve:
+        print("| batch | ms | µs per sample | peak reserved MB |")
+        print("|---|---|---|---|")
+        for b, t, peak in curve:
             print(f"| {b} | {'out of memory' if t is None else f'{t * 1e3:.2f}'} | "
-                  f"{'-' if t is None else f'{t / b * 1e6:.1f}'} |")
+                  f"{'-' if t is None else f'{t / b * 1e6:.1f}'} | {'-' if peak is None else f'{peak:.0f}'} |")
         print()
     if "b" in args.tables:
         with tempfile.TemporaryDirectory(prefix="lbbsp-gpu-bench-") as tmp:
             results = [run_policy(args, p, Path(tmp)) for p in args.policies.split(",")]
         print(f"## (b) {len(args.limits_mb)} workers, limits {args.limits_mb} MB, slowdowns {args.slowdowns}, "
               f"X = {args.global_batch}, {args.iterations} iterations (statistics after {args.skip})\n")
-        print("| policy | median ms | mean ms | p95 ms | out-of-memory retries | caps learned (worker: cap) "
-              "| last split |")
+        print("| policy | median ms | mean ms | p95 ms | out-of-memory retries | memory learned (worker i) "
+              "| last split (worker i: samples) |")
         print("|---|---|---|---|---|---|---|")
         for r in results:
             print(f"| {r['policy']} | {r['median'] * 1e3:.1f} | {r['mean'] * 1e3:.1f} | {r['p95'] * 1e3:.1f} | "

@@ -10,7 +10,10 @@ plus rank 0's data loading and optimizer step. A throttled rank takes part in ev
 collective, so under a quota the rest can grow too.
 
     python benchmarks/bench_lab_ddp.py [--quotas 0.7,0.7,0.2,0.2] [--iterations 300]
-        [--policies uniform,lbbsp-cpu] [--global-batch 512]
+        [--policies uniform,lbbsp-cpu] [--exchanges auto] [--global-batch 512]
+
+``--exchanges fused,separate`` runs every policy both ways: the ranks' reports riding with the
+last gradient bucket, or gathered by a collective of their own (the balancer's ``exchange``).
 
 Needs root and the cgroup cpu controller (the lab's CPU quotas).
 """
@@ -49,9 +52,19 @@ def rank_processes(parent: psutil.Process, n: int, timeout_s: float) -> list[psu
     raise RuntimeError(f"{n} ranks did not start within {timeout_s:.0f}s")
 
 
-def run(policy: str, args: argparse.Namespace, quotas: list[float]) -> list[tuple[int, list[int], list[float], float]]:
+def cpu_seconds(procs: list[psutil.Process]) -> list[float]:
+    """Each rank's CPU seconds so far (user + system)."""
+    out = []
+    for p in procs:
+        t = p.cpu_times()
+        out.append(t.user + t.system)
+    return out
+
+
+def run(policy: str, exchange: str, args: argparse.Namespace,
+        quotas: list[float]) -> tuple[list[tuple[int, list[int], list[float], float]], list[float]]:
     cmd = [sys.executable, str(ROOT / "examples" / "ddp_lbbsp.py"), "--nproc", str(len(quotas)),
-           "--policy", policy, "--iterations", str(args.iterations), "--print-every", "1",
+           "--policy", policy, "--exchange", exchange, "--iterations", str(args.iterations), "--print-every", "1",
            "--global-batch", str(args.global_batch), "--model", args.model, "--dataset", "mnist"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -62,7 +75,26 @@ def run(policy: str, args: argparse.Namespace, quotas: list[float]) -> list[tupl
             g = CpuQuotaGroup(f"ddp{r}", fraction=q).create()
             groups.append(g)
             g.add(p.pid)
-        out, _ = proc.communicate(timeout=args.timeout_s)
+        # CPU per iteration over the measured iterations only (start-up ran outside the quota):
+        # under a quota a rank can spend at most quota x wall time, so this against that budget
+        # shows which ranks the quota binds and how much CPU they spend per iteration.
+        deadline = time.monotonic() + args.timeout_s
+        lines: list[str] = []
+        first = last = None
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            m = LINE.match(line)
+            if m and int(m.group(1)) in (args.skip, args.iterations - 1):
+                snap = (int(m.group(1)), cpu_seconds(ranks))
+                first, last = (snap, last) if first is None else (first, snap)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ddp_lbbsp.py ran over {args.timeout_s:.0f}s")
+        proc.wait(timeout=30)
+        out = "".join(lines)
+        if first is None or last is None:
+            raise RuntimeError(f"no iteration lines to measure CPU from:\n{out[-3000:]}")
+        cpu_s = [(b - a) / (last[0] - first[0]) for a, b in zip(first[1], last[1])]
     except BaseException:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
@@ -77,7 +109,7 @@ def run(policy: str, args: argparse.Namespace, quotas: list[float]) -> list[tupl
         sizes = [int(x) for x in m.group(2).split(",")]
         compute = [float(x) / 1e3 for x in m.group(3).split(",")]
         rows.append((int(m.group(1)), sizes, compute, float(m.group(4)) / 1e3))
-    return rows
+    return rows, cpu_s
 
 
 def describe(xs: list[float]) -> str:
@@ -90,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quotas", default="0.7,0.7,0.2,0.2")
     ap.add_argument("--policies", default="uniform,lbbsp-cpu")
     ap.add_argument("--iterations", type=int, default=300)
+    ap.add_argument("--exchanges", default="auto", help="the balancer's report exchange(s), comma-separated")
     ap.add_argument("--global-batch", type=int, default=512)
     ap.add_argument("--model", default="lenet")
     ap.add_argument("--skip", type=int, default=30, help="first iterations left out")
@@ -100,27 +133,36 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_lab_ddp: CPU quotas unavailable: {why}", file=sys.stderr)
         return 2
     quotas = [float(q) for q in args.quotas.split(",")]
-    results: dict[str, list] = {p: [] for p in args.policies.split(",")}
+    variants = [(p, e) for p in args.policies.split(",") for e in args.exchanges.split(",")]
+    label = {v: v[0] if v[1] == "auto" else f"{v[0]} ({v[1]})" for v in variants}
+    results: dict[str, list] = {label[v]: [] for v in variants}
+    cpu: dict[str, list[list[float]]] = {p: [] for p in results}
     for r in range(args.repeats):
-        for policy in results:
-            rows = run(policy, args, quotas)[args.skip:]
+        for (policy_name, exchange) in variants:
+            policy = label[(policy_name, exchange)]
+            all_rows, cpu_s = run(policy_name, exchange, args, quotas)
+            rows = all_rows[args.skip:]
             results[policy] += rows
+            cpu[policy].append(cpu_s)
             print(f"repeat {r} {policy}: median iteration "
                   f"{statistics.median(x[3] for x in rows) * 1e3:.1f} ms", flush=True)
     print(f"\nDDP plug-in (examples/ddp_lbbsp.py, gloo), {args.model}, MNIST, X = {args.global_batch}, "
           f"{len(quotas)} ranks under CPU quotas {quotas}, {args.iterations} iterations x {args.repeats} "
           f"(first {args.skip} left out); median / mean / p95 in ms\n")
     print("| policy | iteration | slowest rank's compute | rest (collectives, data, step) | "
-          "rest / iteration | compute per rank (median) | last split |")
-    print("|---|---|---|---|---|---|---|")
+          "rest / iteration | compute per rank (median) | CPU ms per iteration per rank (budget) | last split |")
+    print("|---|---|---|---|---|---|---|---|")
     for policy, rows in results.items():
         it = [x[3] for x in rows]
         slowest = [max(x[2]) for x in rows]
         rest = [max(0.0, x[3] - max(x[2])) for x in rows]
         per_rank = [statistics.median(x[2][k] for x in rows) * 1e3 for k in range(len(quotas))]
+        cpu_ms = [statistics.fmean(c[k] for c in cpu[policy]) * 1e3 for k in range(len(quotas))]
+        budget = [q * statistics.fmean(it) * 1e3 for q in quotas]
         print(f"| {policy} | {describe(it)} | {describe(slowest)} | {describe(rest)} | "
               f"{statistics.median(rest) / statistics.median(it):.2f} | "
-              f"{', '.join(f'{c:.1f}' for c in per_rank)} | {rows[-1][1]} |")
+              f"{', '.join(f'{c:.1f}' for c in per_rank)} | "
+              f"{', '.join(f'{c:.1f} ({b:.0f})' for c, b in zip(cpu_ms, budget))} | {rows[-1][1]} |")
     return 0
 
 

@@ -71,6 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--nproc", type=int, default=None,
                    help="spawn this many ranks locally instead of running under torchrun")
+    p.add_argument("--exchange", default="auto", choices=["auto", "fused", "separate"],
+                   help="how the ranks' reports reach rank 0: with the last gradient bucket (fused, "
+                        "the default on CPU) or by an all-gather of their own (separate)")
     p.add_argument("--verify", action="store_true",
                    help="debug: all-reduce the batch sizes with every bucket and check the sum")
     args = p.parse_args(argv)
@@ -125,7 +128,8 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
     model = build_model(args.model, seed=args.seed, num_classes=data.num_classes).to(device)
     ddp = DistributedDataParallel(model, device_ids=[device.index] if use_cuda else None)
     balancer = DDPBatchBalancer(args.global_batch, args.policy, policy_args(args),
-                                min_batch=args.min_batch, device=device, verify=args.verify)
+                                min_batch=args.min_batch, device=device, verify=args.verify,
+                                exchange=args.exchange)
     balancer.register_hook(ddp)
     sampler = LBBSPSampler(data.num_train, args.global_batch, seed=args.seed)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=args.momentum)

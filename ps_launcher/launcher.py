@@ -84,7 +84,8 @@ class LocalCluster:
                 self.lab.close()
         summary = summarize(self.run_dir, global_batch=self.cfg.training.global_batch,
                             target_accuracy=self.cfg.training.target_accuracy,
-                            wall_s=time.monotonic() - t0, stop_reason=stop_reason)
+                            wall_s=time.monotonic() - t0, stop_reason=stop_reason,
+                            num_shards=self.cfg.cluster.num_shards)
         plot_run(self.run_dir, summary)
         return summary
 

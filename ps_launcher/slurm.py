@@ -105,7 +105,8 @@ def run_task(argv: list[str] | None = None, env: Mapping[str, str] | None = None
         from ps_launcher.summary import summarize, summary_markdown
 
         summary = summarize(args.run_dir, global_batch=cfg.training.global_batch,
-                            target_accuracy=cfg.training.target_accuracy, wall_s=args.wall_s)
+                            target_accuracy=cfg.training.target_accuracy, wall_s=args.wall_s,
+                            num_shards=cfg.cluster.num_shards)
         plot_run(Path(args.run_dir), summary)
         print(summary_markdown(summary))
         return 0

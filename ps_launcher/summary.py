@@ -66,7 +66,7 @@ def final_versions(run_dir: Path) -> dict[str, Any]:
 
 
 def summarize(run_dir: str | Path, *, global_batch: int, target_accuracy: float | None = None,
-              wall_s: float | None = None, stop_reason: str = "") -> dict[str, Any]:
+              wall_s: float | None = None, stop_reason: str = "", num_shards: int | None = None) -> dict[str, Any]:
     run_dir = Path(run_dir)
     m = run_dir / "metrics"
     all_coord = _records(m / "coordinator.jsonl")
@@ -118,7 +118,7 @@ def summarize(run_dir: str | Path, *, global_batch: int, target_accuracy: float 
         "membership_events": events,
         "workers": workers,
         "workers_from": workers_from,
-        "final": final_versions(run_dir),
+        "final": {**final_versions(run_dir), "num_shards": num_shards},
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     (run_dir / "summary.md").write_text(summary_markdown(summary))
@@ -169,7 +169,11 @@ def _final_line(final: dict[str, Any] | None) -> str:
     if not final or not final["shards"]:
         return "not saved"
     if final["agree"]:
-        return f"{final['version']}, history {final['shards'][0]['log_hash']}, on {len(final['shards'])} shards"
+        have, want = len(final["shards"]), final.get("num_shards")
+        where = (f"on {have} shards" if not want or have >= want else
+                 f"on the {have} of {want} shards whose files are here (the others saved theirs on their "
+                 f"own hosts; each follower checked its history hash against shard 0's at every commit)")
+        return f"{final['version']}, history {final['shards'][0]['log_hash']}, {where}"
     return "SHARDS DISAGREE: " + ", ".join(f"{s['shard']}: {s['version']}/{s['log_hash']}" for s in final["shards"])
 
 
@@ -227,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     from ps_launcher.plots import plot_run
 
     summary = summarize(run_dir, global_batch=cfg.training.global_batch,
-                        target_accuracy=cfg.training.target_accuracy)
+                        target_accuracy=cfg.training.target_accuracy, num_shards=cfg.cluster.num_shards)
     plot_run(run_dir, summary)
     print(summary_markdown(summary))
     return 0

@@ -244,6 +244,9 @@ class Lead:
             wid = (coord.join(join.name, join.instance, join.device, max(0, join.memory_fits),
                               max(0, join.memory_fails)) if role == "worker" else -1)
             version = server.state.version
+            if wid >= 0:  # ids follow join order: the records say which name each one is
+                self.metrics.write(event="worker_joined", worker=wid, name=join.name, device=join.device,
+                                   live=coord.live(), version=version)
             start = policy.assignment_key(version, coord.clock_of(wid)) if wid >= 0 else version
             server.router_reply(ident, P.Welcome(
                 worker_id=wid,

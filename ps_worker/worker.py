@@ -43,11 +43,16 @@ class CannotFitInMemory(PsError, RuntimeError):
 
 
 def resolve_device(name: str) -> torch.device:
+    """The device a worker trains on; a CUDA device always with its index, since torch's memory
+    calls (``set_per_process_memory_fraction`` among them) refuse a bare "cuda"."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"worker.device={name!r} but CUDA is not available on this host")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"worker.device={name!r} but CUDA is not available on this host")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
     return dev
 
 

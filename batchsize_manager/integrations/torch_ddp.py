@@ -12,9 +12,10 @@ gradient of rank ``i``'s *mean* loss over its ``x_i`` samples. Three pieces make
   ``ps_ml.reference.global_batch_indices``), iteration ``t`` takes the next ``X`` samples
   and rank ``r`` the contiguous slice ``[sum_{j<r} x_j, sum_{j<=r} x_j)``, so every sample is
   used exactly once per epoch whatever the sizes, and the run equals single-process SGD.
-* :class:`DDPBatchBalancer` (alias ``LBBSPHelper``): per iteration it gathers every rank's
-  compute time to rank 0, lets a :class:`~batchsize_manager.policies.BatchPolicy` decide the
-  next sizes there, broadcasts them and updates the hook state.
+* :class:`DDPBatchBalancer` (alias ``LBBSPHelper``): per iteration every rank's compute time
+  reaches rank 0 (with the last gradient bucket on CPU), a
+  :class:`~batchsize_manager.policies.BatchPolicy` decides the next sizes there, and a
+  broadcast hands them to every rank's hook state.
 
 Usage::
 
@@ -97,6 +98,12 @@ class WeightedHookState:
     hook_calls: int = 0
     last_ready_s: float = math.nan
     last_ready_event: Any = field(default=None, repr=False)
+    #: Set by the balancer: (this rank, world size, a function giving this rank's report row at
+    #: the moment its last bucket is ready). The rows then ride with the last bucket's
+    #: all-reduce, each rank's in its own slot (zeros elsewhere, so the sum is a gather).
+    report_slot: tuple[int, int, Callable[[], list[float]]] | None = field(default=None, repr=False)
+    #: The gathered rows (world size x fields) of the last bucket reduced, once it completed.
+    reports: torch.Tensor | None = field(default=None, repr=False)
 
     def _mark_ready(self, tensor: torch.Tensor) -> None:
         self.hook_calls += 1
@@ -120,19 +127,14 @@ def weighted_allreduce_hook(
     tensor = bucket.buffer()
     state._mark_ready(tensor)
     group = state.process_group if state.process_group is not None else dist.group.WORLD
-    x = int(state.batch_size)
-    if x < 0:
-        raise ValueError(f"batch_size must be >= 0, got {x}")
+    slot = state.report_slot
+    if slot is not None and bucket.is_last() and tensor.dtype in (torch.float32, torch.float64):
+        return _with_reports(state, tensor, group, slot)
     known = state.global_batch
-    if known is not None and known <= 0:
-        raise ValueError(f"global_batch must be > 0, got {known}")
-
+    total = torch.tensor([float(state.batch_size)], dtype=torch.float64, device=tensor.device)
+    # Scale before the sum (like DDP's pre-division) so fp16 buckets do not overflow.
+    _scale(state, tensor)
     if known is not None and not state.verify:
-        # Scale before the sum (like DDP's pre-division) so fp16 buckets do not overflow.
-        if x == 0:
-            tensor.zero_()
-        else:
-            tensor.mul_(x / known)
         return (
             dist.all_reduce(tensor, group=group, async_op=True)
             .get_future()
@@ -141,12 +143,7 @@ def weighted_allreduce_hook(
 
     # The sum of the sizes travels alongside: both collectives are issued in the same order on
     # every rank, and the result is read only when both are done.
-    total = torch.tensor([float(x)], dtype=torch.float64, device=tensor.device)
     size_fut = dist.all_reduce(total, group=group, async_op=True).get_future()
-    if x == 0:
-        tensor.zero_()
-    else:
-        tensor.mul_(x / known if known is not None else float(x))
     grad_fut = dist.all_reduce(tensor, group=group, async_op=True).get_future()
 
     def finish(fut: torch.futures.Future[list[torch.futures.Future[Any]]]) -> torch.Tensor:
@@ -164,6 +161,56 @@ def weighted_allreduce_hook(
         return grad.div_(summed)
 
     return torch.futures.collect_all([size_fut, grad_fut]).then(finish)
+
+
+def _scale(state: WeightedHookState, tensor: torch.Tensor) -> None:
+    """``tensor *= x_i / X`` (zeros for a rank without samples)."""
+    x, known = int(state.batch_size), state.global_batch
+    if x < 0:
+        raise ValueError(f"batch_size must be >= 0, got {x}")
+    if known is not None and known <= 0:
+        raise ValueError(f"global_batch must be > 0, got {known}")
+    if x == 0:
+        tensor.zero_()
+    else:
+        tensor.mul_(x / known if known is not None else float(x))
+
+
+def _with_reports(state: WeightedHookState, tensor: torch.Tensor, group: Any,
+                  slot: tuple[int, int, Callable[[], list[float]]]) -> torch.futures.Future[torch.Tensor]:
+    """The last bucket's all-reduce, carrying every rank's report row and its batch size: one
+    collective where the balancer would need two more (a gather of the reports, and the size
+    sum that ``verify`` or an unknown ``global_batch`` needs). Under a CPU quota every
+    collective costs a throttled rank CPU time it does not have (a small gloo all-gather took
+    about 1.3 ms of CPU per rank here, as much as the gradients' all-reduce)."""
+    rank, world, row_of = slot
+    row = row_of()
+    width = len(row) + 1
+    n = tensor.numel()
+    ext = torch.zeros(n + world * width, dtype=tensor.dtype, device=tensor.device)
+    ext[:n].copy_(tensor.view(-1))
+    _scale(state, ext[:n])
+    mine = torch.tensor([*row, float(state.batch_size)], dtype=torch.float64)
+    ext[n + rank * width: n + (rank + 1) * width].copy_(mine)  # an absent field (NaN) + 0 stays NaN
+    known, check = state.global_batch, state.verify or state.global_batch is None
+
+    def finish(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        out = fut.value()[0]
+        rows = out[n:].view(world, width).to(torch.float64)
+        summed = float(rows[:, -1].sum())
+        state.reports = rows[:, :-1].cpu()
+        grad = out[:n].view_as(tensor)
+        if check:
+            if known is not None and summed != known:
+                raise RuntimeError(f"ranks' batch sizes sum to {summed:g}, but global_batch is {known}: "
+                                   f"the ranks disagree on the assignment")
+            if known is None:
+                if summed <= 0:
+                    raise RuntimeError("all ranks have batch size 0")
+                grad.div_(summed)
+        return grad
+
+    return dist.all_reduce(ext, group=group, async_op=True).get_future().then(finish)
 
 
 # --------------------------------------------------------------------------------------------
@@ -324,11 +371,15 @@ class DDPBatchBalancer:
 
     Construct on every rank after ``init_process_group`` (all ranks, same arguments). The
     decision runs on rank 0 only (the policy object exists only there, so stateful or
-    randomised policies cannot diverge across ranks); each :meth:`step` costs one small
-    ``all_gather`` (every rank's :class:`~ps_common.report.Telemetry`, a float per
-    field) and one ``broadcast`` (one int per rank) on the gradients' process group: two tiny
-    collectives per iteration, plus the policy's own decision time on rank 0 while the others
-    wait.
+    randomised policies cannot diverge across ranks). Every rank's
+    :class:`~ps_common.report.Telemetry` (a float per field) reaches rank 0 with the last
+    gradient bucket's all-reduce, each rank's row in a slot of its own (``exchange="fused"``,
+    the default on CPU), or by an ``all_gather`` in :meth:`step` (``"separate"``, the default on
+    CUDA, and whenever no bucket was reduced in the iteration); the sizes go back by one
+    ``broadcast`` (one int per rank). Under CPU quotas each collective costs a throttled rank
+    CPU time: fused, a step costs the broadcast and the policy's decision on rank 0 while the
+    others wait. With fused reports, :meth:`report` must come before ``backward()``, and the
+    reported ``iteration_s`` is the previous iteration's.
 
     ``policy`` is a registered policy name (built with ``get_policy(policy, **policy_args)``)
     or a ready ``BatchPolicy``; ``manager`` is a configured
@@ -357,6 +408,7 @@ class DDPBatchBalancer:
         min_batch: int = 1,
         device: torch.device | str | None = None,
         verify: bool = False,
+        exchange: str = "auto",
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("DDPBatchBalancer needs torch.distributed to be initialised first")
@@ -376,6 +428,16 @@ class DDPBatchBalancer:
         self.iteration = 0
         self.hook_state = WeightedHookState(batch_size=0, global_batch=self.global_batch,
                                             process_group=process_group, verify=verify)
+        if exchange not in ("auto", "fused", "separate"):
+            raise ValueError(f"exchange must be 'auto', 'fused' or 'separate', got {exchange!r}")
+        if exchange == "fused" and self.device.type == "cuda":
+            raise ValueError("exchange='fused' needs CPU timing (on CUDA the compute time is known "
+                             "only once the GPU is done; use 'separate')")
+        #: Do the reports ride with the last gradient bucket (no all-gather of their own)?
+        self.fused = exchange == "fused" or (exchange == "auto" and self.device.type != "cuda")
+        if self.fused:
+            self.hook_state.report_slot = (self.rank, self.world_size, self._row_at_last_bucket)
+        self._prev_iteration_s = 0.0  # none before the first
         #: Every rank's reports of the last finished iteration (the same on all ranks).
         self.last_reports: list[WorkerReport] = []
 
@@ -452,6 +514,8 @@ class DDPBatchBalancer:
         self._reported_data: float | None = None
         self._telemetry = Telemetry()
         self._ready_s = math.nan  # when this rank's last gradient bucket was ready (CPU clock)
+        self._span_start = math.nan  # the open timed_compute block's start
+        self._sent = False  # this iteration's report left with the last bucket (fused)
 
     @contextmanager
     def timed_compute(self) -> Iterator[None]:
@@ -466,11 +530,12 @@ class DDPBatchBalancer:
         if self.device.type == "cuda":
             start_event = torch.cuda.Event(enable_timing=True)
             start_event.record()
-        t0 = time.perf_counter()
+        t0 = self._span_start = time.perf_counter()
         try:
             yield
         finally:
             t1 = time.perf_counter()
+            self._span_start = math.nan
             fired = self.hook_state.hook_calls != calls
             if start_event is not None:
                 end_event = self.hook_state.last_ready_event if fired else None
@@ -501,6 +566,10 @@ class DDPBatchBalancer:
         reports; its ``compute_s``, ``data_s``, ``iteration_s`` and ``finish_s`` are the
         balancer's own (measured, or given here as ``compute_s`` and ``data_s``).
         """
+        if self._sent:
+            raise RuntimeError("report() after this iteration's backward: its report already left "
+                               "with the last gradient bucket; call report() before backward(), or "
+                               "construct the balancer with exchange='separate'")
         if telemetry is not None:
             self._telemetry = telemetry
         if compute_s is not None:
@@ -511,6 +580,24 @@ class DDPBatchBalancer:
             if not math.isfinite(data_s) or data_s < 0:
                 raise ValueError(f"data_s must be finite and >= 0, got {data_s}")
             self._reported_data = float(data_s)
+
+    def _mine(self, compute_s: float, iteration_s: float, finish_s: float) -> Telemetry:
+        data_s = self._reported_data if self._reported_data is not None else self._data_s
+        return dataclasses.replace(self._telemetry, compute_s=compute_s, iteration_s=iteration_s,
+                                   data_s=data_s, finish_s=finish_s if finish_s > 0 else None)
+
+    def _row_at_last_bucket(self) -> list[float]:
+        """This rank's report at the moment its last gradient bucket is ready (fused exchange):
+        compute up to now, its finish time, and the previous iteration's length (this one's is
+        not over; the servers' workers report it one iteration late too)."""
+        now = time.perf_counter()
+        self._sent = True
+        if self._reported_compute is not None:
+            compute, finish = self._reported_compute, math.nan
+        else:
+            open_span = now - self._span_start if math.isfinite(self._span_start) else 0.0
+            compute, finish = self._compute_s + max(0.0, open_span), now - self._iter_start
+        return self._mine(compute, self._prev_iteration_s, finish).to_floats()
 
     def _measured_compute(self) -> float:
         if self._reported_compute is not None:
@@ -531,19 +618,24 @@ class DDPBatchBalancer:
         :attr:`sizes` and the hook's ``batch_size``.
         """
         iteration_s = time.perf_counter() - self._iter_start
-        compute_s = self._measured_compute()
-        data_s = self._reported_data if self._reported_data is not None else self._data_s
-        # What the all-reduce waits for, like the servers' finish time: from the moment every
-        # rank knew its size (the end of the last step) to this rank's last gradient bucket,
-        # data loading and CPU-quota stalls included. Measured, so not with reported timings.
-        finish_s = (self._ready_s - self._iter_start
-                    if self._reported_compute is None and math.isfinite(self._ready_s) else math.nan)
-        mine = dataclasses.replace(self._telemetry, compute_s=compute_s, iteration_s=iteration_s,
-                                   data_s=data_s, finish_s=finish_s if finish_s > 0 else None)
-        local = torch.tensor(mine.to_floats(), dtype=torch.float64, device=self.device)
-        gathered = [torch.empty_like(local) for _ in range(self.world_size)]
-        dist.all_gather(gathered, local, group=self.group)
-        rows = torch.stack(gathered).cpu().tolist()
+        fused, self.hook_state.reports = self.hook_state.reports, None
+        if fused is not None and self._sent:
+            # Every rank's report came with the last bucket (the backward waited for it): a
+            # collective only when a bucket was reduced, so every rank takes the same branch.
+            rows = fused.tolist()
+        else:
+            compute_s = self._measured_compute()
+            # What the all-reduce waits for, like the servers' finish time: from the moment every
+            # rank knew its size (the end of the last step) to this rank's last gradient bucket,
+            # data loading and CPU-quota stalls included. Measured, so not with reported timings.
+            finish_s = (self._ready_s - self._iter_start
+                        if self._reported_compute is None and math.isfinite(self._ready_s) else math.nan)
+            mine = self._mine(compute_s, iteration_s, finish_s)
+            local = torch.tensor(mine.to_floats(), dtype=torch.float64, device=self.device)
+            gathered = [torch.empty_like(local) for _ in range(self.world_size)]
+            dist.all_gather(gathered, local, group=self.group)
+            rows = torch.stack(gathered).cpu().tolist()
+        self._prev_iteration_s = iteration_s
         self.last_reports = [
             WorkerReport(worker_id=r, iteration=self.iteration, batch_size=self._sizes[r],
                          telemetry=Telemetry.from_floats(row))

@@ -195,7 +195,36 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
                                                    for r in bal.last_reports],
                    sgd_finish=[(r.telemetry.compute_s, r.telemetry.finish_s) for r in bal.last_reports])
         if rank == 0:
-            out["sgd_observed"] = policy.observed
+            out["sgd_observed"] = list(policy.observed)
+        # With fused reports (the default on CPU) a report after the backward is refused: its
+        # row already left with the last bucket.
+        xb, yb = data.train_batch(bal.batch_indices(sampler))
+        with bal.timed_compute():
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(ddp(xb), yb).backward()
+        try:
+            bal.report(compute_s=1.0)
+            out["late_report_error"] = None
+        except RuntimeError as exc:
+            out["late_report_error"] = str(exc)
+        bal.step()  # every rank, so the collectives stay in step
+        out["fused"] = bal.fused
+        out["fused_reports"] = [(r.worker_id, r.telemetry.compute_s, r.telemetry.finish_s) for r in bal.last_reports]
+        # The same run with the reports gathered on their own (exchange="separate").
+        bal = DDPBatchBalancer(X, _Scripted(SCHEDULE[world]), exchange="separate")
+        ddp = DistributedDataParallel(_model(), bucket_cap_mb=0.05, find_unused_parameters=True)
+        bal.register_hook(ddp)
+        opt = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=MOMENTUM)
+        for _ in range(SGD_STEPS):
+            xb, yb = data.train_batch(bal.batch_indices(sampler))
+            with bal.timed_compute():
+                opt.zero_grad(set_to_none=True)
+                F.cross_entropy(ddp(xb), yb).backward()
+            opt.step()
+            bal.step()
+        out["separate_params"] = flat_parameters(ddp.module)
+        out["separate_reports"] = [(r.worker_id, r.telemetry.compute_s) for r in bal.last_reports]
+        if rank == 0:
             out["sgd_reference"] = train_reference("mlp", MODEL_SEED, data, DATA_SEED, X, SGD_STEPS,
                                                    lr=LR, momentum=MOMENTUM)
 
@@ -299,6 +328,14 @@ def test_sgd_with_changing_sizes_matches_single_process(ranks):
         # The finish time (size known -> last bucket ready) holds the compute and the data load.
         compute_s, finish_s = res[r]["sgd_finish"][r]
         assert finish_s is not None and finish_s >= compute_s, res[r]["sgd_finish"]
+        # Every rank's report reached every rank with the last bucket, and the reports gathered
+        # on their own give the same training.
+        assert res[r]["fused"] and "before backward()" in res[r]["late_report_error"]
+        assert [w for w, _, _ in res[r]["fused_reports"]] == list(range(world))
+        assert all(c > 0 and f is not None and f >= c * (1 - 1e-6) for _, c, f in res[r]["fused_reports"])
+        assert res[r]["fused_reports"] == res[0]["fused_reports"]
+        assert all(c > 0 for _, c in res[r]["separate_reports"])
+        np.testing.assert_allclose(res[r]["separate_params"], res[r]["sgd_params"], rtol=1e-5, atol=1e-7)
 
 
 def test_balancer_fixed_policy_sizes(ranks):

@@ -11,10 +11,13 @@ from ps_launcher.launcher import LocalCluster
 pytestmark = pytest.mark.system
 
 
+# Asynchronous updates act as extra momentum (Mitliagkas et al., "Asynchrony begets momentum",
+# 2016): with BSP's 0.9, ASP and SSP sometimes ended a 120-iteration run mid-oscillation (0.864
+# once in CI), and the fair-baseline sweep under CPU quotas found 0.5 or less best for both.
 @pytest.mark.parametrize("mode", [
     ["mode.sync=bsp"],
-    ["mode.sync=asp"],
-    ["mode.sync=ssp", "mode.staleness=2"],
+    ["mode.sync=asp", "optimizer.momentum=0.5"],
+    ["mode.sync=ssp", "mode.staleness=2", "optimizer.momentum=0.5"],
     ["mode.sync=backup", "mode.backup_workers=1", "cluster.num_workers=3"],
 ], ids=["bsp", "asp", "ssp", "backup"])
 def test_mode_trains_to_sensible_accuracy(tmp_path, mode):
@@ -23,7 +26,9 @@ def test_mode_trains_to_sensible_accuracy(tmp_path, mode):
         "data.synthetic_train=2048", *mode], env={})
     summary = LocalCluster(cfg, tmp_path / "run", progress=False).run()
     assert summary["stop_reason"].startswith("reached max_iterations"), summary["stop_reason"]
-    assert summary["final_accuracy"] >= 0.9, summary
+    evals = [(r.get("version"), r.get("accuracy"))
+             for r in read_jsonl(tmp_path / "run" / "metrics" / "evaluator.jsonl") if "accuracy" in r]
+    assert summary["final_accuracy"] >= 0.9, (summary, evals)
     # Every shard ended at one version with one history, and that version is what was measured.
     assert summary["final"]["agree"], summary["final"]
     assert summary["final_accuracy_version"] == summary["final"]["version"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from batchsize_manager import BatchSizeManager
-from batchsize_manager.simulation import SimulatedWorker, Simulation, ideal_iteration_time, simulate
+from batchsize_manager.simulation import CpuQuota, SimulatedWorker, Simulation, ideal_iteration_time, simulate
 
 
 def test_cpu_and_gpu_like_timing():
@@ -65,7 +65,21 @@ def test_reports_look_like_the_real_workers():
     assert t1.prev_push_s == pytest.approx(0.04)
     assert t1.prev_wait_s == pytest.approx(0.5)   # waited for worker 1 at the barrier
     assert t1.iteration_s == pytest.approx(1.1)
-    assert t0.oom is False and t0.finish_s is None
+    assert t0.oom is False and t0.finish_s == pytest.approx(0.6)   # as the coordinator adds it
+
+
+def test_a_cpu_quota_stalls_work_until_the_next_period():
+    """0.2 of a core in 100 ms periods: 20 ms of CPU per period, then nothing until the next."""
+    q = CpuQuota(0.2, 0.1)
+    assert q.run(0.0, 0.010) == pytest.approx(0.010)          # within the share
+    assert q.run(0.010, 0.030) == pytest.approx(0.120)        # 10 ms now, 20 ms next period
+    assert q.run(0.150, 0.005) == pytest.approx(0.205)        # that period's share is spent
+    assert q.run(0.3, 0.001) == pytest.approx(0.301)          # float-safe period boundary
+    w = SimulatedWorker(100.0, overhead=0.01, cpu_quota=0.2)
+    assert w.busy_until(1.0, 0.05) == pytest.approx(1.21)     # 20 + 20 + 10 ms over three periods
+    assert SimulatedWorker(100.0).busy_until(1.0, 0.05) == pytest.approx(1.05)
+    with pytest.raises(ValueError, match="cpu_quota"):
+        CpuQuota(0.0)
 
 
 def test_oom_is_reported_with_the_failed_size():

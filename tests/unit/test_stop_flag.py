@@ -50,5 +50,5 @@ def test_set_from_another_thread_is_seen():
     assert not flag.is_set()
     t = threading.Thread(target=flag.set)
     t.start()
-    t.join()
-    assert flag.is_set() and flag.signal is None
+    t.join(timeout=5)
+    assert not t.is_alive() and flag.is_set() and flag.signal is None
