@@ -26,7 +26,6 @@ from batchsize_manager.allocation import (
     caps_array,
     check_feasible_arrays,
     finish_time_split_arrays,
-    resolve_caps,
 )
 from batchsize_manager.policies import BatchPolicy, register_policy
 from batchsize_manager.reports import EXOG_KEYS, ReportBatch, WorkerReport, occurrence_rounds
@@ -99,29 +98,6 @@ def _str_keys(d: Mapping[int, Any]) -> dict[str, Any]:
     return {str(k): v for k, v in d.items()}
 
 
-class CapAwarePolicy(BatchPolicy):
-    """Configured per-worker caps (``memory_caps``, keyed by worker id). Caps learned from
-    out-of-memory errors, probes and headroom belong to the BatchSizeManager
-    (:mod:`batchsize_manager.memory`), which hands every policy the caps it must respect; an
-    out-of-memory report carries no timing, so a policy used on its own only skips it."""
-
-    def __init__(self, memory_caps: Mapping[Any, int] | None = None) -> None:
-        self._config_caps: dict[int, int] = {int(k): int(v) for k, v in (memory_caps or {}).items()}
-        if any(v < 0 for v in self._config_caps.values()):
-            raise ValueError(f"memory_caps must be >= 0: {self._config_caps}")
-
-    def memory_caps(self) -> dict[int, int]:
-        return dict(self._config_caps)
-
-    def _caps_for(self, workers: Sequence[int], max_batch: CapsArg) -> dict[int, int | None]:
-        caps = resolve_caps(workers, max_batch)
-        for w, c in self._config_caps.items():
-            if w in caps:
-                cur = caps[w]
-                caps[w] = c if cur is None else min(c, cur)
-        return caps
-
-
 def _within(split: Mapping[int, int] | None, workers: Sequence[int], total: int, min_batch: int,
             caps: Mapping[int, int | None]) -> bool:
     """Is ``split`` still a valid answer for these workers, total and bounds?"""
@@ -157,7 +133,7 @@ def _split_arrays(d: Mapping[Any, Any] | None) -> tuple[np.ndarray, np.ndarray] 
             np.array([v for _, v in items], dtype=np.int64))
 
 
-class SlotPolicy(CapAwarePolicy):
+class SlotPolicy(BatchPolicy):
     """Base of the vectorised policies: per-worker state in arrays indexed by slot.
 
     ``observe`` is a batch of one; the BatchSizeManager hands over whole iterations through
@@ -168,8 +144,7 @@ class SlotPolicy(CapAwarePolicy):
 
     native_arrays = True
 
-    def __init__(self, memory_caps: Mapping[Any, int] | None = None) -> None:
-        super().__init__(memory_caps)
+    def __init__(self) -> None:
         self._scratch = np.zeros(0, dtype=np.int64)
         self._slots = SlotTable(self._grow_slots, self._init_slots)
         self._cache: tuple[Any, np.ndarray, int] = (None, np.zeros(0, dtype=np.int64), -1)
@@ -226,25 +201,12 @@ class SlotPolicy(CapAwarePolicy):
     def assign_arrays(self, ids: np.ndarray, global_batch: int, min_batch: int,
                       caps: np.ndarray, *, checked: bool = False) -> np.ndarray:
         if not checked:
-            caps = self._own_caps(ids, caps)
             check_feasible_arrays(ids, global_batch, min_batch, caps)
         return self._assign(ids, self._slots_for(ids), int(global_batch), int(min_batch), caps)
 
     def _assign(self, ids: np.ndarray, slots: np.ndarray, total: int, min_batch: int,
                 caps: np.ndarray) -> np.ndarray:
         raise NotImplementedError
-
-    def _own_caps(self, ids: np.ndarray, caps: np.ndarray) -> np.ndarray:
-        """``caps`` lowered by this policy's configured caps."""
-        mine = self.memory_caps()
-        if not mine:
-            return caps
-        caps = caps.copy()
-        for w, c in mine.items():
-            i = int(np.searchsorted(ids, w))
-            if i < ids.size and ids[i] == w and c < caps[i]:
-                caps[i] = c
-        return caps
 
     def _reset_all(self) -> None:
         """Forget every slot (before restoring a checkpoint)."""
@@ -263,14 +225,14 @@ class StaticPolicy(SlotPolicy):
     being profiled. Later changes in speed are ignored on purpose: that is what "static" means.
     """
 
-    def __init__(self, profile_iterations: int = 5, memory_caps: Mapping[Any, int] | None = None) -> None:
+    def __init__(self, profile_iterations: int = 5) -> None:
         if profile_iterations < 1:
             raise ValueError(f"profile_iterations must be >= 1, got {profile_iterations}")
         self.profile_iterations = int(profile_iterations)
         self._speed = np.zeros(0)                   # nan: not profiled yet
         self._samples = np.zeros((0, self.profile_iterations))
         self._ns = np.zeros(0, dtype=np.int64)
-        super().__init__(memory_caps)
+        super().__init__()
 
     def _grow_slots(self, capacity: int) -> None:
         super()._grow_slots(capacity)
@@ -410,7 +372,6 @@ class LBBSPCpuPolicy(SlotPolicy):
                  threshold: float = 0.05, overhead_alpha: float = 0.3, use_overhead: bool = True,
                  use_exog: bool | None = None, history: int = 32, warmup: int = 1,
                  max_factor: float | None = 2.0,
-                 memory_caps: Mapping[Any, int] | None = None,
                  predictor_factory: Callable[[], Any] | None = None, refit: str = "background",
                  stagger: bool = True, finish_quantile: float | None = 0.9, finish_window: int = 32,
                  finish_tail: str = "finish", stalls: str = "per_sample") -> None:
@@ -471,7 +432,7 @@ class LBBSPCpuPolicy(SlotPolicy):
         self._prev: tuple[np.ndarray, np.ndarray] | None = None
         self.changes = 0                 #: how often the returned split changed
         self.predicted_s = math.nan      #: predicted iteration time of the last returned split
-        super().__init__(memory_caps)
+        super().__init__()
         if hasattr(self._pred, "start") and refit != "sync":
             self._pred.start()           # the helper process starts now, not inside a decision
 
@@ -766,19 +727,19 @@ class LBBSPGpuPolicy(SlotPolicy):
     (a co-tenant, a throttled link), and a search that has shrunk to 1-sample steps over 12-iteration
     windows would otherwise crawl towards the new balance.
 
-    Memory caps come from ``memory_caps`` and from the manager, which learns them from OOM errors
-    and reported headroom (the excess of a worker whose cap shrank moves to the others at the
-    next decision; a worker without room is never the leader). No predictions, no randomness. Why not the CPU rule? On
-    GPUs time is flat below a saturation batch and memory bounds the batch, so one speed number
-    cannot give the split; search can.
+    Memory caps live in the BatchSizeManager, keyed by worker name (configured, probed, learned
+    from OOM errors and reported headroom), and reach the policy as ``max_batch`` (the excess of a
+    worker whose cap shrank moves to the others at the next decision; a worker without room is
+    never the leader). No predictions, no randomness. Why not the CPU rule? On GPUs time is flat
+    below a saturation batch and memory bounds the batch, so one speed number cannot give the
+    split; search can.
 
     Cost: the finish-time windows are rows of one array (newest last), medians and the
     leader/straggler choice are vectorised over workers; a decision costs ~1 µs per worker.
     """
 
     def __init__(self, window: int = 3, step: int | None = None, tolerance: float = 0.05,
-                 max_window: int = 12, drift: float = 0.15, use_overhead: bool = True,
-                 memory_caps: Mapping[Any, int] | None = None) -> None:
+                 max_window: int = 12, drift: float = 0.15, use_overhead: bool = True) -> None:
         if window < 1 or max_window < window:
             raise ValueError(f"need 1 <= window <= max_window, got window={window}, max_window={max_window}")
         if step is not None and step < 1:
@@ -809,7 +770,7 @@ class LBBSPGpuPolicy(SlotPolicy):
         self.oscillations = 0
         self.retriggers = 0
         self.last_spread = math.nan
-        super().__init__(memory_caps)
+        super().__init__()
 
     def _grow_slots(self, capacity: int) -> None:
         super()._grow_slots(capacity)

@@ -45,13 +45,14 @@ class BatchSizeManager:
     the live set is a :class:`~batchsize_manager.membership.Membership` that someone else owns
     (:meth:`use_membership`: the coordinator's), and the manager hears each of its changes.
 
-    Bounds: every size is in [``min_batch``, cap_i], cap_i being the smallest of ``max_batch``,
-    the policy's own configured caps and worker i's memory cap (:mod:`batchsize_manager.memory`:
-    ``memory_caps[name]``, a start-up probe, out-of-memory errors searched down to the largest
-    size that fits with ``oom_margin`` to spare, reported headroom). Memory caps are keyed by
-    the worker's name (``join(worker_id, name)``; default: the id as a string), so they survive
-    a rejoin under a new id and a checkpoint. An X that cannot be split within the bounds
-    raises ``ValueError`` saying why.
+    Bounds: every size is in [``min_batch``, cap_i], cap_i being the smaller of ``max_batch``
+    and worker i's memory cap (:mod:`batchsize_manager.memory`: ``memory_caps[name]``, a
+    start-up probe, out-of-memory errors searched down to the largest size that fits with
+    ``oom_margin`` to spare, reported headroom). The manager is the one place per-worker caps
+    live: they are keyed by the worker's name (``join(worker_id, name)``; default: the id as a
+    string), so they survive a rejoin under a new id and a checkpoint, and policies receive them
+    as the ``max_batch`` of each decision. An X that cannot be split within the bounds raises
+    ``ValueError`` saying why.
 
     Policies with background refits (``lbbsp-cpu`` with NARX or ARIMA) hold a helper process;
     :meth:`close` releases it (it also goes when the manager is garbage-collected or the process
@@ -252,7 +253,7 @@ class BatchSizeManager:
 
     @property
     def memory_caps(self) -> dict[int, int]:
-        """Per live worker id: its memory cap (by name) and the policy's configured cap."""
+        """Per live worker id that has one: its memory cap (kept by worker name)."""
         self._flush(timed=True)
         return self._merged_caps()
 
@@ -263,8 +264,6 @@ class BatchSizeManager:
             if c is not None:
                 for w in self.membership.ids_named(name):
                     caps[w] = c
-        for w, c in self._policy.memory_caps().items():
-            caps[w] = min(c, caps.get(w, c))
         return caps
 
     def _caps_array(self, ids: np.ndarray) -> np.ndarray:

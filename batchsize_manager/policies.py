@@ -71,8 +71,8 @@ class BatchPolicy(ABC):
     def assign_arrays(self, ids: np.ndarray, global_batch: int, min_batch: int,
                       caps: np.ndarray, *, checked: bool = False) -> np.ndarray:
         """:meth:`assign` on arrays: ``ids`` sorted int64, ``caps`` aligned floats (inf: uncapped);
-        returns the sizes aligned with ``ids``. ``checked``: the caller already merged the
-        policy's own :meth:`memory_caps` into ``caps`` and checked that X fits (the manager does).
+        returns the sizes aligned with ``ids``. ``checked``: the caller already checked that X fits
+        within ``caps`` (the manager does; its caps are the memory caps it keeps by worker name).
         The default goes through :meth:`assign`."""
         ws = ids.tolist()
         capd = {w: int(c) for w, c in zip(ws, caps.tolist()) if c != math.inf}
@@ -84,11 +84,6 @@ class BatchPolicy(ABC):
 
     def close(self) -> None:
         """Release background resources (a refit thread or process); the policy stays usable."""
-
-    def memory_caps(self) -> dict[int, int]:
-        """Per-worker batch caps from the policy's configuration (caps learned from memory are the
-        manager's: :mod:`batchsize_manager.memory`)."""
-        return {}
 
     def state_dict(self) -> dict[str, Any]:
         """Plain JSON-able state for checkpoints (stateless policies: empty)."""

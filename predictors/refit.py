@@ -34,6 +34,8 @@ import threading
 import weakref
 from typing import Any, Callable
 
+from ps_common.timeouts import DEFAULT_TIMEOUTS
+
 log = logging.getLogger(__name__)
 
 REFIT_MODES = ("sync", "thread", "process", "background")
@@ -211,7 +213,7 @@ class ThreadRefits(RefitExecutor):
 
     def close(self) -> None:
         self._finalizer()
-        self._thread.join(timeout=5.0)
+        self._thread.join(timeout=DEFAULT_TIMEOUTS.refit_stop_s)
 
 
 # ------------------------------------------------------------------------------ helper process
@@ -245,10 +247,10 @@ def _stop_process(proc: subprocess.Popen) -> None:
         except OSError:
             pass
     try:
-        proc.wait(timeout=5.0)
+        proc.wait(timeout=DEFAULT_TIMEOUTS.refit_stop_s)
     except subprocess.TimeoutExpired:
         proc.kill()
-        proc.wait(timeout=5.0)
+        proc.wait(timeout=DEFAULT_TIMEOUTS.refit_stop_s)
 
 
 class ProcessRefits(RefitExecutor):

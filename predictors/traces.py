@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ps_common.report import EXOG_KEYS
+from ps_common.report import EXOG_KEYS, Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -110,26 +110,22 @@ def trace_from_worker_metrics(jsonl_path: str | Path, worker: int | None = None)
     workers: set[object] = set()
     skipped = 0
     for rec in read_jsonl(path):
-        if "iteration" not in rec or "compute_s" not in rec or "batch_size" not in rec:
+        if "iteration" not in rec or "batch_size" not in rec:
             skipped += 1
             continue
         if worker is not None and rec.get("worker") != worker:
             continue
         workers.add(rec.get("worker"))
+        tel = Telemetry.from_record(rec)  # the report's fields, by attribute (no compute_s: 0)
         try:
-            bs, cs = float(rec["batch_size"]), float(rec["compute_s"])
+            bs, cs = float(rec["batch_size"]), float(tel.compute_s)
         except (TypeError, ValueError):
             skipped += 1
             continue
         if not (math.isfinite(bs) and math.isfinite(cs)) or bs <= 0 or cs <= 0:
             skipped += 1
             continue
-        x = []
-        for k in EXOG_KEYS:
-            v = rec.get(k)
-            v = float(v) if isinstance(v, (int, float)) else 0.0
-            x.append(v if math.isfinite(v) else 0.0)
-        rows.append((int(rec["iteration"]), bs / cs, x))
+        rows.append((int(rec["iteration"]), bs / cs, tel.exog()))
     if len(workers) > 1:
         raise ValueError(f"{path}: records of several workers {sorted(map(str, workers))}; "
                          f"pass worker=")

@@ -21,6 +21,9 @@ def add_common_args(ap: argparse.ArgumentParser, *, config_required: bool = True
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config value, e.g. --set training.global_batch=256")
     ap.add_argument("--run-dir", default=None, help="directory for this process's metrics")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace this process's records of an earlier run in --run-dir (refused "
+                         "otherwise: two runs' records in one file would be summed as one run)")
     ap.add_argument("--secret-file", default=None,
                     help="the job secret (security.secret_file): a master on shards, a master or "
                          "this role's file elsewhere; make one with `ps-keys secret FILE`")

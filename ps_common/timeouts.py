@@ -91,6 +91,20 @@ class Timeouts:
     """A restarted coordinator's send to a follower it tells to roll back."""
     rollback_reply_s: float = 5.0
     """... and its wait for that follower's acknowledgement."""
+    checkpoint_close_s: float = 60.0
+    """At exit, how long a shard waits for its checkpoint writer to put the queued versions on
+    disk (a large model on a slow disk); past it the process exits with a warning logged."""
+
+    # helper threads and processes
+    refit_stop_s: float = 5.0
+    """How long a predictor's background refit helper (thread or process) may take to stop
+    before the process is killed."""
+    probe_stop_s: float = 2.0
+    """How long stopping the resource probe's sampling thread may take (one psutil read)."""
+    contention_stop_s: float = 10.0
+    """How long stopping the contention driver's thread may take (a tick that starts burners)."""
+    burner_kill_s: float = 5.0
+    """After SIGKILL, how long to wait for each CPU burner to be reaped."""
 
 
 DEFAULT_TIMEOUTS = Timeouts()

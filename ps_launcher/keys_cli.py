@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             for k, v in cfg.model_dump().items():
                 if v is not None:
                     print(f"  {k}: {json.dumps(v)}")
-    except (PsError, OSError) as exc:
+    except (PsError, OSError) as exc:  # a file tool: a file that cannot be read or written is the user's
         print(f"ps-keys: error: {exc}", file=sys.stderr)
         return 2
     return 0

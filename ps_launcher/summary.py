@@ -132,12 +132,13 @@ def _worker_stats(m: Path) -> dict[str, dict[str, Any]]:
         if not recs:
             continue
         wid = path.stem.split("-", 1)[1]
+        reports = [Telemetry.from_record(r) for r in recs]  # the worker's report of each iteration
         workers[wid] = {
             "iterations": len(recs),
             "mean_batch": statistics.fmean(r["batch_size"] for r in recs),
-            "mean_compute_s": statistics.fmean(r["compute_s"] for r in recs),
-            "mean_wait_s": statistics.fmean(r["wait_s"] for r in recs),
-            "mean_iteration_s": statistics.fmean(r["iteration_s"] for r in recs),
+            "mean_compute_s": statistics.fmean(t.compute_s for t in reports),
+            "mean_wait_s": statistics.fmean(r["wait_s"] for r in recs),  # this iteration's, not a report's
+            "mean_iteration_s": statistics.fmean(t.iteration_s for t in reports),
         }
     return workers
 

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ps_common.errors import UsageError
 from ps_common.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -53,10 +54,10 @@ def build_model(name: str, *, seed: int, num_classes: int = 10) -> nn.Module:
 def _check_parameters_only(name: str, model: nn.Module) -> None:
     buffers = [n for n, _ in model.named_buffers()]
     if buffers:
-        raise ValueError(f"model {name!r} has buffers {buffers}; the parameter server ships parameters only")
+        raise UsageError(f"model {name!r} has buffers {buffers}; the parameter server ships parameters only")
     bad = [n for n, p in model.named_parameters() if p.dtype != torch.float32]
     if bad:
-        raise ValueError(f"model {name!r} has non-float32 parameters {bad}")
+        raise UsageError(f"model {name!r} has non-float32 parameters {bad}")
 
 
 def count_parameters(model: nn.Module) -> int:

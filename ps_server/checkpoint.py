@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from ps_common.errors import PsError
+from ps_common.timeouts import DEFAULT_TIMEOUTS, Timeouts
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +141,9 @@ class CheckpointWriter:
         """Wait until every submitted checkpoint is on disk."""
         self._queue.join()
 
-    def close(self) -> None:
+    def close(self, timeouts: Timeouts = DEFAULT_TIMEOUTS) -> None:
         self._queue.put(None)
-        self._thread.join(timeout=60)
+        self._thread.join(timeout=timeouts.checkpoint_close_s)
+        if self._thread.is_alive():
+            log.warning("shard %d: checkpoint writes still running after %.0f s; exiting without them",
+                        self.shard, timeouts.checkpoint_close_s)

@@ -63,13 +63,14 @@ def main(argv: list[str] | None = None) -> int:
         from ps_server.server import ShardServer
 
         server = ShardServer(cfg, shard, host=host, port=port, advertise_host=advertise,
-                             coordinator=coordinator, run_dir=args.run_dir, resume=args.resume)
-    except (PsError, ValueError) as exc:  # ValueError: also what libraries say of bad input
+                             coordinator=coordinator, run_dir=args.run_dir, resume=args.resume,
+                             overwrite=args.overwrite)
+    except PsError as exc:  # anything else is a bug: its traceback is printed, exit 1
         print(f"ps-server: error: {exc}", file=sys.stderr)
         return 2
     if shard == 0 and args.run_dir:  # the config beside shard 0's records, for ps-summary
         cfg_file = Path(args.run_dir) / "config.yaml"
-        if not cfg_file.exists():
+        if args.overwrite or not cfg_file.exists():
             from ps_common.config import dump_yaml
 
             cfg_file.parent.mkdir(parents=True, exist_ok=True)
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         tmp.replace(args.endpoint_file)  # atomic: a reader never sees half of it
     try:
         server.run()
-    except (PsError, RuntimeError) as exc:
+    except PsError as exc:
         print(f"ps-server: error: {exc}", file=sys.stderr)
         return 1
     return server.exit_code
@@ -117,6 +118,8 @@ def _run_worker(args: argparse.Namespace, dmlc: DmlcEnv) -> int:
             *[x for kv in args.set for x in ("--set", kv)]]
     if args.run_dir:
         argv += ["--run-dir", args.run_dir]
+    if args.overwrite:
+        argv.append("--overwrite")
     if args.secret_file:
         argv += ["--secret-file", args.secret_file]
     return worker_cli.main(argv)

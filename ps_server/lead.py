@@ -57,7 +57,8 @@ class Lead:
         self.shard_endpoints: dict[int, str] = {0: server.endpoint}
         self.pending_joins: list[tuple[bytes, str, P.Join]] = []
         self.claims: dict[str, int] = {}  # follower instance -> index (dmlc: servers have none)
-        self.metrics = MetricsWriter(server.run_dir / "metrics" / "coordinator.jsonl" if server.run_dir else None)
+        self.metrics = MetricsWriter(server.run_dir / "metrics" / "coordinator.jsonl" if server.run_dir else None,
+                                     server.metrics_existing)
         self.stop_announced = False
         self.stop_time = 0.0
         self.checkpoint_next_commit = False

@@ -37,7 +37,8 @@ import zmq
 from ps_common import protocol as P
 from ps_common.cli_util import StopFlag
 from ps_common.config import JobConfig
-from ps_common.metrics import MetricsWriter
+from ps_common.errors import UsageError
+from ps_common.metrics import MetricsWriter, existing_for
 from ps_common.security.sockets import close_socket
 from ps_common.timeouts import DEFAULT_TIMEOUTS, Timeouts
 from ps_common.transport import WILDCARD_HOSTS, advertised, bind_address, make_router
@@ -79,18 +80,25 @@ class ShardServer:
     def __init__(self, cfg: JobConfig, shard: int, *, host: str | None = None, port: int = 0,
                  advertise_host: str | None = None, coordinator: str | None = None,
                  run_dir: str | Path | None = None, ctx: zmq.Context | None = None,
-                 resume: bool = False, timeouts: Timeouts = DEFAULT_TIMEOUTS) -> None:
+                 resume: bool = False, overwrite: bool = False,
+                 timeouts: Timeouts = DEFAULT_TIMEOUTS) -> None:
         S = cfg.cluster.num_shards
         if not 0 <= shard < S:
-            raise ValueError(f"--shard must be in 0..{S - 1} (cluster.num_shards={S})")
+            raise UsageError(f"--shard must be in 0..{S - 1} (cluster.num_shards={S})")
         if shard > 0 and not coordinator:
-            raise ValueError("shards other than 0 need --coordinator ENDPOINT (shard 0's address)")
+            raise UsageError("shards other than 0 need --coordinator ENDPOINT (shard 0's address)")
         if cfg.security.mechanism == "none":
-            raise ValueError("no credentials: set security.secret_file (a job secret: `ps-keys secret "
+            raise UsageError("no credentials: set security.secret_file (a job secret: `ps-keys secret "
                              "FILE`; ps-launch makes one per run) or turn on security.curve")
         self.cfg = cfg
         self.timeouts = timeouts
         self.shard_id = shard
+        # Before any socket: a run directory holding an earlier run is refused here (metrics of
+        # two runs in one file would be summed as one run's), unless resumed or overwritten.
+        self.run_dir = Path(run_dir) if run_dir else None
+        self.metrics_existing = existing_for(resume=resume, overwrite=overwrite)
+        self.metrics = MetricsWriter(self.run_dir / "metrics" / f"shard-{shard}.jsonl" if self.run_dir else None,
+                                     self.metrics_existing)
         torch.set_num_threads(1)  # the coordinator's predictors (NARX, ARIMA) are tiny
         self.ctx = ctx or zmq.Context.instance()
         full = initial_parameters(cfg)
@@ -105,7 +113,7 @@ class ShardServer:
         t = cfg.transport
         bind_host = host or cfg.cluster.host
         if bind_host in WILDCARD_HOSTS and not advertise_host:
-            raise ValueError(f"shard {shard} would bind every interface ({bind_host}) and tell workers and "
+            raise UsageError(f"shard {shard} would bind every interface ({bind_host}) and tell workers and "
                              f"other shards to dial tcp://{bind_host}:PORT, which no machine can: pass "
                              "--advertise HOST, the name or address they reach this machine at")
         self.sock, bound = make_router(self.ctx, bind_address(bind_host, port),
@@ -125,13 +133,11 @@ class ShardServer:
         self.finished = False
         self.resumed = False
         self._dirty = True  # pulls may be answerable
-        self.run_dir = Path(run_dir) if run_dir else None
-        self.metrics = MetricsWriter(self.run_dir / "metrics" / f"shard-{shard}.jsonl" if self.run_dir else None)
         ck = cfg.checkpoint
         self.checkpoint_dir: Path | None = (
             Path(ck.dir) if ck.dir else (self.run_dir / "checkpoints" if self.run_dir else None))
         if self.checkpoint_dir is None and (ck.every_iterations or ck.every_seconds or resume):
-            raise ValueError("checkpoints need checkpoint.dir or --run-dir")
+            raise UsageError("checkpoints need checkpoint.dir or --run-dir")
         self.checkpointer = (CheckpointWriter(self.checkpoint_dir, shard, ck.keep)
                              if self.checkpoint_dir is not None else None)
         self.last_checkpoint_time = time.monotonic()
@@ -184,7 +190,7 @@ class ShardServer:
 
     def close(self) -> None:
         if self.checkpointer is not None:
-            self.checkpointer.close()
+            self.checkpointer.close(self.timeouts)
         self.metrics.write(event="shutdown", version=self.state.version, log_hash=self.state.log_hash,
                            samples_applied=self.state.samples_applied, dropped=self.state.dropped,
                            counters=dict(self.counters), finished=self.finished,

@@ -45,14 +45,14 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_cli_config(args.config, overrides, args.secret_file)
         from ps_worker.worker import Worker
 
-        worker = Worker(cfg, args.server, name=args.name, run_dir=args.run_dir,
+        worker = Worker(cfg, args.server, name=args.name, run_dir=args.run_dir, overwrite=args.overwrite,
                         scenario_index=args.scenario_index)
         interrupt_on_signals()
         worker.run(max_iterations=args.max_iterations)
         return 0
     except KeyboardInterrupt:
         return 130
-    except (PsError, RuntimeError, ValueError) as exc:  # built-ins: what torch and libraries raise
+    except PsError as exc:  # anything else is a bug: its traceback is printed, exit 1
         print(f"ps-worker: error: {exc}", file=sys.stderr)
         return 2
 

@@ -24,6 +24,8 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Callable, Iterable, Optional
 
+from ps_common.timeouts import DEFAULT_TIMEOUTS
+
 if TYPE_CHECKING:  # keep this module light: burner tests import it in small child processes
     from ps_worker.scenario_runtime import ScenarioRuntime
 
@@ -52,7 +54,7 @@ def _kill_all(procs: list[subprocess.Popen]) -> None:
                 pass
     for p in procs:
         try:
-            p.wait(timeout=5.0)
+            p.wait(timeout=DEFAULT_TIMEOUTS.burner_kill_s)
         except (subprocess.TimeoutExpired, OSError):  # pragma: no cover - a stuck kill
             log.warning("cpu burner %d did not exit after SIGKILL", p.pid)
     procs.clear()
@@ -206,7 +208,7 @@ class ContentionDriver:
         """Stop the thread and kill every burner; idempotent."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=10.0)
+            self._thread.join(timeout=DEFAULT_TIMEOUTS.contention_stop_s)
             self._thread = None
         if self._burners is not None:
             self._burners.close()

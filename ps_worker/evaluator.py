@@ -20,7 +20,7 @@ import zmq
 
 from ps_common import protocol as P
 from ps_common.config import JobConfig
-from ps_common.metrics import MetricsWriter
+from ps_common.metrics import MetricsWriter, existing_for
 from ps_common.transport import RemoteError
 from ps_ml.datasets import ArrayDataset, dataset_from_config
 from ps_ml.models import FlatParameters, build_model
@@ -68,7 +68,7 @@ def evaluate(model: torch.nn.Module, data: ArrayDataset, *, limit: int | None = 
 class Evaluator:
     def __init__(self, cfg: JobConfig, server: str, *, run_dir: str | Path | None = None,
                  ctx: zmq.Context | None = None, dataset: ArrayDataset | None = None,
-                 poll_s: float = 0.2) -> None:
+                 poll_s: float = 0.2, overwrite: bool = False) -> None:
         self.cfg = cfg
         torch.set_num_threads(1)
         if cfg.evaluator.nice:  # take what training leaves, never slow it
@@ -83,7 +83,8 @@ class Evaluator:
         self.flat = FlatParameters(self.model)
         self.params = np.empty(self.flat.numel, dtype=np.float32)
         self.poll_s = poll_s
-        self.metrics = MetricsWriter(Path(run_dir) / "metrics" / "evaluator.jsonl" if run_dir else None)
+        self.metrics = MetricsWriter(Path(run_dir) / "metrics" / "evaluator.jsonl" if run_dir else None,
+                                     existing_for(overwrite=overwrite))
         self.results: list[dict[str, float]] = []
         self.skipped = 0
 

@@ -21,11 +21,11 @@ def main(argv: list[str] | None = None) -> int:
         from ps_worker.evaluator import Evaluator
 
         interrupt_on_signals()
-        Evaluator(cfg, args.server, run_dir=args.run_dir).run()
+        Evaluator(cfg, args.server, run_dir=args.run_dir, overwrite=args.overwrite).run()
         return 0
     except KeyboardInterrupt:
         return 130
-    except (PsError, RuntimeError) as exc:  # RuntimeError: what torch raises
+    except PsError as exc:  # anything else is a bug: its traceback is printed, exit 1
         print(f"ps-evaluator: error: {exc}", file=sys.stderr)
         return 2
 

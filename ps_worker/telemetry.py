@@ -14,6 +14,7 @@ import threading
 import psutil
 
 from ps_common.report import Telemetry
+from ps_common.timeouts import DEFAULT_TIMEOUTS
 
 
 class ResourceProbe:
@@ -39,7 +40,7 @@ class ResourceProbe:
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=2)
+            self._thread.join(timeout=DEFAULT_TIMEOUTS.probe_stop_s)
 
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):

@@ -17,8 +17,8 @@ import zmq
 
 from ps_common import protocol as P
 from ps_common.config import JobConfig
-from ps_common.errors import PsError
-from ps_common.metrics import MetricsWriter
+from ps_common.errors import PsError, UsageError
+from ps_common.metrics import MetricsInUse, MetricsWriter, existing_for
 from ps_common.protocol import Assignment
 from ps_common.report import Telemetry
 from ps_common.timeouts import DEFAULT_TIMEOUTS, Timeouts
@@ -50,7 +50,7 @@ def resolve_device(name: str) -> torch.device:
     dev = torch.device(name)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError(f"worker.device={name!r} but CUDA is not available on this host")
+            raise UsageError(f"worker.device={name!r} but CUDA is not available on this host")
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
     return dev
@@ -79,8 +79,9 @@ class Worker:
     def __init__(self, cfg: JobConfig, server: str, *, name: str | None = None,
                  run_dir: str | Path | None = None, ctx: zmq.Context | None = None,
                  dataset: ArrayDataset | None = None, scenario_index: int | None = None,
-                 timeouts: Timeouts = DEFAULT_TIMEOUTS) -> None:
+                 timeouts: Timeouts = DEFAULT_TIMEOUTS, overwrite: bool = False) -> None:
         self.cfg = cfg
+        self.overwrite = overwrite
         self.timeouts = timeouts
         self._jitter = random.Random()  # not the job's seed: workers must not retry in step
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
@@ -185,7 +186,7 @@ class Worker:
         welcome = self.client.join(self.name, self.cfg.job_digest(), str(self.device),
                                    memory_fits=fits, memory_fails=fails)
         if welcome.num_params != self.flat.numel:
-            raise RuntimeError(f"server has {welcome.num_params} parameters, model has {self.flat.numel}")
+            raise UsageError(f"server has {welcome.num_params} parameters, model has {self.flat.numel}")
         self.worker_id = welcome.worker_id
         self.consistent = welcome.consistent_pulls
         if self.contention is None:
@@ -200,8 +201,13 @@ class Worker:
                 log.info("worker %d scenario: %s", self.worker_id, self.scenario.describe())
         if self.metrics is not None:
             self.metrics.close()
-        self.metrics = MetricsWriter(
-            self.run_dir / "metrics" / f"worker-{self.worker_id}.jsonl" if self.run_dir else None)
+        try:  # each join is a new id, so a file of that id holds an earlier run's records
+            self.metrics = MetricsWriter(
+                self.run_dir / "metrics" / f"worker-{self.worker_id}.jsonl" if self.run_dir else None,
+                existing_for(overwrite=self.overwrite))
+        except MetricsInUse:
+            self._leave("its run directory holds an earlier run")  # no barrier waits for it
+            raise
         log.info("worker %d (%s) joined at version %d on %s", self.worker_id, self.name,
                  welcome.version, self.device)
         return welcome

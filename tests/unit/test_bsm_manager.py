@@ -195,19 +195,20 @@ class Tee:
         return self.a.last_decision_s
 
 
-@pytest.mark.parametrize("name,args", [
-    ("static", {}), ("lbbsp-cpu", {"predictor": "last"}), ("lbbsp-cpu", {"predictor": "ema", "history": 64}),
-    ("lbbsp-gpu", {"memory_caps": {"0": 150}}),
+@pytest.mark.parametrize("name,args,caps", [
+    ("static", {}, None), ("lbbsp-cpu", {"predictor": "last"}, None),
+    ("lbbsp-cpu", {"predictor": "ema", "history": 64}, None),
+    ("lbbsp-gpu", {}, {"0": 150}),
 ])
-def test_state_dict_round_trips_through_json(name, args):
+def test_state_dict_round_trips_through_json(name, args, caps):
     workers = [SimulatedWorker(v, 0.004, saturation_batch=16, noise=0.03, seed=i,
                                schedule=[(30, v / 3)] if i == 2 else [])
                for i, v in enumerate([3000.0, 2000.0, 1500.0, 700.0])]
-    a = BatchSizeManager(name, 512, min_batch=2, policy_args=args)
+    a = BatchSizeManager(name, 512, min_batch=2, policy_args=args, memory_caps=caps)
     sim = Simulation(a, workers)
     sim.run(25)
     state = json.loads(json.dumps(a.state_dict()))
-    b = BatchSizeManager(name, 512, min_batch=2, policy_args=args)
+    b = BatchSizeManager(name, 512, min_batch=2, policy_args=args, memory_caps=caps)
     b.load_state_dict(state)
     assert b.live_workers == a.live_workers and b.decisions == a.decisions
     sim.manager = Tee(a, b)  # type: ignore[assignment]

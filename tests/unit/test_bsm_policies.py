@@ -146,12 +146,12 @@ def test_cpu_a_worker_under_a_cpu_quota_pays_its_stalls_per_sample():
 
 
 def test_cpu_floor_and_caps_are_honoured():
-    p = get_policy("lbbsp-cpu", memory_caps={0: 120}, warmup=0, max_factor=None)
+    p = get_policy("lbbsp-cpu", warmup=0, max_factor=None)
     ws = [0, 1, 2]
-    feed(p, p.assign(ws, 300, min_batch=20), {0: 10000.0, 1: 100.0, 2: 1.0})
-    out = p.assign(ws, 300, min_batch=20, max_batch={1: 150})
+    feed(p, p.assign(ws, 300, min_batch=20, max_batch={0: 120}), {0: 10000.0, 1: 100.0, 2: 1.0})
+    out = p.assign(ws, 300, min_batch=20, max_batch={0: 120, 1: 150})
     assert out == {0: 120, 1: 150, 2: 30}     # 0 and 1 capped; the slow one takes what is left
-    out = p.assign(ws, 300, min_batch=20)
+    out = p.assign(ws, 300, min_batch=20, max_batch={0: 120})
     assert out[0] == 120 and out[2] == 20 and out[1] == 160
 
 
@@ -276,7 +276,7 @@ def uncapped_spread(sizes: dict[int, int], workers: dict[int, SimulatedWorker], 
 def test_gpu_search_converges_within_caps_and_retriggers_after_a_step():
     X, tol = 512, 0.05
     ws = gpu_workers(step=(1, 150, 1 / 3))
-    m = BatchSizeManager("lbbsp-gpu", X, policy_args={"memory_caps": {0: 160}, "tolerance": tol})
+    m = BatchSizeManager("lbbsp-gpu", X, memory_caps={"0": 160}, policy_args={"tolerance": tol})
     p = m.policy
     sim = Simulation(m, ws)
     recs, phases = [], []
@@ -334,7 +334,7 @@ def test_gpu_oom_probing_records_a_cap_and_moves_the_excess():
 
 def test_gpu_converged_split_holds_under_noise():
     """5% noise per iteration must not re-trigger the search once it has converged."""
-    m = BatchSizeManager("lbbsp-gpu", 512, policy_args={"memory_caps": {0: 160}})
+    m = BatchSizeManager("lbbsp-gpu", 512, memory_caps={"0": 160})
     recs = simulate(m, gpu_workers(noise=0.05), 300)
     assert m.policy.phase == "converged" and m.policy.retriggers == 0
     assert sum(1 for a, b in zip(recs[100:], recs[101:]) if a.sizes != b.sizes) <= 2
@@ -369,7 +369,7 @@ def test_policies_accept_caps_as_an_int_or_a_mapping(name):
 def test_gpu_is_deterministic():
     runs = []
     for _ in range(2):
-        m = BatchSizeManager("lbbsp-gpu", 512, policy_args={"memory_caps": {0: 160}})
+        m = BatchSizeManager("lbbsp-gpu", 512, memory_caps={"0": 160})
         runs.append([r.sizes for r in simulate(m, gpu_workers(), 80)])
     assert runs[0] == runs[1]
 
