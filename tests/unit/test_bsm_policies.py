@@ -468,11 +468,40 @@ def test_row_quantile_matches_numpys_nanquantile():
     for i in range(300):
         a[i, rng.integers(0, 33):] = np.nan
     a[:, :] = a[:, rng.permutation(32)]          # NaNs anywhere in a row, not only at its end
+    full = rng.random((300, 32))                  # every window full: the partial-sort path
     for q in (0.0, 0.25, 0.5, 0.8, 0.9, 1.0):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)   # all-NaN rows
             ref = np.nanquantile(a, q, axis=1)
         np.testing.assert_allclose(_row_quantile(a, q), ref, equal_nan=True)
+        np.testing.assert_allclose(_row_quantile(full, q), np.quantile(full, q, axis=1))
+        np.testing.assert_allclose(_row_quantile(full[:, :1], q), full[:, 0])
+
+
+def test_stall_share_is_planned_work_over_time_above_the_floor():
+    """The steady-state path (full windows, every batch planned) and the general one (ragged
+    windows, unplanned batches timed by their compute) give sum(work) / sum(finish - floor)."""
+    import numpy as np
+
+    from batchsize_manager.lbbsp import STALL_BASE_QUANTILE, stall_share
+
+    rng = np.random.default_rng(5)
+    x = rng.integers(1, 200, (50, 32)).astype(float)
+    planned = rng.uniform(1e3, 1e4, (50, 32))
+    compute = x / planned
+    finish = compute + rng.uniform(0.001, 0.05, (50, 32))
+    work = x / planned
+    floor = np.quantile(finish - work, STALL_BASE_QUANTILE, axis=1)
+    ref = np.minimum(1.0, work.sum(1) / (finish - floor[:, None]).sum(1))
+    np.testing.assert_allclose(stall_share(finish, compute, x, planned), ref)
+    scratch = (np.full_like(finish, np.nan), np.full_like(finish, np.nan))   # reused buffers
+    np.testing.assert_allclose(stall_share(finish, compute, x, planned, scratch=scratch), ref)
+    ragged, unplanned = finish.copy(), planned.copy()
+    ragged[:, 20:] = np.nan                       # 20 finish times per worker so far
+    unplanned[:, :3] = np.nan                     # no plan yet: the measured compute stands in
+    floor = np.quantile((finish - work)[:, :20], STALL_BASE_QUANTILE, axis=1)
+    ref = np.minimum(1.0, work[:, :20].sum(1) / (finish[:, :20] - floor[:, None]).sum(1))
+    np.testing.assert_allclose(stall_share(ragged, compute, x, unplanned), ref)
 
 
 @pytest.mark.parametrize("full", [False, True], ids=["room", "no-headroom"])
