@@ -124,10 +124,19 @@ def stall_share(finish: np.ndarray, compute: np.ndarray, x: np.ndarray,
             base = _row_quantile(np.subtract(finish, work, out=r_buf), STALL_BASE_QUANTILE, inplace=True)
             share = (work @ ones) / (finish_sum - finish.shape[1] * base)
             return np.where(np.isfinite(share) & (share > 0), np.minimum(share, 1.0), 1.0)
-        work = np.where(planned > 0, x / planned, compute)           # nan > 0 is False
-        work = np.where(np.isnan(finish), np.nan, work)
-        base = _row_quantile(finish - work, STALL_BASE_QUANTILE)      # nan rows: no finish yet
-        share = np.nansum(work, axis=1) / np.nansum(finish - base[:, None], axis=1)
+        # Windows still filling (nan), or batches without a plan (their compute stands in).
+        w_buf, r_buf = scratch if scratch is not None else (np.empty_like(finish), np.empty_like(finish))
+        work = np.divide(x, planned, out=w_buf)
+        np.copyto(work, compute, where=~(planned > 0))                # nan > 0 is False
+        missing = np.isnan(finish)
+        work[missing] = np.nan
+        base = _row_quantile(np.subtract(finish, work, out=r_buf), STALL_BASE_QUANTILE,
+                             inplace=True)                            # nan rows: no finish yet
+        n = finish.shape[1] - np.count_nonzero(missing, axis=1)
+        work[missing] = 0.0                                           # now sums skip them
+        np.copyto(r_buf, finish)
+        r_buf[missing] = 0.0
+        share = (work @ ones) / (r_buf @ ones - n * base)
     return np.where(np.isfinite(share) & (share > 0), np.minimum(share, 1.0), 1.0)
 
 
@@ -615,20 +624,25 @@ class LBBSPCpuPolicy(SlotPolicy):
         s = slots[ready]
         vr = v[ready]
         ws, k, w = self._workspace, s.size, self.finish_window
-        # Every (workers x window) array lives in a reused buffer: see Workspace.
-        finish = np.take(self._ff, s, axis=0, out=ws.get("finish", k, w))
+        # Every (workers x window) array is a view of the state (slots in one run, the usual
+        # case) or lives in a reused buffer (see Workspace); none is written but ``rest``.
+        run = bool(s[-1] - s[0] == k - 1 and (np.diff(s) == 1).all())
+
+        def rows(a: np.ndarray, name: str) -> np.ndarray:
+            return a[s[0]:s[0] + k] if run else np.take(a, s, axis=0, out=ws.get(name, k, w))
+
+        finish = rows(self._ff, "finish")
         rest = ws.get("rest", k, w)
         if self.finish_tail == "finish":
-            x = np.take(self._fx, s, axis=0, out=ws.get("x", k, w))
+            x = rows(self._fx, "x")
             if self.stalls == "per_sample":
-                compute = np.take(self._fc, s, axis=0, out=ws.get("compute", k, w))
-                planned = np.take(self._fv, s, axis=0, out=ws.get("planned", k, w))
-                vr = vr * stall_share(finish, compute, x, planned, scratch=(ws.get("work", k, w), rest))
+                vr = vr * stall_share(finish, rows(self._fc, "compute"), x, rows(self._fv, "planned"),
+                                      scratch=(ws.get("work", k, w), rest))
             with np.errstate(invalid="ignore", divide="ignore"):
                 np.divide(x, vr[:, None], out=rest)
                 np.subtract(finish, rest, out=rest)
         else:
-            np.subtract(finish, np.take(self._fc, s, axis=0, out=ws.get("compute", k, w)), out=rest)
+            np.subtract(finish, rows(self._fc, "compute"), out=rest)
         q = _row_quantile(rest, self.finish_quantile, inplace=True)
         out, v_out = oh.copy(), v.copy()
         out[ready] = np.maximum(0.0, q)
