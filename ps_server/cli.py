@@ -19,6 +19,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_common_args(ap)
     ap.add_argument("--shard", type=int, default=None,
                     help="shard index, 0..cluster.num_shards-1 (default 0, or from DMLC_ROLE: see below)")
+    ap.add_argument("--name", default=None,
+                    help="this server's name, stable across its restarts (DMLC_ROLE=server: the follower "
+                         "index is claimed by it, so a restarted server gets its index back, also from a "
+                         "resumed shard 0; Kubernetes: the pod name). Default: a random one per process")
     ap.add_argument("--host", default=None, help="address to bind (default cluster.host, 127.0.0.1)")
     ap.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one")
     ap.add_argument("--advertise", default=None,
@@ -58,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                 port = port or dmlc.root_port
             else:
                 coordinator = dmlc.coordinator
-                shard = _claim_shard(cfg, coordinator)
+                shard = _claim_shard(cfg, coordinator, args.name)
         _make_secret_if_new(cfg, shard)
         from ps_server.server import ShardServer
 
@@ -89,8 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     return server.exit_code
 
 
-def _claim_shard(cfg, coordinator: str) -> int:
-    """A follower index from the coordinator (dmlc servers are started without one)."""
+def _claim_shard(cfg, coordinator: str, name: str | None) -> int:
+    """A follower index from the coordinator (dmlc servers are started without one), claimed by
+    ``name``; without one, by a random id that a restarted server cannot reclaim."""
     import uuid
 
     import zmq
@@ -101,7 +106,7 @@ def _claim_shard(cfg, coordinator: str) -> int:
     conn = Connection(zmq.Context.instance(), coordinator, role="shard", security=cfg.security,
                       timeout_s=cfg.transport.connect_timeout_s)
     try:
-        reply = conn.request(P.ClaimShard(job_digest=cfg.job_digest(), instance=uuid.uuid4().hex),
+        reply = conn.request(P.ClaimShard(job_digest=cfg.job_digest(), instance=name or uuid.uuid4().hex),
                              P.ShardClaimed)
     finally:
         conn.close()

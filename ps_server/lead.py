@@ -190,10 +190,17 @@ class Lead:
 
     def checkpoint_meta(self) -> dict[str, Any]:
         return {"coordinator": self.coord.state_dict(),
-                "shard_endpoints": {str(k): ep for k, ep in self.shard_endpoints.items()}}
+                "shard_endpoints": {str(k): ep for k, ep in self.shard_endpoints.items()},
+                "shard_claims": dict(self.claims)}
 
     def restored(self, meta: dict) -> None:
         self.coord.load_state_dict(meta["coordinator"])
+        # A resumed shard 0 gives each named dmlc server the index it had (older checkpoints:
+        # none); after an in-process rollback, claims made since the checkpoint stand.
+        S = self.cfg.cluster.num_shards
+        for name, k in meta.get("shard_claims", {}).items():
+            if str(name) not in self.claims and 0 < int(k) < S and int(k) not in self.claims.values():
+                self.claims[str(name)] = int(k)
         self.server.incarnation = os.urandom(6).hex()  # workers notice and join again
         self.stop_announced = False
         self.followers.clear_log()
@@ -384,7 +391,8 @@ class Lead:
     # ----- the follower shards ----------------------------------------------------------------
     def _on_claim_shard(self, ident: bytes, role: str, msg: P.ClaimShard) -> P.Message:
         """The lowest follower index nobody has registered or claimed; the same instance asking
-        again (its answer was lost) gets the same one."""
+        again gets the same one: its answer was lost, or it is a server restarted under the same
+        ``--name`` (the claims are in shard 0's checkpoints, so a resumed shard 0 keeps them)."""
         self._check_digest(msg.job_digest)
         if not msg.instance:
             raise Refused("malformed", "a shard claim needs its process's instance id")

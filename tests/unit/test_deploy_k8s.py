@@ -71,6 +71,10 @@ def test_dmlc_variables_agree_with_replicas_services_and_ports():
     job = by_role["worker"][0]["spec"]
     assert job["completions"] == job["parallelism"] == d.num_worker
     assert "DMLC_NODE_HOST" in env_of(by_role["server"][1]), "servers advertise their pod IP"
+    server = by_role["server"][1]
+    assert server["args"][server["args"].index("--name") + 1] == "$(POD_NAME)", "claims by the pod's stable name"
+    assert any(e["name"] == "POD_NAME" and e["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+               for e in server["env"])
 
 
 def test_the_job_config_loads_and_each_pod_holds_the_keys_its_role_needs(tmp_path):
