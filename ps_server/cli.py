@@ -31,8 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--endpoint-file", default=None,
                     help="write the endpoint this shard listens on into this file once bound (for "
                          "launchers on a shared file system: bind port 0, let the others read it)")
-    ap.add_argument("--resume", action="store_true",
-                    help="restart from this shard's newest checkpoint (checkpoint.dir or RUN_DIR/checkpoints)")
+    ap.add_argument("--resume", nargs="?", const="always", default=None, choices=("always", "auto"),
+                    help="restart from this shard's newest checkpoint (checkpoint.dir or RUN_DIR/checkpoints); "
+                         "'--resume auto': only if it has one, else start afresh (a container that "
+                         "a cluster manager restarts runs the same command as the first time)")
     ap.epilog = ("Without --shard and --coordinator, the dmlc variables (DMLC_ROLE, DMLC_PS_ROOT_URI, "
                  "DMLC_PS_ROOT_PORT, DMLC_NUM_SERVER, DMLC_NUM_WORKER) say what to run: the scheduler "
                  "is shard 0, a server a follower shard, a worker a worker (ps_common/dmlc.py).")
@@ -67,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         from ps_server.server import ShardServer
 
         server = ShardServer(cfg, shard, host=host, port=port, advertise_host=advertise,
-                             coordinator=coordinator, run_dir=args.run_dir, resume=args.resume,
+                             coordinator=coordinator, run_dir=args.run_dir,
+                             resume="auto" if args.resume == "auto" else args.resume == "always",
                              overwrite=args.overwrite)
     except PsError as exc:  # anything else is a bug: its traceback is printed, exit 1
         print(f"ps-server: error: {exc}", file=sys.stderr)

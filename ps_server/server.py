@@ -43,7 +43,14 @@ from ps_common.security.sockets import close_socket
 from ps_common.timeouts import DEFAULT_TIMEOUTS, Timeouts
 from ps_common.transport import WILDCARD_HOSTS, advertised, bind_address, make_router
 from ps_ml.models import FlatParameters, build_model
-from ps_server.checkpoint import CheckpointError, CheckpointWriter, find_checkpoint, load_checkpoint, save_checkpoint
+from ps_server.checkpoint import (
+    CheckpointError,
+    CheckpointWriter,
+    find_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
 from ps_server.follow import Follow
 from ps_server.layout import partition
 from ps_server.lead import Lead
@@ -80,7 +87,7 @@ class ShardServer:
     def __init__(self, cfg: JobConfig, shard: int, *, host: str | None = None, port: int = 0,
                  advertise_host: str | None = None, coordinator: str | None = None,
                  run_dir: str | Path | None = None, ctx: zmq.Context | None = None,
-                 resume: bool = False, overwrite: bool = False,
+                 resume: bool | str = False, overwrite: bool = False,
                  timeouts: Timeouts = DEFAULT_TIMEOUTS) -> None:
         S = cfg.cluster.num_shards
         if not 0 <= shard < S:
@@ -96,6 +103,13 @@ class ShardServer:
         # Before any socket: a run directory holding an earlier run is refused here (metrics of
         # two runs in one file would be summed as one run's), unless resumed or overwritten.
         self.run_dir = Path(run_dir) if run_dir else None
+        ck = cfg.checkpoint
+        self.checkpoint_dir: Path | None = (
+            Path(ck.dir) if ck.dir else (self.run_dir / "checkpoints" if self.run_dir else None))
+        if resume == "auto":  # a restarted container or pod: go on from a checkpoint if it has one
+            resume = self.checkpoint_dir is not None and bool(list_checkpoints(self.checkpoint_dir, shard))
+        elif not isinstance(resume, bool):
+            raise UsageError(f"resume must be True, False or 'auto', got {resume!r}")
         self.metrics_existing = existing_for(resume=resume, overwrite=overwrite)
         self.metrics = MetricsWriter(self.run_dir / "metrics" / f"shard-{shard}.jsonl" if self.run_dir else None,
                                      self.metrics_existing)
@@ -133,9 +147,6 @@ class ShardServer:
         self.finished = False
         self.resumed = False
         self._dirty = True  # pulls may be answerable
-        ck = cfg.checkpoint
-        self.checkpoint_dir: Path | None = (
-            Path(ck.dir) if ck.dir else (self.run_dir / "checkpoints" if self.run_dir else None))
         if self.checkpoint_dir is None and (ck.every_iterations or ck.every_seconds or resume):
             raise UsageError("checkpoints need checkpoint.dir or --run-dir")
         self.checkpointer = (CheckpointWriter(self.checkpoint_dir, shard, ck.keep)

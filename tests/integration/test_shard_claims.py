@@ -1,6 +1,7 @@
 """dmlc servers claim their follower index by name (``ps-server --name``), and shard 0 keeps the
 claims in its checkpoints: a server restarted under the same name gets its index back, also
-from a shard 0 that was itself restarted with ``--resume``."""
+from a shard 0 that was itself restarted (``--resume auto``: resumed where a checkpoint exists,
+a fresh start otherwise, so a cluster manager can run the same command every time)."""
 
 from __future__ import annotations
 
@@ -30,8 +31,9 @@ def test_named_claims_survive_a_restart_of_either_side(tmp_path):
     run = tmp_path / "run"
     # A context each: a closed server's ZAP handler leaves its inproc endpoint asynchronously
     ctx = zmq.Context()
-    first = ShardServer(cfg, 0, ctx=ctx, run_dir=run)
+    first = ShardServer(cfg, 0, ctx=ctx, run_dir=run, resume="auto")  # what a k8s pod runs every time
     try:
+        assert not first.resumed, "no checkpoint yet: a fresh start"
         assert [_claim(first, n) for n in ("server-b", "server-a")] == [1, 2]
         assert _claim(first, "server-b") == 1, "the same name (a restarted server) gets its index back"
         first.write_checkpoint()
@@ -45,8 +47,9 @@ def test_named_claims_survive_a_restart_of_either_side(tmp_path):
         ctx.destroy(linger=0)
 
     ctx = zmq.Context()
-    resumed = ShardServer(cfg, 0, ctx=ctx, run_dir=run, resume=True)
+    resumed = ShardServer(cfg, 0, ctx=ctx, run_dir=run, resume="auto")
     try:
+        assert resumed.resumed, "the same command goes on from the checkpoint"
         assert resumed.role.claims == {"server-b": 1, "server-a": 2}, "the checkpoint's claims"
         assert _claim(resumed, "server-a") == 2 and _claim(resumed, "server-b") == 1
         assert _claim(resumed, "server-new") == 3, "the index claimed after the checkpoint is free again"

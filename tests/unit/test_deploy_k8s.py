@@ -111,3 +111,22 @@ def test_the_job_config_loads_and_each_pod_holds_the_keys_its_role_needs(tmp_pat
         else:
             sec.require_server()
             sec.require_client("shard")                # followers dial shard 0 as a shard
+
+
+def test_shards_keep_their_run_directories_and_checkpoints_across_restarts(tmp_path):
+    """A shard pod's run directory (with its checkpoints) is on a volume claimed per pod, and the
+    pod's one command resumes from it when it holds a checkpoint: a restarted pod goes on."""
+    (cm,) = kind("ConfigMap")
+    cfg_path = tmp_path / "job.yaml"
+    cfg_path.write_text(cm["data"]["job.yaml"])
+    cfg = load_config(cfg_path, env={})
+    assert cfg.checkpoint.every_iterations and cfg.checkpoint.dir is None, "checkpoints in the run directory"
+    for sts in kind("StatefulSet"):
+        (c,) = sts["spec"]["template"]["spec"]["containers"]
+        args = server_parser().parse_args(c["args"])
+        assert args.resume == "auto", sts["metadata"]["name"]
+        (mount,) = [m for m in c["volumeMounts"] if m["name"] == "runs"]
+        assert Path(args.run_dir).is_relative_to(mount["mountPath"])
+        claims = {t["metadata"]["name"] for t in sts["spec"].get("volumeClaimTemplates", [])}
+        assert "runs" in claims, "a PersistentVolumeClaim per pod, not an emptyDir"
+        assert all(v["name"] != "runs" for v in sts["spec"]["template"]["spec"]["volumes"])
