@@ -207,6 +207,25 @@ class RayConfig(StrictModel):
                              "checkpoint (needs checkpoint.dir on storage every node shares)")
 
 
+class SlurmRole(StrictModel):
+    """What each task of one role asks Slurm for (one component of the heterogeneous job)."""
+
+    cpus: int = Field(1, ge=1, description="--cpus-per-task")
+    mem_mb: Optional[int] = Field(None, ge=1, description="memory per task (as --mem-per-cpu of its share)")
+    gpus: int = Field(0, ge=0, description="--gpus-per-task")
+    partition: Optional[str] = Field(None, min_length=1)
+    constraint: Optional[str] = Field(None, min_length=1, description="--constraint: node features")
+
+
+class SlurmConfig(StrictModel):
+    """``ps-launch --backend slurm --print``: one heterogeneous job, a component per role, so
+    that shards, workers and the evaluator each get their own CPUs, memory, GPUs and nodes."""
+
+    shard: SlurmRole = SlurmRole()
+    worker: SlurmRole = SlurmRole()
+    evaluator: SlurmRole = SlurmRole()
+
+
 class JobConfig(StrictModel):
     """The whole job. Cross-field rules are checked here so errors still name the key."""
 
@@ -226,6 +245,7 @@ class JobConfig(StrictModel):
     scenario: ScenarioConfig = ScenarioConfig()
     security: SecurityConfig = SecurityConfig()  # per host: not part of the job digest
     ray: RayConfig = RayConfig()                 # how ps-launch --backend ray places processes
+    slurm: SlurmConfig = SlurmConfig()           # what ps-launch --backend slurm asks for per role
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "JobConfig":

@@ -1,10 +1,13 @@
 """Run a job on Slurm: an sbatch script generated from the job's YAML, one task per process.
 
-``ps-launch CONFIG --backend slurm --print`` writes the script. It asks for one task per shard,
-worker and (when enabled) the evaluator, and runs ``python -m ps_launcher.slurm`` in each; that
-task reads ``SLURM_PROCID`` and ``SLURM_NTASKS`` and becomes, in order, shard 0 (the
-coordinator), the other shards, the workers (named ``worker-I``, with scenario index I, so
-memory caps and scenarios follow them) and the evaluator. Shard 0 binds a free port on the
+``ps-launch CONFIG --backend slurm --print`` writes the script: a heterogeneous job with one
+component per role (shards, workers and, when enabled, the evaluator), each asking for what
+the config's ``slurm:`` section gives that role (CPUs, memory, GPUs per task, partition, node
+features), one task per process. One ``srun`` step per component runs ``python -m
+ps_launcher.slurm --role ROLE`` in each of its tasks; ``SLURM_PROCID`` (within the component)
+is the index: shard 0 (the coordinator) and the other shards, the workers (named ``worker-I``,
+with scenario index I, so memory caps and scenarios follow them), the evaluator. The shards'
+step decides the job: when it fails, the script stops the other steps. Shard 0 binds a free port on the
 node it runs on and writes its endpoint into the run directory, which every node must see (a
 shared file system, as Slurm clusters have); the others read it from there. The tasks load the
 config the generator wrote into the run directory (``--set`` overrides included). Without
@@ -25,20 +28,32 @@ from ps_common.config import JobConfig, load_config
 ENDPOINT_FILE = "coordinator.endpoint"
 
 
+ROLES = ("shard", "worker", "evaluator")
+
+
+def components(cfg: JobConfig) -> list[tuple[str, int]]:
+    """The heterogeneous job's components in order: (role, number of tasks)."""
+    out = [("shard", cfg.cluster.num_shards), ("worker", cfg.cluster.num_workers)]
+    return out + ([("evaluator", 1)] if cfg.evaluator.enabled else [])
+
+
 def task_count(cfg: JobConfig) -> int:
-    return cfg.cluster.num_shards + cfg.cluster.num_workers + (1 if cfg.evaluator.enabled else 0)
+    return sum(n for _, n in components(cfg))
 
 
-def role_of(cfg: JobConfig, procid: int) -> tuple[str, int]:
-    """(role, index) of Slurm task ``procid``: ("shard", k), ("worker", i) or ("evaluator", 0)."""
-    s, w = cfg.cluster.num_shards, cfg.cluster.num_workers
-    if procid < s:
-        return "shard", procid
-    if procid < s + w:
-        return "worker", procid - s
-    if procid == s + w and cfg.evaluator.enabled:
-        return "evaluator", 0
-    raise ValueError(f"task {procid} has no role: the job has {task_count(cfg)} tasks")
+def _resources(cfg: JobConfig, role: str, tasks: int) -> list[str]:
+    """The #SBATCH options of one component."""
+    r = getattr(cfg.slurm, role)
+    opts = [f"--ntasks={tasks}", f"--cpus-per-task={r.cpus}"]
+    if r.mem_mb is not None:
+        opts.append(f"--mem-per-cpu={-(-r.mem_mb // r.cpus)}M")  # per task: its CPUs' share, rounded up
+    if r.gpus:
+        opts.append(f"--gpus-per-task={r.gpus}")
+    if r.partition:
+        opts.append(f"--partition={r.partition}")
+    if r.constraint:
+        opts.append(f"--constraint={r.constraint}")
+    return opts
 
 
 def sbatch_script(cfg: JobConfig, config_path: Path, run_dir: Path, *, python: str = sys.executable,
@@ -50,13 +65,16 @@ def sbatch_script(cfg: JobConfig, config_path: Path, run_dir: Path, *, python: s
     secret = run_dir / "job.secret" if not sec.curve and not sec.secret_file else None
     lines = ["#!/bin/bash",
              f"#SBATCH --job-name=lbbsp-{cfg.run.name}",
-             f"#SBATCH --ntasks={task_count(cfg)}",
-             "#SBATCH --cpus-per-task=1",
              f"#SBATCH --time={time_limit}",
              f"#SBATCH --output={run_dir}/slurm-%j.out"]
-    if partition:
+    if partition:  # every component's, unless the role names its own
         lines.append(f"#SBATCH --partition={partition}")
     lines += [f"#SBATCH {x}" for x in extra_sbatch]
+    for i, (role, n) in enumerate(components(cfg)):
+        if i:
+            lines.append("#SBATCH hetjob")
+        lines += [f"#SBATCH {x}  # {role}s" if j == 0 else f"#SBATCH {x}"
+                  for j, x in enumerate(_resources(cfg, role, n))]
     q = shlex.quote
     lines += ["set -euo pipefail",
               f"mkdir -p {q(str(run_dir))}",
@@ -65,8 +83,14 @@ def sbatch_script(cfg: JobConfig, config_path: Path, run_dir: Path, *, python: s
     if secret is not None:
         lines.append(f"[ -e {q(str(secret))} ] || {q(python)} -m ps_launcher.keys_cli secret {q(str(secret))}")
         task += ["--secret-file", str(secret)]
-    lines += ["start=$SECONDS", "status=0",
-              "srun --kill-on-bad-exit=1 --label " + " ".join(q(x) for x in task) + " || status=$?",
+    lines += ["start=$SECONDS", "status=0", "steps=()"]
+    for i, (role, _) in enumerate(components(cfg)):
+        lines.append(f"srun --het-group={i} --kill-on-bad-exit=1 --label "
+                     + " ".join(q(x) for x in [*task, "--role", role]) + " &")
+        lines.append("steps+=($!)")
+    lines += ["# the shards' step (the first) decides: when it fails, nothing is left to train with",
+              'wait "${steps[0]}" || { status=$?; kill "${steps[@]:1}" 2>/dev/null || true; }',
+              'for s in "${steps[@]:1}"; do wait "$s" || true; done',
               "# the run directory's summary and plots, as ps-launch writes them",
               " ".join(q(x) for x in [python, "-m", "ps_launcher.slurm", "--summarize", "--config",
                                       str(config_path), "--run-dir", str(run_dir)])
@@ -94,6 +118,7 @@ def run_task(argv: list[str] | None = None, env: Mapping[str, str] | None = None
     ap.add_argument("--config", required=True)
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--secret-file", default=None)
+    ap.add_argument("--role", choices=ROLES, help="this task's component of the heterogeneous job")
     ap.add_argument("--summarize", action="store_true",
                     help="after the tasks: write the run directory's summary and plots")
     ap.add_argument("--wall-s", type=float, default=None)
@@ -110,12 +135,15 @@ def run_task(argv: list[str] | None = None, env: Mapping[str, str] | None = None
         plot_run(Path(args.run_dir), summary)
         print(summary_markdown(summary))
         return 0
-    procid, ntasks = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
-    if ntasks != task_count(cfg):
-        print(f"ps-launch slurm task: the allocation has {ntasks} tasks, the job needs {task_count(cfg)} "
-              "(one per shard, worker and evaluator): regenerate the script", file=sys.stderr)
+    if args.role is None:
+        ap.error("--role is required (the script passes it to each component's step)")
+    index, ntasks = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
+    wanted = dict(components(cfg)).get(args.role, 0)
+    if ntasks != wanted:
+        print(f"ps-launch slurm task: the {args.role} step has {ntasks} tasks, the job needs {wanted}: "
+              "regenerate the script", file=sys.stderr)
         return 2
-    role, index = role_of(cfg, procid)
+    role = args.role
     run_dir = Path(args.run_dir)
     common = ["--config", args.config, "--run-dir", args.run_dir]
     if args.secret_file:

@@ -3,24 +3,43 @@ secret made unless CURVE is on. (The script run on a real Slurm: tests/system/te
 
 from __future__ import annotations
 
-import pytest
-
 from ps_common.config import validate
-from ps_launcher.slurm import role_of, sbatch_script, task_count
+from ps_launcher.slurm import components, run_task, sbatch_script, task_count
 
 
-def test_tasks_map_to_roles_and_the_script_asks_for_one_task_each(tmp_path):
-    cfg = validate({"cluster": {"num_shards": 3, "num_workers": 4}})
-    assert task_count(cfg) == 8
-    assert [role_of(cfg, i) for i in range(8)] == [
-        ("shard", 0), ("shard", 1), ("shard", 2), ("worker", 0), ("worker", 1), ("worker", 2), ("worker", 3),
-        ("evaluator", 0)]
-    with pytest.raises(ValueError, match="no role"):
-        role_of(cfg, 8)
+def test_one_component_per_role_with_its_own_resources_and_one_step_each(tmp_path):
+    cfg = validate({"cluster": {"num_shards": 3, "num_workers": 4},
+                    "slurm": {"worker": {"cpus": 4, "mem_mb": 6000, "gpus": 1, "constraint": "a100"},
+                              "shard": {"partition": "cpu"}}})
+    assert components(cfg) == [("shard", 3), ("worker", 4), ("evaluator", 1)] and task_count(cfg) == 8
     script = sbatch_script(cfg, tmp_path / "job.yaml", tmp_path / "run")
-    assert "#SBATCH --ntasks=8" in script and "srun --kill-on-bad-exit=1" in script
+    head = [ln for ln in script.splitlines() if ln.startswith("#SBATCH")]
+    parts, cur = [], []
+    for ln in head:
+        if ln == "#SBATCH hetjob":
+            parts.append(cur)
+            cur = []
+        else:
+            cur.append(ln.split("  #")[0].removeprefix("#SBATCH "))
+    parts.append(cur)
+    assert len(parts) == 3
+    assert {"--ntasks=3", "--cpus-per-task=1", "--partition=cpu"} <= set(parts[0])
+    assert {"--ntasks=4", "--cpus-per-task=4", "--mem-per-cpu=1500M", "--gpus-per-task=1",
+            "--constraint=a100"} <= set(parts[1])
+    assert {"--ntasks=1", "--cpus-per-task=1"} <= set(parts[2])
+    steps = [ln for ln in script.splitlines() if ln.startswith("srun ")]
+    assert [s.split()[1] for s in steps] == ["--het-group=0", "--het-group=1", "--het-group=2"]
+    assert [s.split("--role ")[1].split()[0] for s in steps] == ["shard", "worker", "evaluator"]
     assert f"keys_cli secret {tmp_path / 'run' / 'job.secret'}" in script, "no security: a job secret is made"
     curve = validate({"cluster": {"num_workers": 1}, "evaluator": {"enabled": False},
                       "security": {"curve": True, "server_secret_key": "/k/server.key_secret"}})
     assert "job.secret" not in sbatch_script(curve, tmp_path / "j.yaml", tmp_path / "r")
-    assert task_count(curve) == 2
+    assert task_count(curve) == 2 and "hetjob" in sbatch_script(curve, tmp_path / "j.yaml", tmp_path / "r")
+
+
+def test_a_task_refuses_a_step_of_the_wrong_size(tmp_path, capsys):
+    cfg_file = tmp_path / "job.yaml"
+    cfg_file.write_text("cluster: {num_shards: 2, num_workers: 3}\n")
+    rc = run_task(["--config", str(cfg_file), "--run-dir", str(tmp_path), "--role", "worker"],
+                  env={"SLURM_PROCID": "0", "SLURM_NTASKS": "2"})
+    assert rc == 2 and "the worker step has 2 tasks, the job needs 3" in capsys.readouterr().err
