@@ -218,12 +218,26 @@ class SlurmRole(StrictModel):
 
 
 class SlurmConfig(StrictModel):
-    """``ps-launch --backend slurm --print``: one heterogeneous job, a component per role, so
-    that shards, workers and the evaluator each get their own CPUs, memory, GPUs and nodes."""
+    """``ps-launch --backend slurm --print``: what shards, workers and the evaluator each ask for
+    (CPUs, memory, GPUs per task, partition, node features)."""
+
+    @model_validator(mode="after")
+    def _one_place_unless_hetjob(self) -> "SlurmConfig":
+        if not self.hetjob:
+            for what in ("partition", "constraint"):
+                named = {getattr(getattr(self, r), what) for r in ("shard", "worker", "evaluator")} - {None}
+                if len(named) > 1:  # one named is the whole allocation's
+                    raise ValueError(f"roles name different {what}s ({', '.join(sorted(named))}): one "
+                                     "allocation has one; set slurm.hetjob: true for a component per role")
+        return self
 
     shard: SlurmRole = SlurmRole()
     worker: SlurmRole = SlurmRole()
     evaluator: SlurmRole = SlurmRole()
+    hetjob: bool = Field(False, description=(
+        "one heterogeneous job, a component per role, each with exactly its own resources and "
+        "partition; else one allocation sized for the largest role and one step per role (needs "
+        "one partition and one constraint for all roles)"))
 
 
 class JobConfig(StrictModel):

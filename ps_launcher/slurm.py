@@ -1,17 +1,20 @@
 """Run a job on Slurm: an sbatch script generated from the job's YAML, one task per process.
 
-``ps-launch CONFIG --backend slurm --print`` writes the script: a heterogeneous job with one
-component per role (shards, workers and, when enabled, the evaluator), each asking for what
-the config's ``slurm:`` section gives that role (CPUs, memory, GPUs per task, partition, node
-features), one task per process. One ``srun`` step per component runs ``python -m
-ps_launcher.slurm --role ROLE`` in each of its tasks; ``SLURM_PROCID`` (within the component)
-is the index: shard 0 (the coordinator) and the other shards, the workers (named ``worker-I``,
-with scenario index I, so memory caps and scenarios follow them), the evaluator. The shards'
-step decides the job: when it fails, the script stops the other steps. Shard 0 binds a free port on the
-node it runs on and writes its endpoint into the run directory, which every node must see (a
-shared file system, as Slurm clusters have); the others read it from there. The tasks load the
-config the generator wrote into the run directory (``--set`` overrides included). Without
-security settings the script makes a job secret in the run directory first.
+``ps-launch CONFIG --backend slurm --print`` writes the script. The config's ``slurm:`` section
+says what each role (shards, workers and, when enabled, the evaluator) asks for per task: CPUs,
+memory, GPUs, partition, node features. By default the job is one allocation with a task slot
+per process, each as large as the largest role's, and one ``srun --exact`` step per role
+takes its share; with ``slurm.hetjob`` it is a heterogeneous job with a component per role,
+each with exactly its own resources and partition (not run here: the single-host test Slurm
+left every heterogeneous job pending). Each step runs ``python -m ps_launcher.slurm --role
+ROLE`` in each of its tasks; ``SLURM_PROCID`` (within the step) is the index: shard 0 (the
+coordinator) and the other shards, the workers (named ``worker-I``, with scenario index I, so
+memory caps and scenarios follow them), the evaluator. The shards' step decides the job: when
+it fails, the script stops the other steps. Shard 0 binds a free port on the node it runs on
+and writes its endpoint into the run directory, which every node must see (a shared file
+system, as Slurm clusters have); the others read it from there. The tasks load the config the
+generator wrote into the run directory (``--set`` overrides included). Without security
+settings the script makes a job secret in the run directory first.
 """
 
 from __future__ import annotations
@@ -41,18 +44,40 @@ def task_count(cfg: JobConfig) -> int:
     return sum(n for _, n in components(cfg))
 
 
-def _resources(cfg: JobConfig, role: str, tasks: int) -> list[str]:
-    """The #SBATCH options of one component."""
+def _mem_per_cpu(mem_mb: int | None, cpus: int) -> int | None:
+    return None if mem_mb is None else -(-mem_mb // cpus)   # a task's memory as its CPUs' share
+
+
+def _resources(cfg: JobConfig, role: str, tasks: int, *, place: bool = True) -> list[str]:
+    """One role's options: a hetjob component's (``place``: with partition and constraint) or a
+    step's within the job's allocation."""
     r = getattr(cfg.slurm, role)
     opts = [f"--ntasks={tasks}", f"--cpus-per-task={r.cpus}"]
-    if r.mem_mb is not None:
-        opts.append(f"--mem-per-cpu={-(-r.mem_mb // r.cpus)}M")  # per task: its CPUs' share, rounded up
+    if (m := _mem_per_cpu(r.mem_mb, r.cpus)) is not None:
+        opts.append(f"--mem-per-cpu={m}M")
     if r.gpus:
         opts.append(f"--gpus-per-task={r.gpus}")
-    if r.partition:
+    if place and r.partition:
         opts.append(f"--partition={r.partition}")
-    if r.constraint:
+    if place and r.constraint:
         opts.append(f"--constraint={r.constraint}")
+    return opts
+
+
+def _allocation(cfg: JobConfig) -> list[str]:
+    """One allocation in which every role's step fits: a task slot per process, each as large
+    as the largest role's task (roles that differ much: ``slurm.hetjob``)."""
+    roles = [(getattr(cfg.slurm, role), n) for role, n in components(cfg)]
+    opts = [f"--ntasks={task_count(cfg)}", f"--cpus-per-task={max(r.cpus for r, _ in roles)}"]
+    mems = [m for r, _ in roles if (m := _mem_per_cpu(r.mem_mb, r.cpus)) is not None]
+    if mems:
+        opts.append(f"--mem-per-cpu={max(mems)}M")
+    if gpus := sum(r.gpus * n for r, n in roles):
+        opts.append(f"--gpus={gpus}")
+    for what in ("partition", "constraint"):
+        named = {getattr(r, what) for r, _ in roles} - {None}
+        if named:  # at most one (the config refuses more without hetjob)
+            opts.append(f"--{what}={named.pop()}")
     return opts
 
 
@@ -70,11 +95,14 @@ def sbatch_script(cfg: JobConfig, config_path: Path, run_dir: Path, *, python: s
     if partition:  # every component's, unless the role names its own
         lines.append(f"#SBATCH --partition={partition}")
     lines += [f"#SBATCH {x}" for x in extra_sbatch]
-    for i, (role, n) in enumerate(components(cfg)):
-        if i:
-            lines.append("#SBATCH hetjob")
-        lines += [f"#SBATCH {x}  # {role}s" if j == 0 else f"#SBATCH {x}"
-                  for j, x in enumerate(_resources(cfg, role, n))]
+    if cfg.slurm.hetjob:
+        for i, (role, n) in enumerate(components(cfg)):
+            if i:
+                lines.append("#SBATCH hetjob")
+            lines += [f"#SBATCH {x}  # {role}" if j == 0 else f"#SBATCH {x}"
+                      for j, x in enumerate(_resources(cfg, role, n))]
+    else:
+        lines += [f"#SBATCH {x}" for x in _allocation(cfg)]
     q = shlex.quote
     lines += ["set -euo pipefail",
               f"mkdir -p {q(str(run_dir))}",
@@ -84,9 +112,12 @@ def sbatch_script(cfg: JobConfig, config_path: Path, run_dir: Path, *, python: s
         lines.append(f"[ -e {q(str(secret))} ] || {q(python)} -m ps_launcher.keys_cli secret {q(str(secret))}")
         task += ["--secret-file", str(secret)]
     lines += ["start=$SECONDS", "status=0", "steps=()"]
-    for i, (role, _) in enumerate(components(cfg)):
-        lines.append(f"srun --het-group={i} --kill-on-bad-exit=1 --label "
-                     + " ".join(q(x) for x in [*task, "--role", role]) + " &")
+    for i, (role, n) in enumerate(components(cfg)):
+        # hetjob: the component's own resources; else this role's share of the allocation
+        # (--exact: the step takes only what it asks for, so the steps run side by side)
+        where = [f"--het-group={i}"] if cfg.slurm.hetjob else ["--exact", *_resources(cfg, role, n, place=False)]
+        lines.append(" ".join(["srun", *where, "--kill-on-bad-exit=1", "--label"])
+                     + " " + " ".join(q(x) for x in [*task, "--role", role]) + " &")
         lines.append("steps+=($!)")
     lines += ["# the shards' step (the first) decides: when it fails, nothing is left to train with",
               'wait "${steps[0]}" || { status=$?; kill "${steps[@]:1}" 2>/dev/null || true; }',

@@ -40,7 +40,8 @@ StateSaveLocation=/var/spool/slurmctld
 SlurmdSpoolDir=/var/spool/slurmd
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
-SchedulerType=sched/builtin
+# backfill: the default, and the only scheduler that runs heterogeneous jobs
+SchedulerType=sched/backfill
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2

@@ -37,9 +37,11 @@ def test_a_job_runs_on_slurm_from_the_generated_script(tmp_path):
     run_dir = tmp_path / "run"
     gen = subprocess.run([sys.executable, "-m", "ps_launcher.cli", "configs/quick_synthetic.yaml", "--backend",
                           "slurm", "--print", "--run-dir", str(run_dir), "--set", "training.max_iterations=40",
-                          "--set", "cluster.num_shards=2", "--set", "cluster.num_workers=2"],
+                          "--set", "cluster.num_shards=2", "--set", "cluster.num_workers=2",
+                          "--set", "slurm.worker.cpus=2"],  # a role with resources of its own
                          capture_output=True, text=True, timeout=120)
     assert gen.returncode == 0, gen.stderr
+    assert "srun --exact --ntasks=2 --cpus-per-task=2" in gen.stdout, "the workers' step asks for 2 CPUs each"
     script = tmp_path / "job.sbatch"
     script.write_text(gen.stdout)
     sub = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=60)
