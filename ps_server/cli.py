@@ -20,9 +20,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--shard", type=int, default=None,
                     help="shard index, 0..cluster.num_shards-1 (default 0, or from DMLC_ROLE: see below)")
     ap.add_argument("--name", default=None,
-                    help="this server's name, stable across its restarts (DMLC_ROLE=server: the follower "
-                         "index is claimed by it, so a restarted server gets its index back, also from a "
-                         "resumed shard 0; Kubernetes: the pod name). Default: a random one per process")
+                    help="this server's name, stable across its restarts and unique in the job "
+                         "(DMLC_ROLE=server: the follower index is claimed by it, so a restarted server "
+                         "gets its index back, also from a resumed shard 0; two live servers of one name "
+                         "would both be that index; Kubernetes: the pod name). Default: a random one")
     ap.add_argument("--host", default=None, help="address to bind (default cluster.host, 127.0.0.1)")
     ap.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one")
     ap.add_argument("--advertise", default=None,
