@@ -114,29 +114,27 @@ def stall_share(finish: np.ndarray, compute: np.ndarray, x: np.ndarray,
     ``scratch``: two buffers of ``finish``'s shape for the temporaries (:class:`Workspace`).
     """
     with np.errstate(invalid="ignore", divide="ignore"):
-        ones = np.ones(finish.shape[1])                               # row sums as a product: 5x faster
-        finish_sum = finish @ ones                                    # nan where a window is not full
-        if finish.size and planned.min() > 0 and not np.isnan(finish_sum).any():   # min: nan if any
-            # The steady state (every window full, every batch planned): fewer passes, and no
-            # (workers x window) temporaries beyond ``scratch``.
-            w_buf, r_buf = scratch if scratch is not None else (None, None)
-            work = np.divide(x, planned, out=w_buf)
-            base = _row_quantile(np.subtract(finish, work, out=r_buf), STALL_BASE_QUANTILE, inplace=True)
-            share = (work @ ones) / (finish_sum - finish.shape[1] * base)
-            return np.where(np.isfinite(share) & (share > 0), np.minimum(share, 1.0), 1.0)
-        # Windows still filling (nan), or batches without a plan (their compute stands in).
         w_buf, r_buf = scratch if scratch is not None else (np.empty_like(finish), np.empty_like(finish))
+        ones = np.ones(finish.shape[1])                               # row sums as products: 5x faster
         work = np.divide(x, planned, out=w_buf)
-        np.copyto(work, compute, where=~(planned > 0))                # nan > 0 is False
-        missing = np.isnan(finish)
-        work[missing] = np.nan
+        unplanned = ~(planned > 0)                                    # nan > 0 is False
+        if unplanned.any():                                           # its measured compute stands in
+            np.copyto(work, compute, where=unplanned)
+        missing = np.isnan(finish)                                    # windows still filling
+        ragged = bool(missing.any())
+        if ragged:
+            work[missing] = np.nan
         base = _row_quantile(np.subtract(finish, work, out=r_buf), STALL_BASE_QUANTILE,
                              inplace=True)                            # nan rows: no finish yet
-        n = finish.shape[1] - np.count_nonzero(missing, axis=1)
-        work[missing] = 0.0                                           # now sums skip them
-        np.copyto(r_buf, finish)
-        r_buf[missing] = 0.0
-        share = (work @ ones) / (r_buf @ ones - n * base)
+        if ragged:                                                    # sums over the times there are
+            n = finish.shape[1] - np.count_nonzero(missing, axis=1)
+            work[missing] = 0.0
+            np.copyto(r_buf, finish)
+            r_buf[missing] = 0.0
+            finish_sum = r_buf @ ones
+        else:
+            n, finish_sum = finish.shape[1], finish @ ones
+        share = (work @ ones) / (finish_sum - n * base)
     return np.where(np.isfinite(share) & (share > 0), np.minimum(share, 1.0), 1.0)
 
 

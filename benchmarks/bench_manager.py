@@ -117,7 +117,16 @@ def warm_refits(m: Any, timeout: float = 60.0) -> None:
 
 # ----------------------------------------------------------------------------- (a) scaling
 PER_SAMPLE_X = 64          # global batch = 64 samples per worker in the scaling table
-FINISH_WINDOW = 32         # lbbsp-cpu's default finish_window
+
+
+def finish_window() -> int:
+    """lbbsp-cpu's default window of finish times (0 in a checkout that has none)."""
+    import inspect
+
+    from batchsize_manager.lbbsp import LBBSPCpuPolicy
+
+    param = inspect.signature(LBBSPCpuPolicy).parameters.get("finish_window")
+    return int(param.default) if param is not None else 0
 
 SCALING = [
     ("lbbsp-cpu (ema)", "lbbsp-cpu", {"predictor": "ema"}),
@@ -178,7 +187,7 @@ def scaling_table(sizes: list[int], budget_s: float, refit_ok: bool) -> str:
             # costs up to a quarter more at 10,000 workers. Models fit from their 10th-12th
             # observation, every 10 after: 20 iterations (two refit periods); the others 20
             # iterations (10 at 10k).
-            warmup = FINISH_WINDOW + 2
+            warmup = finish_window() + 2
             iters = 20 if model or n <= 1000 else 10
             t0 = time.perf_counter()
             ds, it_s, note = measure_decisions(policy, args, n, warmup, iters)

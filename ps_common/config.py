@@ -208,7 +208,8 @@ class RayConfig(StrictModel):
 
 
 class SlurmRole(StrictModel):
-    """What each task of one role asks Slurm for (one component of the heterogeneous job)."""
+    """What each task of one role asks Slurm for (its step's options, or with ``hetjob`` its
+    component's)."""
 
     cpus: int = Field(1, ge=1, description="--cpus-per-task")
     mem_mb: Optional[int] = Field(None, ge=1, description="memory per task (as --mem-per-cpu of its share)")
@@ -221,6 +222,14 @@ class SlurmConfig(StrictModel):
     """``ps-launch --backend slurm --print``: what shards, workers and the evaluator each ask for
     (CPUs, memory, GPUs per task, partition, node features)."""
 
+    shard: SlurmRole = SlurmRole()
+    worker: SlurmRole = SlurmRole()
+    evaluator: SlurmRole = SlurmRole()
+    hetjob: bool = Field(False, description=(
+        "one heterogeneous job, a component per role, each with exactly its own resources and "
+        "partition; else one allocation sized for the largest role and one step per role (needs "
+        "one partition and one constraint for all roles)"))
+
     @model_validator(mode="after")
     def _one_place_unless_hetjob(self) -> "SlurmConfig":
         if not self.hetjob:
@@ -230,14 +239,6 @@ class SlurmConfig(StrictModel):
                     raise ValueError(f"roles name different {what}s ({', '.join(sorted(named))}): one "
                                      "allocation has one; set slurm.hetjob: true for a component per role")
         return self
-
-    shard: SlurmRole = SlurmRole()
-    worker: SlurmRole = SlurmRole()
-    evaluator: SlurmRole = SlurmRole()
-    hetjob: bool = Field(False, description=(
-        "one heterogeneous job, a component per role, each with exactly its own resources and "
-        "partition; else one allocation sized for the largest role and one step per role (needs "
-        "one partition and one constraint for all roles)"))
 
 
 class JobConfig(StrictModel):

@@ -18,7 +18,7 @@ import zmq
 from ps_common import protocol as P
 from ps_common.config import JobConfig
 from ps_common.errors import PsError, UsageError
-from ps_common.metrics import MetricsInUse, MetricsWriter, existing_for
+from ps_common.metrics import MetricsWriter, existing_for
 from ps_common.protocol import Assignment
 from ps_common.report import Telemetry
 from ps_common.timeouts import DEFAULT_TIMEOUTS, Timeouts
@@ -185,9 +185,20 @@ class Worker:
         fits, fails = self.memory_probe or (0, 0)
         welcome = self.client.join(self.name, self.cfg.job_digest(), str(self.device),
                                    memory_fits=fits, memory_fails=fails)
+        self.worker_id = welcome.worker_id
+        try:
+            self._joined(welcome)
+        except BaseException:  # a member that cannot train leaves at once: no barrier waits for it
+            self._leave("it could not start after joining")
+            raise
+        log.info("worker %d (%s) joined at version %d on %s", self.worker_id, self.name,
+                 welcome.version, self.device)
+        return welcome
+
+    def _joined(self, welcome: P.Welcome) -> None:
+        """What a new membership needs before training: checks, the scenario, the records."""
         if welcome.num_params != self.flat.numel:
             raise UsageError(f"server has {welcome.num_params} parameters, model has {self.flat.numel}")
-        self.worker_id = welcome.worker_id
         self.consistent = welcome.consistent_pulls
         if self.contention is None:
             idx = self.scenario_index if self.scenario_index is not None else self.worker_id
@@ -201,16 +212,10 @@ class Worker:
                 log.info("worker %d scenario: %s", self.worker_id, self.scenario.describe())
         if self.metrics is not None:
             self.metrics.close()
-        try:  # each join is a new id, so a file of that id holds an earlier run's records
-            self.metrics = MetricsWriter(
-                self.run_dir / "metrics" / f"worker-{self.worker_id}.jsonl" if self.run_dir else None,
-                existing_for(overwrite=self.overwrite))
-        except MetricsInUse:
-            self._leave("its run directory holds an earlier run")  # no barrier waits for it
-            raise
-        log.info("worker %d (%s) joined at version %d on %s", self.worker_id, self.name,
-                 welcome.version, self.device)
-        return welcome
+        # Each join is a new id, so a file of that id holds an earlier run's records.
+        self.metrics = MetricsWriter(
+            self.run_dir / "metrics" / f"worker-{self.worker_id}.jsonl" if self.run_dir else None,
+            existing_for(overwrite=self.overwrite))
 
     def _leave(self, reason: str) -> None:
         try:
