@@ -96,6 +96,9 @@ class ModeConfig(StrictModel):
     sync: str = Field("bsp", min_length=1, description="sync policy (ps_server.sync.SYNC_POLICIES)")
     staleness: int = Field(5, ge=0, description="SSP bound s")
     backup_workers: int = Field(1, ge=1, description="b for sync=backup: N + b workers run")
+    reassign_chunks: int = Field(8, ge=2, description=(
+        "sync=flexrr: each worker's share is cut into this many chunks; a worker done with its own "
+        "takes a straggler's last unclaimed chunk, one claim (a round trip to shard 0) per chunk"))
     batch_policy: str = Field("uniform", min_length=1, description="batch policy (batchsize_manager)")
     batch_policy_args: dict[str, Any] = Field(default_factory=dict)
     plan_ahead: bool = Field(

@@ -32,7 +32,7 @@ from ps_common.errors import PsError
 from ps_common.report import Telemetry
 
 MAGIC = b"LBPS"
-VERSION = 3
+VERSION = 4
 HEADER_PREFIX = MAGIC + bytes([VERSION])
 MAX_HEADER_BYTES = 1 << 20
 ALLOWED_DTYPES = frozenset({"<f4", "<f8", "<i8", "<i4", "|u1"})
@@ -64,12 +64,15 @@ class Assignment:
     """What a worker trains on next: its batch size and the sample ranges of the global order.
 
     ``ranges`` holds ``[epoch, start, stop]`` triples into ``sample_order(seed, epoch, n)``.
+    With ``chunked`` (sync=flexrr) they are only the first chunk of the worker's share: it asks
+    the coordinator for each further chunk (:class:`TakeChunk`) and pushes once none is left.
     """
 
     iteration: int
     batch_size: int
     ranges: list[list[int]]
     global_batch: int
+    chunked: bool = False
 
 
 @dataclass
@@ -193,6 +196,30 @@ class OutOfMemory(Message):
     token: str = ""
     iteration: int = 0
     batch_size: int = 0
+
+
+@dataclass
+class TakeChunk(Message):
+    """Worker -> coordinator (sync=flexrr): it is done with the samples granted so far in
+    ``iteration``; grant it the next chunk, its own or a straggler's. The answer is a
+    :class:`Chunk`."""
+
+    TYPE: ClassVar[str] = "take_chunk"
+    worker_id: int = 0
+    token: str = ""
+    iteration: int = 0
+
+
+@dataclass
+class Chunk(Message):
+    """The next chunk to compute (``owner``: whose share it was), or none (``ranges`` empty):
+    push the sum over every chunk granted, ``batch_size`` samples in all."""
+
+    TYPE: ClassVar[str] = "chunk"
+    iteration: int = 0
+    owner: int = -1
+    ranges: list[list[int]] = field(default_factory=list)
+    batch_size: int = 0  # samples granted to this worker in the iteration, this chunk included
 
 
 @dataclass
@@ -487,7 +514,8 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (
         Hello, HelloReply, Ack, Join, Welcome, Heartbeat, HeartbeatReply, Leave, Push, OutOfMemory,
-        Reassignment, Pull, Params, ClaimShard, ShardClaimed, RegisterShard, Registered, Have, ShardSync,
+        Reassignment, TakeChunk, Chunk, Pull, Params, ClaimShard, ShardClaimed, RegisterShard, Registered,
+        Have, ShardSync,
         Commit, PlanMessage, Stop, Finish, Rollback,
         StatusRequest, Status, EvalReport, Shutdown, Error,
         BsmJoin, BsmLeave, BsmReport, BsmAssign, BsmAssignment, BsmStats, BsmStatsReply,

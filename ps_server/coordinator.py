@@ -38,8 +38,9 @@ from batchsize_manager.membership import Membership
 from batchsize_manager.memory import CannotFit
 from ps_common.config import JobConfig
 from ps_common.errors import PsError
-from ps_common.protocol import Assignment, Plan
-from ps_server.data_cursor import DataCursor, split_ranges
+from ps_common.protocol import Assignment, Chunk, Plan
+from ps_server.chunks import ChunkPool
+from ps_server.data_cursor import DataCursor, ranges_size, split_ranges
 from ps_server.sync import AsyncPolicy, RoundPolicy, SyncPolicy
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,8 @@ MAX_OUTSTANDING = 3
 
 
 class NotReassigned(PsError):
-    """An out-of-memory report the coordinator cannot act on; ``code`` goes back as the Error's."""
+    """A worker's request to change what it computes (an out-of-memory report, a chunk claim)
+    that the coordinator cannot act on; ``code`` goes back as the Error's."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
@@ -112,6 +114,7 @@ class UpdateRecord:
     samples: int
     applied_samples: int
     reports: list[WorkerReport] = field(default_factory=list)
+    helped_samples: int | None = None  # sync=flexrr: samples computed by a worker not planned them
 
 
 class Coordinator:
@@ -137,6 +140,8 @@ class Coordinator:
         self.version = 0
         self.iteration = -1
         self.plan: dict[int, Assignment] = {}
+        #: sync=flexrr: who computes which chunk of the current iteration (None otherwise).
+        self.chunks: ChunkPool | None = None
         self.plan_lr = 1.0
         self.outstanding: dict[int, dict[int, Assignment]] = {}  # async: worker -> clock -> assignment
         self.ledger: dict[tuple[int, int], _Gradient] = {}
@@ -218,8 +223,13 @@ class Coordinator:
             g = self.ledger.get((worker_id, self.iteration))
             if g is None or not g.complete:
                 self._discard((worker_id, self.iteration))
-                self.cursor.give_back(self.plan.pop(worker_id).ranges)
+                planned = self.plan.pop(worker_id).ranges
+                # flexrr: what it was granted goes back; its unclaimed chunks stay for the others
+                self.cursor.give_back(planned if self.chunks is None else self.chunks.release(worker_id))
                 if not self.plan:
+                    if self.chunks is not None:
+                        self.cursor.give_back(self.chunks.drain_unclaimed())
+                        self.chunks = None
                     self.replan_pending = True
 
     def silent_workers(self, timeout_s: float) -> list[int]:
@@ -385,6 +395,8 @@ class Coordinator:
         self.plan = {w: Assignment(iteration=iteration, batch_size=x, ranges=self.cursor.take(x),
                                    global_batch=total)
                      for w, x in sizes.items()}
+        k = self.policy.reassign_chunks
+        self.chunks = ChunkPool({w: a.ranges for w, a in self.plan.items()}, k) if k else None
         return self.current_plan()
 
     def assignment(self, worker_id: int, key: int) -> Assignment | None:
@@ -394,7 +406,11 @@ class Coordinator:
             return None
         policy = self.policy
         if not isinstance(policy, AsyncPolicy):  # round modes: the current iteration's plan
-            return self.plan.get(worker_id) if key == self.iteration else None
+            a = self.plan.get(worker_id) if key == self.iteration else None
+            if a is None or self.chunks is None:
+                return a
+            first = self.chunks.first(worker_id)  # flexrr: the rest is claimed chunk by chunk
+            return replace(a, batch_size=ranges_size(first), ranges=first, chunked=True)
         mine = self.outstanding.setdefault(worker_id, {})
         a = mine.get(key)
         if a is not None:
@@ -436,9 +452,37 @@ class Coordinator:
 
     # ----- gradients and commits ------------------------------------------------------------
     def expected(self, worker_id: int, iteration: int) -> int | None:
-        """The batch size a push of (worker, iteration) must carry, or None if none is due."""
+        """The batch size a push of (worker, iteration) must carry, or None if none is due
+        (flexrr: the samples granted to it, final once it has heard that none is left)."""
         a = self._due(worker_id, iteration)
-        return None if a is None else a.batch_size
+        if a is None:
+            return None
+        if self.chunks is None or a is not self.plan.get(worker_id):
+            return a.batch_size
+        return self.chunks.count(worker_id)
+
+    def take_chunk(self, worker_id: int, iteration: int) -> Chunk:
+        """sync=flexrr: grant ``worker_id`` its next chunk of ``iteration``, its own or (once it
+        has none left) a straggler's last; none left: it pushes what it was granted.
+
+        Raises :class:`NotReassigned` for a claim that does not match what is due."""
+        if self.stop:
+            raise NotReassigned("stopped", "the job is stopping")
+        if self.chunks is None and self.policy.reassign_chunks == 0:
+            raise NotReassigned("not_supported", f"sync={self.policy.name} does not reassign chunks")
+        if iteration != self.iteration or worker_id not in self.plan or self.chunks is None:
+            raise NotReassigned("not_planned", f"worker {worker_id} has no share of iteration {iteration}")
+        if (worker_id, iteration) in self.ledger:
+            raise NotReassigned("already_pushed", f"a shard holds worker {worker_id}'s gradient of "
+                                                  f"iteration {iteration}: it cannot take more")
+        got = self.chunks.take(worker_id)
+        self._count("chunks.claimed" if got is not None else "chunks.none_left")
+        if got is None:
+            return Chunk(iteration=iteration, owner=-1, ranges=[], batch_size=self.chunks.count(worker_id))
+        owner, ranges = got
+        if owner != worker_id:
+            self._count("chunks.helped")
+        return Chunk(iteration=iteration, owner=owner, ranges=ranges, batch_size=self.chunks.count(worker_id))
 
     def _due(self, worker_id: int, iteration: int) -> Assignment | None:
         """The worker's assignment of ``iteration``: in the plan (round modes) or among its
@@ -458,6 +502,9 @@ class Coordinator:
         Raises :class:`NotReassigned` for a report that does not match what is due."""
         if self.stop:
             raise NotReassigned("stopped", "the job is stopping")
+        if self.policy.reassign_chunks:
+            raise NotReassigned("not_supported", f"sync={self.policy.name} computes chunk by chunk and "
+                                                 "does not shrink a share after an out-of-memory error")
         a = self._due(worker_id, iteration)
         if a is None or a.iteration != iteration:
             raise NotReassigned("not_planned", f"worker {worker_id} has no assignment of iteration {iteration}")
@@ -565,7 +612,11 @@ class Coordinator:
         accepted = policy.accept(sorted(self.plan), complete)
         if accepted is None:
             return None
-        plan = self.plan
+        plan, helped = self.plan, None
+        if self.chunks is not None:  # flexrr: each worker computed what it was granted
+            chunks, self.chunks = self.chunks, None
+            plan = {w: replace(a, batch_size=chunks.count(w), ranges=chunks.granted(w)) for w, a in plan.items()}
+            helped = chunks.helped_samples
         for w, a in plan.items():
             if w not in accepted:  # a late backup worker: its samples are served again
                 self.cursor.give_back(a.ranges)
@@ -578,6 +629,7 @@ class Coordinator:
         lr = self.plan_lr
         self.plan = {}  # consumed: a stop below must not give its samples back
         record = self._record(t, plan, accepted)
+        record.helped_samples = helped
         self._check_stop(self.clock())
         next_plan = None if self.stop else self._plan(t + 1)
         return CommitDecision(self.version, t, entries, lr, drops, next_plan, record)
@@ -633,9 +685,10 @@ class Coordinator:
         policy's state. Membership is not saved: workers join again after a restart."""
         cursor = DataCursor(self.num_samples)
         cursor.load_state_dict(self.cursor.state_dict())
-        inflight = list(self.plan.values()) + [a for m in self.outstanding.values() for a in m.values()]
-        for a in inflight:
-            cursor.give_back(a.ranges)
+        inflight = [a.ranges for a in self.plan.values()] if self.chunks is None else [self.chunks.everything()]
+        inflight += [a.ranges for m in self.outstanding.values() for a in m.values()]
+        for ranges in inflight:
+            cursor.give_back(ranges)
         return {"cursor": cursor.state_dict(), "iteration": self.updates if self.policy.plans_rounds else 0,
                 "version": self.version, "elapsed": self.elapsed(), "updates": self.updates,
                 "applied_samples": self.applied_samples, "last_accuracy": self.last_accuracy,
@@ -644,7 +697,7 @@ class Coordinator:
     def load_state_dict(self, d: dict) -> None:
         """Resume: progress and cursor from the checkpoint; wait for the workers to join again."""
         self.members.clear()
-        self.plan, self.outstanding, self.ledger = {}, {}, {}
+        self.plan, self.outstanding, self.ledger, self.chunks = {}, {}, {}, None
         self._completed, self._pending_drops = [], []
         self._unobserved, self._ahead = {}, None
         self.cursor.load_state_dict(d["cursor"])
@@ -697,9 +750,12 @@ class Coordinator:
             return
         self.stop, self.stop_reason, self.stop_version = True, reason, self.version
         log.info("stopping at version %d: %s", self.version, reason)
-        for a in self.plan.values():
-            self.cursor.give_back(a.ranges)
-        self.plan = {}
+        if self.chunks is not None:
+            self.cursor.give_back(self.chunks.everything())
+        else:
+            for a in self.plan.values():
+                self.cursor.give_back(a.ranges)
+        self.plan, self.chunks = {}, None
         for mine in self.outstanding.values():
             for a in mine.values():
                 self.cursor.give_back(a.ranges)

@@ -101,13 +101,14 @@ class Follow:
             planned = plan.batch_sizes[plan.workers.index(w)]
         except ValueError:
             raise Refused("not_planned", f"worker {w} is not in iteration {t}'s plan") from None
-        if x > planned:
+        largest = self.server.policy.largest_push(planned, sum(plan.batch_sizes))
+        if x > largest:
             raise Refused("bad_batch", f"worker {w} was planned {planned} samples for iteration {t}, "
                                        f"the push says {x}")
-        # Fewer than planned: the coordinator shrank the assignment after an out-of-memory error
-        # (it does not tell followers, so no push can overtake the news). Held all the same: the
-        # coordinator completes a gradient only at the size it assigned, so a forged smaller
-        # size is never applied.
+        # Another size than planned: the coordinator shrank the assignment after an out-of-memory
+        # error, or (flexrr) granted chunks to others or of others. It does not tell followers, so
+        # no push can overtake the news. Held all the same: the coordinator completes a gradient
+        # only at the size it granted, so a forged size is never applied.
         return False
 
     def accepted_push(self, msg: P.Push) -> None:

@@ -70,7 +70,7 @@ class Lead:
                 P.EvalReport: self._on_eval, P.RegisterShard: self._on_register_shard,
                 P.ClaimShard: self._on_claim_shard,
                 P.Have: self._on_have, P.ShardSync: self._on_shard_sync,
-                P.OutOfMemory: self._on_out_of_memory}
+                P.OutOfMemory: self._on_out_of_memory, P.TakeChunk: self._on_take_chunk}
 
     def link_socket(self):
         return None
@@ -289,6 +289,14 @@ class Lead:
             raise Refused(exc.code, str(exc)) from None
         return P.Reassignment(assignment=a)
 
+    def _on_take_chunk(self, ident: bytes, role: str, msg: P.TakeChunk) -> P.Message:
+        coord = self._member(msg.worker_id, msg.token)
+        coord.heard_from(msg.worker_id)
+        try:
+            return coord.take_chunk(msg.worker_id, msg.iteration)
+        except NotReassigned as exc:
+            raise Refused(exc.code, str(exc)) from None
+
     def _on_leave(self, ident: bytes, role: str, msg: P.Leave) -> P.Message:
         self._member(msg.worker_id, msg.token)
         self.remove_worker(msg.worker_id, f"left ({msg.reason or 'no reason given'})")
@@ -381,7 +389,8 @@ class Lead:
             ranges={str(k): v for k, v in rec.ranges.items()},
             workers={str(r.worker_id): r.telemetry.to_dict() for r in rec.reports},
             dropped=server.state.dropped, drops=d.drops, stop=coord.stop, stop_reason=coord.stop_reason,
-            decision_s=coord.manager.last_decision_s)
+            decision_s=coord.manager.last_decision_s,
+            **({} if rec.helped_samples is None else {"helped_samples": rec.helped_samples}))
 
     def _announce_plan(self, plan: P.Plan | None) -> None:
         if plan is not None:

@@ -20,6 +20,7 @@ SHARD_PERMISSIONS: dict[type[P.Message], frozenset[str]] = {
     P.Leave: frozenset({"worker"}),
     P.Push: frozenset({"worker"}),
     P.OutOfMemory: frozenset({"worker"}),
+    P.TakeChunk: frozenset({"worker"}),
     P.Pull: frozenset({"worker", "evaluator", "operator"}),
     P.EvalReport: frozenset({"evaluator"}),
     P.Shutdown: frozenset({"operator"}),

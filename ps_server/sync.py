@@ -9,6 +9,10 @@ shards is never applied anywhere.
 - ``backup``: N + b workers run; iteration t commits as soon as N of its plan's workers are
   complete (all that remain, after losses): the first N to complete. The others are dropped and
   their samples go back to the pool.
+- ``flexrr``: as bsp, and within an iteration a worker done with its share takes over
+  chunks of a straggler's (FlexRR, Harlap et al. 2016; :mod:`ps_server.chunks`): every worker
+  then pushes the gradient of the samples it was granted, which may be more or fewer than
+  planned; together they are still the iteration's X samples.
 - ``asp``: every complete gradient is its own update, at learning-rate scale x_i / X; pulls
   are answered at once.
 - ``ssp``: as asp, and a worker asking to start clock c waits until every live worker's
@@ -69,9 +73,19 @@ class SyncPolicy(ABC):
         worker's own gradients this shard has applied or dropped, up to that clock;
         ``after_push``: the pull rides on a push that this shard accepted."""
 
+    #: Round modes: chunks per worker that others may take over within an iteration (FlexRR);
+    #: 0: each worker computes exactly its planned samples.
+    reassign_chunks: int = 0
+
     def planned_total(self, global_batch: int, workers: int) -> int:
         """How many samples a split over ``workers`` workers hands out for a global batch X."""
         return global_batch
+
+    def largest_push(self, planned: int, plan_total: int) -> int:
+        """The most samples a push may carry for a worker planned ``planned`` of the plan's
+        ``plan_total`` (a follower's check; the coordinator completes a gradient only at the size
+        it granted, so a forged size within this bound is held and never applied)."""
+        return planned
 
 
 class RoundPolicy(SyncPolicy):
@@ -125,6 +139,23 @@ class BSP(RoundPolicy):
         if not members or not set(complete) >= set(members):
             return None
         return sorted(members)
+
+
+@SYNC_POLICIES.register("flexrr")
+class FlexRR(BSP):
+    """BSP with FlexRR-style reassignment: helpers take a straggler's unclaimed chunks."""
+
+    def __init__(self, chunks: int = 8) -> None:
+        if chunks < 2:
+            raise ValueError("flexrr: reassign_chunks must be >= 2")
+        self.reassign_chunks = chunks
+
+    @classmethod
+    def from_config(cls, cfg: JobConfig) -> "FlexRR":
+        return cls(chunks=cfg.mode.reassign_chunks)
+
+    def largest_push(self, planned: int, plan_total: int) -> int:
+        return plan_total  # a helper may have computed chunks of every other worker
 
 
 @SYNC_POLICIES.register("backup")

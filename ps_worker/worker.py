@@ -255,11 +255,15 @@ class Worker:
             if max_iterations is not None and self.iterations_done >= max_iterations:
                 return "leave"
             t0 = time.perf_counter()
-            a, loss, data_s, t1, mem = self._fitting_gradient(res.assignment)
-            # Emulated slowdown: sleep (f - 1) x compute, counted inside the compute phase so
-            # every policy (and LB-BSP's predictors) sees it as slower compute.
-            emulated = self.slowdown.after_compute(self.iterations_done, time.monotonic() - origin,
-                                                   time.perf_counter() - t1)
+            if res.assignment.chunked:
+                a, loss, data_s, t1, emulated = self._chunked_gradient(res.assignment, origin)
+                mem = Telemetry()
+            else:
+                a, loss, data_s, t1, mem = self._fitting_gradient(res.assignment)
+                # Emulated slowdown: sleep (f - 1) x compute, counted inside the compute phase so
+                # every policy (and LB-BSP's predictors) sees it as slower compute.
+                emulated = self.slowdown.after_compute(self.iterations_done, time.monotonic() - origin,
+                                                       time.perf_counter() - t1)
             t2 = time.perf_counter()
             tel = dataclasses.replace(
                 self.probe.sample(), data_s=data_s, compute_s=t2 - t1,
@@ -314,6 +318,62 @@ class Worker:
             a = self._reassigned(a, why)
             retries += 1
             self.oom_retries += 1
+
+    def _chunked_gradient(self, a: Assignment, origin: float) -> tuple[Assignment, float, float, float, float]:
+        """sync=flexrr: the gradient over every chunk the coordinator grants this worker in
+        ``a``'s iteration: the first (``a``'s ranges), then one claim (:class:`P.TakeChunk`) per
+        chunk, its own or a straggler's, until none is left. Per-sample gradients add up across
+        chunks and the push carries their mean over all of them, so the update is the same
+        whoever computed which chunk. An emulated slowdown sleeps after each chunk, so helpers
+        can take over while it does. An allocation failure is not retried with less: the chunks
+        are already a fraction of the share. Returns (what the push carries, loss, data seconds,
+        compute start, emulated seconds)."""
+        start = time.perf_counter()
+        self.flat.zero_grad_()
+        ranges: list[list[int]] = []
+        count, loss_sum, data_s, emulated = 0, 0.0, 0.0, 0.0
+        piece = a.ranges
+        while True:
+            size = sum(b - s for _, s, b in piece)
+            t0 = time.perf_counter()
+            x, y = self._batch(Assignment(iteration=a.iteration, batch_size=size, ranges=piece,
+                                          global_batch=a.global_batch))
+            t1 = time.perf_counter()
+            data_s += t1 - t0
+            loss_sum += self._accumulate(x, y)
+            del x, y
+            emulated += self.slowdown.after_compute(self.iterations_done, time.monotonic() - origin,
+                                                    time.perf_counter() - t1)
+            ranges += piece
+            count += size
+            try:
+                reply = self.client.send_to_coordinator(
+                    P.TakeChunk(worker_id=self.worker_id, token=self.client.token, iteration=a.iteration), P.Chunk)
+            except RemoteError as exc:
+                if exc.code == "stopped":  # pushed and dropped; the pull answers with the stop
+                    break
+                if exc.code in REJOIN_CODES:
+                    raise
+                raise PullAborted(f"chunk claim refused: [{exc.code}] {exc}") from None
+            assert isinstance(reply, P.Chunk)
+            if not reply.ranges:
+                if reply.batch_size != count:
+                    raise PullAborted(f"the coordinator granted {reply.batch_size} samples, this worker "
+                                      f"computed {count}")
+                break
+            piece = reply.ranges
+        with torch.no_grad():
+            self.flat.grads.div_(count)
+        if self.device.type != "cpu":
+            self.flat.grads_to_host(self.host_grads)
+        done = Assignment(iteration=a.iteration, batch_size=count, ranges=ranges, global_batch=a.global_batch)
+        return done, loss_sum / count, data_s, start + data_s, emulated
+
+    def _accumulate(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """Add the summed per-sample gradients of (x, y) to the flat gradient; their summed loss."""
+        loss = F.cross_entropy(self.model(x), y, reduction="sum")
+        loss.backward()
+        return float(loss.detach())
 
     def _reassigned(self, a: Assignment, why: str) -> Assignment:
         log.warning("worker %d: out of memory with %d samples at iteration %d (%s); asking for fewer",

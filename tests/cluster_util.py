@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import select
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Iterator
 
 import numpy as np
 import yaml
@@ -18,6 +20,7 @@ from ps_common.security.credentials import generate_master
 from ps_common.transport import Connection
 from ps_launcher.processes import ProcessGroup
 from ps_worker.client import ShardClients
+from ps_worker.heartbeat import Heartbeat
 
 
 def write_config(tmp_path: Path, data: dict) -> tuple[Path, JobConfig]:
@@ -169,3 +172,34 @@ def committed_batches(recs: list[dict], seed: int, num_train: int) -> list[np.nd
     for e in range(max(seen)):
         assert sorted(seen[e]) == list(range(num_train)), f"epoch {e}: samples missing"
     return batches
+
+
+@dataclass
+class Member:
+    """A hand-driven worker: joined, kept alive by heartbeats, with its first assignment."""
+
+    client: ShardClients
+    worker_id: int
+    token: str
+    params: np.ndarray
+    assignment: P.Assignment | None
+
+
+@contextmanager
+def joined_member(cfg: JobConfig, endpoint: str, name: str = "forger") -> Iterator[Member]:
+    """Join as a worker (a member with a valid token) to send well-formed forged messages; it
+    leaves and closes on the way out."""
+    me = ShardClients(zmq.Context.instance(), endpoint, timeout_s=30, connect_timeout_s=30, security=cfg.security)
+    beat = None
+    try:
+        welcome = me.join(name, cfg.job_digest(), "cpu")
+        wid, token = welcome.worker_id, me.token
+        beat = Heartbeat(me.ctx, endpoint, wid, 0.2, security=cfg.security, token=token).start()
+        params = np.zeros(welcome.num_params, np.float32)
+        a = me.pull(params, worker_id=wid, min_version=welcome.version).assignment
+        yield Member(me, wid, token, params, a)
+        me.send_to_coordinator(P.Leave(worker_id=wid, token=token, reason=f"{name} done"), P.Ack)
+    finally:
+        if beat is not None:
+            beat.stop()
+        me.close()

@@ -86,6 +86,9 @@ def forgeries(rng: random.Random, sizes: list[int], digest: str):
         elif kind == "out_of_memory":  # a real worker's id and iteration range, a guessed token
             msg = P.OutOfMemory(worker_id=rng.randrange(3), token=rng.choice(["", token()]),
                                 iteration=rng.randrange(400), batch_size=rng.choice([1, 32, 10**9]))
+        elif kind == "take_chunk":  # a real worker's id and iteration range, a guessed token
+            msg = P.TakeChunk(worker_id=rng.randrange(3), token=rng.choice(["", token()]),
+                              iteration=rng.randrange(400))
         elif kind == "pull":
             msg = P.Pull(worker_id=rng.choice([-1, 0, 1]), token=rng.choice(["", token()]),
                          min_version=rng.choice([0] + [10**9] * 9), exact=rng.random() < 0.3)
@@ -116,7 +119,7 @@ def forgeries(rng: random.Random, sizes: list[int], digest: str):
 
 
 KINDS = ["shutdown", "eval_report", "claim_shard", "register_shard", "have", "shard_sync", "rollback", "join", "push",
-         "out_of_memory", "pull", "heartbeat", "hello_status", "malformed", "bad_report"]
+         "out_of_memory", "take_chunk", "pull", "heartbeat", "hello_status", "malformed", "bad_report"]
 #: Report fields a forged push gets wrong: not finite, negative, out of range, wrong type, unknown.
 BAD_REPORT_FIELDS = [("compute_s", float("nan")), ("data_s", -1.0), ("finish_s", float("inf")),
                      ("host_cpu", 1e9), ("mem_headroom_mb", -0.5), ("burners", 0.5), ("oom", 1),

@@ -23,7 +23,7 @@ from ps_common import protocol as P
 from ps_common.metrics import read_jsonl
 from ps_ml.datasets import load_dataset
 from ps_ml.reference import train_reference_batches
-from tests.cluster_util import committed_batches, consistent_end, start_servers, wait_exit, write_config
+from tests.cluster_util import committed_batches, consistent_end, joined_member, start_servers, wait_exit, write_config
 
 pytestmark = pytest.mark.system
 
@@ -181,11 +181,7 @@ def test_a_members_forged_out_of_memory_reports_change_nothing(procs, tmp_path):
     own retry was granted, and after its push. Each is refused with its code and changes
     nothing; its one honest report is granted, its smaller push is committed at that size, and
     the sample accounting and the shards' histories stay exact."""
-    import zmq
-
     from ps_common.transport import RemoteError
-    from ps_worker.client import ShardClients
-    from ps_worker.heartbeat import Heartbeat
 
     cfg_path, cfg = write_config(tmp_path, {**job("uniform", iterations=12), "scenario": {}, "model": {"name": "mlp"},
                                             "training": {"global_batch": 64, "max_iterations": 12,
@@ -193,13 +189,8 @@ def test_a_members_forged_out_of_memory_reports_change_nothing(procs, tmp_path):
     run = tmp_path / "run"
     eps = start_servers(procs, cfg_path, 2, run)
     honest = start_indexed_workers(procs, cfg_path, eps[0], 1, run)
-    me = ShardClients(zmq.Context.instance(), eps[0], timeout_s=30, connect_timeout_s=30, security=cfg.security)
-    try:
-        welcome = me.join("forger", cfg.job_digest(), "cpu")
-        wid, token = welcome.worker_id, me.token
-        beat = Heartbeat(me.ctx, eps[0], wid, 0.2, security=cfg.security, token=token).start()
-        params = np.zeros(welcome.num_params, np.float32)
-        a = me.pull(params, worker_id=wid, min_version=welcome.version).assignment
+    with joined_member(cfg, eps[0]) as m:
+        me, wid, token, a = m.client, m.worker_id, m.token, m.assignment
         assert a is not None and a.batch_size == 32
 
         def refused(**fields) -> str:
@@ -219,15 +210,10 @@ def test_a_members_forged_out_of_memory_reports_change_nothing(procs, tmp_path):
         retry = got.assignment
         assert retry.iteration == a.iteration and 1 <= retry.batch_size < a.batch_size
         assert refused() == "bad_batch"  # the old size again: the granted one is the assignment now
-        grads = np.zeros_like(params)
-        res = me.push_pull(grads, params, worker_id=wid, assignment=retry, loss=0.0, telemetry={})
+        grads = np.zeros_like(m.params)
+        res = me.push_pull(grads, m.params, worker_id=wid, assignment=retry, loss=0.0, telemetry={})
         assert res.version == a.iteration + 1
         assert refused(batch_size=retry.batch_size) == "not_planned"  # that iteration is committed
-        me.send_to_coordinator(P.Leave(worker_id=wid, token=token, reason="forger done"), P.Ack)
-    finally:
-        if "beat" in locals():
-            beat.stop()
-        me.close()
     wait_exit(honest, timeout_s=240)
     shards_done = [c for c in procs.children if c.role.startswith("shard")]
     wait_exit(shards_done, timeout_s=60)

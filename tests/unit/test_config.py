@@ -45,7 +45,8 @@ def test_bad_value_is_named(tmp_path):
 
 def test_enum_errors_list_allowed_values(tmp_path):
     # Models, sync modes and batch policies are registered above ps_common: the servers' loader checks them.
-    with pytest.raises(ConfigError, match=r"mode\.sync: unknown sync policy 'bogus'; known: asp, backup, bsp, ssp"):
+    known = "asp, backup, bsp, flexrr, ssp"
+    with pytest.raises(ConfigError, match=rf"mode\.sync: unknown sync policy 'bogus'; known: {known}"):
         load_config(write(tmp_path, "mode: {sync: bogus}"), env={}, check=check_job_config)
     with pytest.raises(ConfigError, match=r"model\.name: unknown model 'resnet999'; known: .*lenet"):
         load_config(write(tmp_path, "model: {name: resnet999}"), env={}, check=check_job_config)

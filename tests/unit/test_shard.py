@@ -135,7 +135,7 @@ def test_sgd_matches_torch(momentum, wd, nesterov):
 
 
 def test_unknown_sync_policy():
-    with pytest.raises(ValueError, match="known: asp, backup, bsp, ssp"):
+    with pytest.raises(ValueError, match="known: asp, backup, bsp, flexrr, ssp"):
         SYNC_POLICIES.get("nope")
 
 

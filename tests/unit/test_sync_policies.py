@@ -102,5 +102,5 @@ def test_modes_take_their_settings_from_the_config():
     assert BSP().planned_total(60, 4) == 60
     with pytest.raises(ValueError, match=r"mode\.backup_workers \(4\) must be below cluster\.num_workers \(4\)"):
         sync_policy_for(cfg(sync="backup", backup_workers=4))
-    with pytest.raises(ValueError, match="unknown sync policy 'nope'; known: asp, backup, bsp, ssp"):
+    with pytest.raises(ValueError, match="unknown sync policy 'nope'; known: asp, backup, bsp, flexrr, ssp"):
         sync_policy_for(cfg(sync="nope"))
