@@ -27,6 +27,7 @@ from pydantic import Field, ValidationError
 from tqdm import tqdm
 
 from ps_common.config import ConfigError, JobConfig, StrictModel, format_validation_error, validate
+from ps_common.errors import PsError
 from ps_launcher.launcher import LocalCluster, new_run_dir
 from ps_launcher.run_dir import RunDirInUse
 from ps_server.job_config import check_job_config
@@ -34,6 +35,11 @@ from ps_server.job_config import check_job_config
 COLUMNS = ["mode", "repeat", "seed", "median_iteration_s", "mean_iteration_s", "p95_iteration_s",
            "iterations_to_target", "time_to_target_s",
            "final_accuracy", "training_s", "iterations", "samples", "stop_reason", "run_dir"]
+
+
+class ComparisonInterrupted(PsError):
+    """Ctrl-C, SIGTERM or SIGHUP: the run under way was stopped and gathered, no other starts;
+    the report holds the runs that completed."""
 
 
 class ModeSpec(StrictModel):
@@ -99,10 +105,18 @@ def run_comparison(base: JobConfig, comp: CompareConfig, out_dir: Path, *, progr
                 cfg = mode_config(base, mode, r)
                 bar.set_postfix_str(f"{mode.name} repeat {r + 1}/{comp.repeats}")
                 run_dir = out_dir / "runs" / f"{_slug(mode.name)}-r{r}"
-                summary = LocalCluster(cfg, run_dir, progress=False, overwrite=overwrite).run()
+                cluster = LocalCluster(cfg, run_dir, progress=False, overwrite=overwrite)
+                summary = cluster.run()
+                if cluster.interrupted:  # its processes are stopped; a cut-short run is no result
+                    raise KeyboardInterrupt
                 rows.append(_row(mode.name, r, cfg, summary, target, run_dir))
                 bar.update(1)
                 _write_csv(out_dir / "runs.csv", rows)
+    except KeyboardInterrupt:
+        if rows:
+            write_report(out_dir, base, comp, rows, target)
+        raise ComparisonInterrupted(f"interrupted after {len(rows)} of {total} runs"
+                                    + (f"; {out_dir / 'report.md'} holds those" if rows else "")) from None
     finally:
         bar.close()
     write_report(out_dir, base, comp, rows, target)

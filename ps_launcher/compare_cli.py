@@ -23,7 +23,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-level", default="WARNING")
     args = ap.parse_args(argv)
     setup_logging(args.log_level)
-    from ps_launcher.compare import default_out_dir, load_comparison, report_table, run_comparison
+    from ps_launcher.compare import (
+        ComparisonInterrupted,
+        default_out_dir,
+        load_comparison,
+        report_table,
+        run_comparison,
+    )
     from ps_launcher.run_dir import RunDirInUse
 
     interrupt_on_signals()
@@ -41,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     except RunDirInUse as exc:
         print(f"ps-compare: {exc}", file=sys.stderr)
         return 2
+    except ComparisonInterrupted as exc:
+        print(f"ps-compare: {exc}", file=sys.stderr)
+        return 130
     except PsError as exc:  # a run that failed, no dataset...
         print(f"ps-compare: {exc}", file=sys.stderr)
         return 1

@@ -58,6 +58,8 @@ class LocalCluster:
         self.ipc_dir: Path | None = None
         self.lab: Any = None  # a LabDriver when the scenario uses real mechanisms
         self._hosts = False
+        #: Ctrl-C, SIGTERM or SIGHUP ended the run: it stopped early, everything was gathered.
+        self.interrupted = False
 
     def run(self) -> dict[str, Any]:
         """Raises :class:`~ps_launcher.run_dir.RunDirInUse` for a run directory that holds a run
@@ -76,6 +78,7 @@ class LocalCluster:
             stop_reason = self._monitor_files() if self._hosts else self._monitor()
         except KeyboardInterrupt:
             stop_reason = "interrupted (Ctrl-C)"
+            self.interrupted = True
         finally:
             self._shutdown()
             if self.ipc_dir is not None:

@@ -4,14 +4,16 @@ FlexRR (Harlap et al., SoCC 2016) lets a worker that is done with its share of a
 take over part of a straggler's remaining work, so nobody waits for it. Here the coordinator
 arbitrates: each planned worker's ranges are cut into ``k`` chunks of nearly equal size; the
 owner holds its first chunk from the start (it comes with its assignment) and claims every
-other one, one at a time, before computing it. A worker with no unclaimed chunk of its own is
-granted the *last* unclaimed chunk of the owner with the most unclaimed samples left (it
-helps); when no chunk is left anywhere, it pushes the sum over what it was granted.
+other one, one at a time, before computing it. A worker with no unclaimed chunk of its own
+helps: it is granted the *last* unclaimed chunk of the owner that needs the longest to get
+through its unclaimed samples. As in FlexRR, only a helper that is ahead helps: with known
+speeds (samples/s), it takes the chunk only if it would finish it before the owner would get
+through what it has left. Otherwise, or when no chunk is left anywhere, it hears "none": it
+pushes the sum over what it was granted.
 
-Each chunk is granted exactly once, so each sample of the iteration is computed by exactly one
-worker, and the update is still the mean gradient of the iteration's X samples. The pool never
-grows: once any worker hears "none left", every chunk is claimed, so a worker that has pushed
-can never be granted more.
+Each chunk is granted at most once, so each sample of the iteration is computed by at most one
+worker; what nobody took goes back to the data cursor with the commit
+(:meth:`ChunkPool.drain_unclaimed`).
 
 Pure bookkeeping over plain data: no sockets, no clocks.
 """
@@ -58,22 +60,35 @@ class ChunkPool:
         """The chunk that comes with ``worker``'s assignment."""
         return self._granted[worker][0]
 
-    def take(self, worker: int) -> tuple[int, list[Range]] | None:
-        """Grant ``worker`` its next chunk: (owner, ranges), or None when none is left anywhere."""
+    def take(self, worker: int, speeds: Mapping[int, float] | None = None) -> tuple[int, list[Range]] | None:
+        """Grant ``worker`` its next chunk: (owner, ranges), or None when none is left for it.
+
+        ``speeds``: samples/s per worker; a worker missing from it (or at 0) counts as
+        unknown, and then the owner with the most samples left is helped, by anyone."""
         own = self._unclaimed.get(worker)
         if own:
             piece = own.popleft()
             self._granted[worker].append(piece)
             return worker, piece
-        left = [(ranges_size(list(_flat(q))), o) for o, q in self._unclaimed.items() if q]
+        speeds = speeds or {}
+        mine = speeds.get(worker, 0.0)
+        known = mine > 0 and all(speeds.get(o, 0.0) > 0 for o, q in self._unclaimed.items() if q)
+        left = [(ranges_size(_flat(q)) / (speeds[o] if known else 1.0), o) for o, q in self._unclaimed.items() if q]
         if not left:
             return None
-        _, owner = max(left)  # the most samples left; ties to the higher id, deterministically
+        owner_s, owner = max(left)  # the longest to go; ties to the higher id, deterministically
+        if known and ranges_size(self._unclaimed[owner][-1]) / mine >= owner_s:
+            return None  # the owner would be done with it first: no help from a slower worker
         piece = self._unclaimed[owner].pop()
         self._granted.setdefault(worker, []).append(piece)
         self.helped_chunks += 1
         self.helped_samples += ranges_size(piece)
         return owner, piece
+
+    def last_size(self, worker: int) -> int:
+        """Samples of the chunk granted to ``worker`` last (0 if none)."""
+        pieces = self._granted.get(worker)
+        return ranges_size(pieces[-1]) if pieces else 0
 
     def count(self, worker: int) -> int:
         """Samples granted to ``worker`` so far (its push carries exactly this many)."""

@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 
 #: Async modes: assignments a worker may hold whose gradients are not committed yet.
 MAX_OUTSTANDING = 3
+#: sync=flexrr: the weight of the newest chunk in a worker's average speed (about the last 5).
+CHUNK_SPEED_WEIGHT = 0.2
 
 
 class NotReassigned(PsError):
@@ -140,8 +142,12 @@ class Coordinator:
         self.version = 0
         self.iteration = -1
         self.plan: dict[int, Assignment] = {}
-        #: sync=flexrr: who computes which chunk of the current iteration (None otherwise).
+        #: sync=flexrr: who computes which chunk of the current iteration (None otherwise), when
+        #: each worker was granted its current chunk, and its speed over chunks (samples/s, an
+        #: average over its last few, as the servers see it: a claim's round trip included).
         self.chunks: ChunkPool | None = None
+        self._chunk_started: dict[int, float] = {}
+        self.chunk_speeds: dict[int, float] = {}
         self.plan_lr = 1.0
         self.outstanding: dict[int, dict[int, Assignment]] = {}  # async: worker -> clock -> assignment
         self.ledger: dict[tuple[int, int], _Gradient] = {}
@@ -210,6 +216,7 @@ class Coordinator:
         if self.members.leave(worker_id) is None:
             return
         self._sent.pop(worker_id, None)
+        self.chunk_speeds.pop(worker_id, None)
         self.lost.append((worker_id, reason, self.clock()))
         log.info("worker %d %s; %d live", worker_id, reason, len(self.members))
         for clock, a in sorted(self.outstanding.pop(worker_id, {}).items()):
@@ -397,6 +404,7 @@ class Coordinator:
                      for w, x in sizes.items()}
         k = self.policy.reassign_chunks
         self.chunks = ChunkPool({w: a.ranges for w, a in self.plan.items()}, k) if k else None
+        self._chunk_started = {}
         return self.current_plan()
 
     def assignment(self, worker_id: int, key: int) -> Assignment | None:
@@ -475,7 +483,8 @@ class Coordinator:
         if (worker_id, iteration) in self.ledger:
             raise NotReassigned("already_pushed", f"a shard holds worker {worker_id}'s gradient of "
                                                   f"iteration {iteration}: it cannot take more")
-        got = self.chunks.take(worker_id)
+        self._time_chunk(worker_id, iteration)
+        got = self.chunks.take(worker_id, self.chunk_speeds)
         self._count("chunks.claimed" if got is not None else "chunks.none_left")
         if got is None:
             return Chunk(iteration=iteration, owner=-1, ranges=[], batch_size=self.chunks.count(worker_id))
@@ -490,6 +499,21 @@ class Coordinator:
         if iteration == self.iteration and worker_id in self.plan:
             return self.plan[worker_id]
         return self.outstanding.get(worker_id, {}).get(iteration)
+
+    def _time_chunk(self, worker_id: int, iteration: int) -> None:
+        """A claim ends the worker's current chunk: one observation of its speed."""
+        assert self.chunks is not None
+        now = self.clock()
+        sent = self._sent.get(worker_id)
+        started = self._chunk_started.get(worker_id)
+        if started is None and sent is not None and sent[0] == iteration:
+            started = sent[1]  # its first chunk came with the assignment
+        self._chunk_started[worker_id] = now
+        if started is None or now <= started:
+            return
+        seen = self.chunks.last_size(worker_id) / (now - started)
+        old = self.chunk_speeds.get(worker_id)
+        self.chunk_speeds[worker_id] = seen if old is None else old + CHUNK_SPEED_WEIGHT * (seen - old)
 
     def out_of_memory(self, worker_id: int, iteration: int, batch_size: int) -> Assignment:
         """Worker ``worker_id`` ran out of memory on its assignment of ``iteration``: the manager
@@ -615,6 +639,7 @@ class Coordinator:
         plan, helped = self.plan, None
         if self.chunks is not None:  # flexrr: each worker computed what it was granted
             chunks, self.chunks = self.chunks, None
+            self.cursor.give_back(chunks.drain_unclaimed())  # nobody faster took them
             plan = {w: replace(a, batch_size=chunks.count(w), ranges=chunks.granted(w)) for w, a in plan.items()}
             helped = chunks.helped_samples
         for w, a in plan.items():

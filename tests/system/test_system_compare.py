@@ -52,3 +52,55 @@ def test_ps_compare_rejects_bad_mode_before_running(tmp_path):
     res = subprocess.run([sys.executable, "-m", "ps_launcher.compare_cli", str(path)],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "mode.sync" in res.stderr and "'x'" in res.stderr
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_stops_ps_compare_with_the_completed_runs_reported(tmp_path):
+    """SIGTERM (what Slurm, Kubernetes and systemd send) in the middle of the second run: that
+    run is stopped and gathered, no further run starts, the report holds the first, and no
+    process of the comparison is left."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    cfg = {
+        "run": {"name": "cmp-term", "seed": 4},
+        "model": {"name": "mlp"},
+        "data": {"dataset": "synthetic", "synthetic_train": 1024, "synthetic_test": 256},
+        "training": {"global_batch": 48, "max_iterations": 20},
+        "cluster": {"num_shards": 1, "num_workers": 2},
+        "evaluator": {"every_iterations": 10},
+        "compare": {"repeats": 2, "modes": [
+            {"name": "short", "set": {"mode.sync": "bsp"}},
+            {"name": "long", "set": {"mode.sync": "bsp", "training.max_iterations": 10**6,
+                                     "training.max_seconds": 240}},
+        ]},
+    }
+    path = tmp_path / "cmp.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "report"
+    proc = subprocess.Popen([sys.executable, "-m", "ps_launcher.compare_cli", str(path), "--out", str(out),
+                             "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        records = out / "runs" / "long-r0" / "metrics" / "coordinator.jsonl"
+        deadline = time.monotonic() + 180
+        while not (records.exists() and records.stat().st_size > 0):
+            assert proc.poll() is None and time.monotonic() < deadline, "the long run never started"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert "interrupted after 1 of 4 runs" in err
+    rows = list(csv.DictReader(open(out / "runs.csv")))
+    assert [r["mode"] for r in rows] == ["short"]
+    assert "| short |" in (out / "report.md").read_text()
+    assert not (out / "runs" / "short-r1").exists(), "a run started after the SIGTERM"
+    left = [p.pid for p in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
+    assert not left, f"processes of the comparison still running: {left}"

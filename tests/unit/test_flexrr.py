@@ -196,3 +196,55 @@ def test_stop_and_checkpoint_count_every_chunk_of_the_iteration_as_unused():
     served = c.cursor.state.samples_served
     c.request_stop("test")
     assert c.cursor.state.samples_served == served - 60
+
+
+def test_a_helper_takes_a_chunk_only_if_it_would_finish_it_before_the_owner():
+    def pool():
+        p = ChunkPool({0: [[0, 0, 8]], 1: [[0, 8, 16]]}, 4)
+        for _ in range(3):
+            p.take(0)  # worker 0 is done with its own; worker 1 has 3 chunks (6 samples) left
+        return p
+
+    assert pool().take(0, {0: 1.0, 1: 10.0}) is None, "2 samples take the helper 2 s, the owner 0.6 s for all 6"
+    assert pool().take(0, {0: 10.0, 1: 1.0}) == (1, [[0, 14, 16]])
+    p = pool()
+    for _ in range(2):
+        p.take(1)
+    assert p.take(0, {0: 5.0, 1: 5.0}) is None, "one chunk left and no faster helper: the owner does it"
+    assert pool().take(0, {0: 1.0}) == (1, [[0, 14, 16]]), "the owner's speed unknown: greedy"
+
+
+def test_the_coordinator_times_each_chunk_and_holds_back_slower_helpers():
+    c = flexrr(workers=2)                    # 30 samples each, in chunks of 8, 8, 7, 7
+    now = [0.0]
+    c.clock = lambda: now[0]
+    for w in (0, 1):
+        c.assignment_answered(w, 0)
+    for t, w in [(1.0, 0), (2.0, 0), (3.0, 0), (4.0, 1)]:
+        now[0] = t
+        assert c.take_chunk(w, 0).owner == w
+    assert c.chunk_speeds[0] == pytest.approx(8.0 + 0.2 * (7.0 - 8.0))  # 8, 8 and then 7 samples per s
+    assert c.chunk_speeds[1] == pytest.approx(2.0)  # 8 samples in 4 s
+    now[0] = 4.0
+    got = c.take_chunk(0, 0)                 # 7 samples at ~7.6/s against 14 left at 2/s: helps
+    assert got.owner == 1 and got.batch_size == 37
+    now[0] = 10.0
+    assert c.take_chunk(1, 0).owner == 1     # its third chunk: the second took it 6 s
+    now[0] = 10.5
+    assert c.take_chunk(0, 0).ranges == [], "worker 1 has nothing unclaimed left"
+    c.leave(1, "lost")
+    assert 1 not in c.chunk_speeds
+
+
+def test_unclaimed_chunks_of_a_lost_worker_nobody_took_go_back_with_the_commit():
+    c = flexrr(workers=2)
+    served = c.cursor.state.samples_served
+    c.chunk_speeds.update({0: 1.0, 1: 1.0})
+    c.leave(1, "lost")                       # its three unclaimed chunks stay in the pool
+    assert c.cursor.state.samples_served == served - 8
+    finish(c, 0)                             # the lost owner's speed is gone: anyone helps
+    assert c.expected(0, 0) == 52
+    for k in range(S):
+        c.on_gradient(k, 0, 0, 52)
+    (d,) = c.decide()
+    assert d.entries == [[0, 52]] and c.cursor.state.samples_served == served - 8 + 60
