@@ -79,6 +79,12 @@ class Telemetry:
     gpu_mem_total_mb: float | None = _measured("MiB", MAX_MIB, None)
     #: MiB allocated by torch on the worker's GPU (None: not a CUDA worker)
     gpu_mem_alloc_mb: float | None = _measured("MiB", MAX_MIB, None)
+    #: cores the worker's own CPU cgroup may use, its CFS quota / period (None: no quota, or no
+    #: readable cpu controller)
+    cpu_quota: float | None = _measured("cores", MAX_CORE_PERCENT / 100, None)
+    #: seconds the kernel held the worker's CPU cgroup back for spending its quota, since the
+    #: worker's previous report (None: no quota, or the first report in this group)
+    throttled_s: float | None = _measured("s", MAX_SECONDS, None)
     # ----- the heterogeneity lab ----------------------------------------------------------
     #: seconds slept inside compute to emulate a slowdown
     emulated_s: float = _measured("s", MAX_SECONDS)

@@ -30,7 +30,7 @@ from ps_worker.contention import CommDelay, ContentionDriver, EmulatedSlowdown
 from ps_worker.heartbeat import Heartbeat
 from ps_worker.memory import MemoryLimit, bound_kernel_cache, is_out_of_memory
 from ps_worker.scenario_runtime import runtime_for
-from ps_worker.telemetry import ResourceProbe
+from ps_worker.telemetry import CpuQuotaProbe, ResourceProbe
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +104,7 @@ class Worker:
             self.host_grads = self.flat.grads_numpy()
         self.indexer = SampleIndexer(cfg.run.seed, self.data.num_train)
         self.probe = ResourceProbe(str(self.device)).start()
+        self.quota_probe = CpuQuotaProbe()
         self.run_dir = Path(run_dir) if run_dir else None
         self.metrics: MetricsWriter | None = None
         self.worker_id = -1
@@ -265,8 +266,9 @@ class Worker:
                 emulated = self.slowdown.after_compute(self.iterations_done, time.monotonic() - origin,
                                                        time.perf_counter() - t1)
             t2 = time.perf_counter()
+            quota, throttled = self.quota_probe.read()
             tel = dataclasses.replace(
-                self.probe.sample(), data_s=data_s, compute_s=t2 - t1,
+                self.probe.sample(), data_s=data_s, compute_s=t2 - t1, cpu_quota=quota, throttled_s=throttled,
                 iteration_s=prev.iteration_s, prev_push_s=prev.prev_push_s, prev_wait_s=prev.prev_wait_s,
                 prev_pull_s=prev.prev_pull_s, emulated_s=emulated, slowdown=self.slowdown.last_factor,
                 burners=self.contention.target, mem_headroom_mb=mem.mem_headroom_mb,

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+from ps_common.cgroup_cpu import Throttling, read_stat, read_throttling
+
 from . import ownership
 from .errors import LabError, LabUnavailable
 
@@ -38,15 +40,6 @@ class CpuController:
     version: int
     cpu_base: Path
     acct_base: Path | None = None
-
-
-@dataclass(frozen=True)
-class Throttling:
-    """From ``cpu.stat``: CFS periods seen, periods in which the group hit its quota, time held."""
-
-    nr_periods: int
-    nr_throttled: int
-    throttled_s: float
 
 
 def _mounts() -> list[tuple[str, str, set[str]]]:
@@ -337,7 +330,7 @@ class CpuQuotaGroup:
         path = self._need()
         try:
             if self._ctl is not None and self._ctl.version == 2:
-                return _stat(path)["usage_usec"] / 1e6
+                return read_stat(path)["usage_usec"] / 1e6
             d = self.acct_path or path
             return int((d / "cpuacct.usage").read_text()) / 1e9
         except (OSError, KeyError, ValueError):
@@ -345,27 +338,10 @@ class CpuQuotaGroup:
 
     def throttled(self) -> Throttling:
         """How often and how long the kernel held the group back for exceeding its quota."""
-        st = _stat(self._need())
-        if self._ctl is not None and self._ctl.version == 2:
-            usec = st.get("throttled_usec", 0)
-            return Throttling(st.get("nr_periods", 0), st.get("nr_throttled", 0), usec / 1e6)
-        return Throttling(
-            st.get("nr_periods", 0), st.get("nr_throttled", 0), st.get("throttled_time", 0) / 1e9
-        )
+        return read_throttling(self._need(), self._ctl.version if self._ctl is not None else 1)
 
     def __repr__(self) -> str:
         return f"CpuQuotaGroup({self.name!r}, fraction={self._fraction!r}, path={self.path})"
-
-
-def _stat(path: Path) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for line in (path / "cpu.stat").read_text().splitlines():
-        k, _, v = line.partition(" ")
-        try:
-            out[k] = int(v)
-        except ValueError:
-            pass
-    return out
 
 
 def cleanup_stale(prefix: str = ownership.PREFIX) -> list[str]:

@@ -45,6 +45,13 @@ def test_cpu_quota_slows_one_worker_and_lbbsp_gives_it_less(tmp_path):
     assert throttled["nr_throttled"] > 0, "the kernel never throttled the worker"
     w = summary["workers"]
     assert w["1"]["mean_batch"] < 0.7 * w["0"]["mean_batch"], f"LB-BSP did not move samples: {w}"
+    # Each worker reads its own group: the throttled one reports its quota and the time held.
+    reports = {p.name: [r for r in read_jsonl(p) if "iteration" in r]
+               for p in (tmp_path / "run" / "metrics").glob("worker-*.jsonl")}
+    quotas = {name: {r.get("cpu_quota") for r in rows} for name, rows in reports.items()}
+    assert sorted(map(frozenset, quotas.values()), key=len) == [{None}, {0.2}], quotas
+    slow = next(rows for name, rows in reports.items() if quotas[name] == {0.2})
+    assert sum(r.get("throttled_s") or 0.0 for r in slow) > 0.1, "no throttled time reported"
     assert not leftovers()
 
 
