@@ -11,8 +11,9 @@ Afterwards:
 - every applied sample was applied exactly once per epoch;
 - the final parameters equal single-process SGD over the committed samples (1e-5).
 
-Under BSP, LB-BSP and backup workers on loopback, and under BSP across network namespaces
-where the victims sit behind slow links, so their pushes are really in flight when they die.
+Under BSP, LB-BSP, backup workers and FlexRR (whose victims die holding chunks granted to them,
+some of them other workers') on loopback, and under BSP across network namespaces where the
+victims sit behind slow links, so their pushes are really in flight when they die.
 """
 
 from __future__ import annotations
@@ -104,8 +105,8 @@ def check_run(run_dir, cfg, partial_seen: bool = True, late_ok: bool = False) ->
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("sync, policy", [("bsp", "uniform"), ("bsp", "lbbsp-cpu"), ("backup", "uniform")],
-                         ids=["bsp", "lbbsp", "backup"])
+@pytest.mark.parametrize("sync, policy", [("bsp", "uniform"), ("bsp", "lbbsp-cpu"), ("backup", "uniform"),
+                                          ("flexrr", "uniform")], ids=["bsp", "lbbsp", "backup", "flexrr"])
 def test_kill_in_every_push_point_loopback(procs, tmp_path, sync, policy):
     cfg_path, cfg = write_config(tmp_path, job(sync, policy))
     run_dir = tmp_path / "run"

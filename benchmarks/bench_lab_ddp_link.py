@@ -1,0 +1,116 @@
+"""The DDP plug-in with one rank behind a slow real link: what all-reduce does with it.
+
+Every rank of ``examples/ddp_lbbsp.py`` (gloo, LeNet, MNIST) runs on a host of its own (a network
+namespace on the lab's bridge, real TCP); the last rank's link is held to ``--rate-mbit`` with
+``--delay-ms`` added each way (tbf and the lab's delay relay), from the start. Once per policy
+(plain DDP's even split, ``uniform``; the plug-in's ``lbbsp-cpu``) it reads rank 0's
+per-iteration lines and prints median / mean / p95 of the iteration, of the slowest rank's
+compute, and of the rest (the all-reduce and the balancer's small collectives after the last
+rank finished, plus rank 0's data loading and step), with the last split.
+
+A ring all-reduce sends every rank's share of the gradient through every link, the slow one
+included, so the slow link's cost lands on every rank's all-reduce, whatever the split: the
+table shows how much of the iteration that is. The parameter server's runs on the same link
+are in ``configs/compare_link.yaml``.
+
+    python benchmarks/bench_lab_ddp_link.py [--ranks 4] [--rate-mbit 100] [--delay-ms 5]
+        [--iterations 200] [--policies uniform,lbbsp-cpu] [--repeats 1]
+
+Needs root, network namespaces, tbf and /dev/net/tun (the lab's links).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_lab_ddp import LINE, describe  # noqa: E402
+from ps_launcher.lab import NetLab, delay_available, netns_available  # noqa: E402
+from ps_launcher.lab.netns import HOST_IF  # noqa: E402
+
+MASTER_PORT = 29500  # inside rank 0's own namespace: nothing else listens there
+
+
+def run(policy: str, args: argparse.Namespace, seed: int) -> list[tuple[int, list[int], list[float], float]]:
+    """One DDP job, every rank on a host of its own; rank 0's per-iteration rows."""
+    with NetLab() as lab:
+        hosts = [lab.add_host(f"rank{r}") for r in range(args.ranks - 1)]
+        hosts.append(lab.add_host(f"rank{args.ranks - 1}", rate_mbit=args.rate_mbit, delay_ms=args.delay_ms))
+        cmd = [sys.executable, str(ROOT / "examples" / "ddp_lbbsp.py"), "--policy", policy,
+               "--iterations", str(args.iterations), "--print-every", "1", "--seed", str(seed),
+               "--global-batch", str(args.global_batch), "--model", args.model, "--dataset", "mnist"]
+        procs = []
+        for r, host in enumerate(hosts):
+            env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(args.ranks),
+                       MASTER_ADDR=hosts[0].ip, MASTER_PORT=str(MASTER_PORT), GLOO_SOCKET_IFNAME=HOST_IF)
+            procs.append(host.popen(cmd, cwd=ROOT, env=env, text=True, stderr=subprocess.STDOUT,
+                                    stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL))
+        try:
+            out, _ = procs[0].communicate(timeout=args.timeout_s)
+            for p in procs[1:]:
+                p.wait(timeout=60)
+        finally:
+            for host, p in zip(hosts, procs):
+                if p.poll() is None:
+                    host.stop(p)
+        bad = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
+        if bad:
+            raise RuntimeError(f"ranks exited with {bad}:\n{out[-3000:]}")
+    rows = []
+    for m in LINE.finditer(out):
+        sizes = [int(x) for x in m.group(2).split(",")]
+        compute = [float(x) / 1e3 for x in m.group(3).split(",")]
+        rows.append((int(m.group(1)), sizes, compute, float(m.group(4)) / 1e3))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--rate-mbit", type=float, default=100.0)
+    ap.add_argument("--delay-ms", type=float, default=5.0)
+    ap.add_argument("--policies", default="uniform,lbbsp-cpu")
+    ap.add_argument("--iterations", type=int, default=200)
+    ap.add_argument("--global-batch", type=int, default=512)
+    ap.add_argument("--model", default="lenet")
+    ap.add_argument("--skip", type=int, default=30, help="first iterations left out")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--timeout-s", type=float, default=500)
+    args = ap.parse_args(argv)
+    why = netns_available() or (delay_available() if args.delay_ms > 0 else None)
+    if why:
+        print(f"bench_lab_ddp_link: the lab's links are unavailable: {why}", file=sys.stderr)
+        return 2
+    results: dict[str, list] = {p: [] for p in args.policies.split(",")}
+    for r in range(args.repeats):
+        for policy in results:
+            rows = run(policy, args, seed=r)[args.skip:]
+            results[policy] += rows
+            print(f"repeat {r} {policy}: median iteration {statistics.median(x[3] for x in rows) * 1e3:.1f} ms",
+                  flush=True)
+    print(f"\nDDP plug-in (examples/ddp_lbbsp.py, gloo), {args.model}, MNIST, X = {args.global_batch}, "
+          f"{args.ranks} ranks each on its own host, rank {args.ranks - 1} behind {args.rate_mbit:g} Mbit/s"
+          f" + {args.delay_ms:g} ms each way; {args.iterations} iterations x {args.repeats} "
+          f"(first {args.skip} left out); median / mean / p95 in ms\n")
+    print("| policy | iteration | slowest rank's compute | rest (collectives, data, step) | rest / iteration | "
+          "compute per rank (median) | last split |")
+    print("|---|---|---|---|---|---|---|")
+    for policy, rows in results.items():
+        it = [x[3] for x in rows]
+        rest = [max(0.0, x[3] - max(x[2])) for x in rows]
+        per_rank = [statistics.median(x[2][k] for x in rows) * 1e3 for k in range(args.ranks)]
+        print(f"| {policy} | {describe(it)} | {describe([max(x[2]) for x in rows])} | {describe(rest)} | "
+              f"{statistics.median(rest) / statistics.median(it):.2f} | "
+              f"{', '.join(f'{c:.1f}' for c in per_rank)} | {rows[-1][1]} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
