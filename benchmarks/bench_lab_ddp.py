@@ -10,7 +10,10 @@ plus rank 0's data loading and optimizer step. A throttled rank takes part in ev
 collective, so under a quota the rest can grow too.
 
     python benchmarks/bench_lab_ddp.py [--quotas 0.7,0.7,0.2,0.2] [--iterations 300]
-        [--policies uniform,lbbsp-cpu] [--exchanges auto] [--global-batch 512]
+        [--policies uniform,lbbsp-cpu] [--exchanges auto] [--global-batch 512] [--rotate-s 5]
+
+``--rotate-s S`` moves the quotas one rank along every S seconds (rank r gets rank r-1's), as
+the lab's ``rotation`` does for parameter-server workers.
 
 ``--exchanges fused,separate`` runs every policy both ways: the ranks' reports riding with the
 last gradient bucket, or gathered by a collective of their own (the balancer's ``exchange``).
@@ -27,6 +30,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -69,12 +73,15 @@ def run(policy: str, exchange: str, args: argparse.Namespace,
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     groups: list[CpuQuotaGroup] = []
+    stop_rotating = threading.Event()
     try:
         ranks = rank_processes(psutil.Process(proc.pid), len(quotas), 60)
         for r, (p, q) in enumerate(zip(ranks, quotas)):
             g = CpuQuotaGroup(f"ddp{r}", fraction=q).create()
             groups.append(g)
             g.add(p.pid)
+        if args.rotate_s:
+            threading.Thread(target=rotate, args=(groups, quotas, args.rotate_s, stop_rotating), daemon=True).start()
         # CPU per iteration over the measured iterations only (start-up ran outside the quota):
         # under a quota a rank can spend at most quota x wall time, so this against that budget
         # shows which ranks the quota binds and how much CPU they spend per iteration.
@@ -100,6 +107,7 @@ def run(policy: str, exchange: str, args: argparse.Namespace,
         proc.communicate()
         raise
     finally:
+        stop_rotating.set()
         for g in groups:
             g.remove()
     if proc.returncode != 0:
@@ -110,6 +118,18 @@ def run(policy: str, exchange: str, args: argparse.Namespace,
         compute = [float(x) / 1e3 for x in m.group(3).split(",")]
         rows.append((int(m.group(1)), sizes, compute, float(m.group(4)) / 1e3))
     return rows, cpu_s
+
+
+def rotate(groups: list[CpuQuotaGroup], quotas: list[float], period_s: float, stop: threading.Event) -> None:
+    """Every ``period_s``, each rank takes the quota of the rank before it."""
+    shift = 0
+    while not stop.wait(period_s):
+        shift += 1
+        for r, g in enumerate(groups):
+            try:
+                g.set_fraction(quotas[(r - shift) % len(quotas)])
+            except Exception:  # noqa: BLE001 - the run is ending and the group is gone
+                return
 
 
 def describe(xs: list[float]) -> str:
@@ -128,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", type=int, default=30, help="first iterations left out")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--timeout-s", type=float, default=500)
+    ap.add_argument("--rotate-s", type=float, default=0.0, help="move the quotas one rank along every S s")
     args = ap.parse_args(argv)
     if why := cpu_quota_available():
         print(f"bench_lab_ddp: CPU quotas unavailable: {why}", file=sys.stderr)
@@ -147,7 +168,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"repeat {r} {policy}: median iteration "
                   f"{statistics.median(x[3] for x in rows) * 1e3:.1f} ms", flush=True)
     print(f"\nDDP plug-in (examples/ddp_lbbsp.py, gloo), {args.model}, MNIST, X = {args.global_batch}, "
-          f"{len(quotas)} ranks under CPU quotas {quotas}, {args.iterations} iterations x {args.repeats} "
+          f"{len(quotas)} ranks under CPU quotas {quotas}"
+          + (f" moving one rank along every {args.rotate_s:g} s" if args.rotate_s else "")
+          + f", {args.iterations} iterations x {args.repeats} "
           f"(first {args.skip} left out); median / mean / p95 in ms\n")
     print("| policy | iteration | slowest rank's compute | rest (collectives, data, step) | "
           "rest / iteration | compute per rank (median) | CPU ms per iteration per rank (budget) | last split |")
