@@ -112,12 +112,17 @@ def run(policy: str, exchange: str, args: argparse.Namespace,
             g.remove()
     if proc.returncode != 0:
         raise RuntimeError(f"ddp_lbbsp.py exited {proc.returncode}:\n{out[-3000:]}")
+    return parse_rows(out), cpu_s
+
+
+def parse_rows(out: str) -> list[tuple[int, list[int], list[float], float]]:
+    """Rank 0's per-iteration lines: (iteration, sizes, each rank's compute s, iteration s)."""
     rows = []
     for m in LINE.finditer(out):
         sizes = [int(x) for x in m.group(2).split(",")]
         compute = [float(x) / 1e3 for x in m.group(3).split(",")]
         rows.append((int(m.group(1)), sizes, compute, float(m.group(4)) / 1e3))
-    return rows, cpu_s
+    return rows
 
 
 def rotate(groups: list[CpuQuotaGroup], quotas: list[float], period_s: float, stop: threading.Event) -> None:

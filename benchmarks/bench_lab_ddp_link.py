@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_lab_ddp import LINE, describe  # noqa: E402
+from benchmarks.bench_lab_ddp import describe, parse_rows  # noqa: E402
 from ps_launcher.lab import NetLab, delay_available, netns_available  # noqa: E402
 from ps_launcher.lab.netns import HOST_IF  # noqa: E402
 
@@ -63,12 +63,7 @@ def run(policy: str, args: argparse.Namespace, seed: int) -> list[tuple[int, lis
         bad = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
         if bad:
             raise RuntimeError(f"ranks exited with {bad}:\n{out[-3000:]}")
-    rows = []
-    for m in LINE.finditer(out):
-        sizes = [int(x) for x in m.group(2).split(",")]
-        compute = [float(x) / 1e3 for x in m.group(3).split(",")]
-        rows.append((int(m.group(1)), sizes, compute, float(m.group(4)) / 1e3))
-    return rows
+    return parse_rows(out)
 
 
 def main(argv: list[str] | None = None) -> int:

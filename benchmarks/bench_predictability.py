@@ -28,32 +28,11 @@ import numpy as np
 
 from predictors import get_predictor
 from predictors.evaluate import EvalResult, evaluate, pool
-from predictors.traces import Trace
-from ps_common.metrics import read_jsonl
-from ps_common.report import EXOG_KEYS, Telemetry
+from predictors.traces import Trace, trace_from_worker_metrics
+from ps_common.report import EXOG_KEYS
 
 QUOTA_KEYS = ("cpu_quota", "throttled_s")
 WARMUP = 10
-
-
-def load(path: Path, with_quota: bool) -> Trace:
-    """A worker's metrics file as a trace; speed = batch size / compute seconds."""
-    speeds, exogs, iters = [], [], []
-    for rec in read_jsonl(path):
-        if "iteration" not in rec or "batch_size" not in rec:
-            continue
-        tel = Telemetry.from_record(rec)
-        if tel.compute_s <= 0 or rec["batch_size"] <= 0:
-            continue
-        x = tel.exog()
-        if with_quota:
-            x += [float(getattr(tel, k) or 0.0) for k in QUOTA_KEYS]
-        speeds.append(rec["batch_size"] / tel.compute_s)
-        exogs.append(x)
-        iters.append(int(rec["iteration"]))
-    order = np.argsort(iters)
-    return Trace(np.array(speeds)[order], np.array(exogs)[order], name=path.stem,
-                 iteration=np.array(iters, dtype=np.int64)[order])
 
 
 def features(trace: Trace, lags: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -131,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     rows = []
     for with_quota in (False, True):
-        traces = [load(p, with_quota) for p in args.metrics]
+        traces = [trace_from_worker_metrics(p, extra=QUOTA_KEYS if with_quota else ()) for p in args.metrics]
         inputs = "+ cgroup quota" if with_quota else "EXOG_KEYS"
         n_exog = len(EXOG_KEYS) + (len(QUOTA_KEYS) if with_quota else 0)
         for name in args.predictors.split(","):

@@ -97,11 +97,14 @@ def save_trace(trace: Trace, path: str | Path) -> Path:
     return path
 
 
-def trace_from_worker_metrics(jsonl_path: str | Path, worker: int | None = None) -> Trace:
+def trace_from_worker_metrics(jsonl_path: str | Path, worker: int | None = None,
+                              extra: tuple[str, ...] = ()) -> Trace:
     """Convert a worker's metrics file (JSON lines) into a trace; speed = batch_size / compute_s.
 
     Records without a positive ``compute_s``/``batch_size`` (or of another ``worker``, when given)
     are skipped; the rest are sorted by iteration. A file holding several workers needs ``worker``.
+    ``extra``: more report fields appended to the exogenous columns (missing or None: 0.0), for
+    trying inputs the predictors do not get (such a trace does not fit :func:`save_trace`).
     """
     from ps_common.metrics import read_jsonl  # the project's reader: skips a torn last line
 
@@ -125,7 +128,7 @@ def trace_from_worker_metrics(jsonl_path: str | Path, worker: int | None = None)
         if not (math.isfinite(bs) and math.isfinite(cs)) or bs <= 0 or cs <= 0:
             skipped += 1
             continue
-        rows.append((int(rec["iteration"]), bs / cs, tel.exog()))
+        rows.append((int(rec["iteration"]), bs / cs, tel.exog() + [float(getattr(tel, k) or 0.0) for k in extra]))
     if len(workers) > 1:
         raise ValueError(f"{path}: records of several workers {sorted(map(str, workers))}; "
                          f"pass worker=")
@@ -134,5 +137,5 @@ def trace_from_worker_metrics(jsonl_path: str | Path, worker: int | None = None)
     rows.sort(key=lambda r: r[0])
     n = len(rows)
     return Trace(np.array([r[1] for r in rows], dtype=np.float64),
-                 np.array([r[2] for r in rows], dtype=np.float64).reshape(n, len(EXOG_KEYS)),
+                 np.array([r[2] for r in rows], dtype=np.float64).reshape(n, len(EXOG_KEYS) + len(extra)),
                  name=path.stem, iteration=np.array([r[0] for r in rows], dtype=np.int64))

@@ -21,7 +21,7 @@ Pure bookkeeping over plain data: no sockets, no clocks.
 from __future__ import annotations
 
 from collections import deque
-from typing import Mapping
+from typing import Iterable, Mapping
 
 from ps_server.data_cursor import Range, ranges_size, split_ranges
 
@@ -115,5 +115,5 @@ class ChunkPool:
         return out
 
 
-def _flat(pieces) -> list[Range]:
+def _flat(pieces: Iterable[list[Range]]) -> list[Range]:
     return [r for piece in pieces for r in piece]

@@ -462,12 +462,10 @@ class Coordinator:
     def expected(self, worker_id: int, iteration: int) -> int | None:
         """The batch size a push of (worker, iteration) must carry, or None if none is due
         (flexrr: the samples granted to it, final once it has heard that none is left)."""
+        if self.chunks is not None and iteration == self.iteration and worker_id in self.plan:
+            return self.chunks.count(worker_id)
         a = self._due(worker_id, iteration)
-        if a is None:
-            return None
-        if self.chunks is None or a is not self.plan.get(worker_id):
-            return a.batch_size
-        return self.chunks.count(worker_id)
+        return None if a is None else a.batch_size
 
     def take_chunk(self, worker_id: int, iteration: int) -> Chunk:
         """sync=flexrr: grant ``worker_id`` its next chunk of ``iteration``, its own or (once it

@@ -301,7 +301,7 @@ class Worker:
         retries = 0
         while True:
             t0 = time.perf_counter()
-            x, y = self._batch(a)
+            x, y = self._batch(a.ranges, a.batch_size)
             t1 = time.perf_counter()
             self.memory.begin()
             try:
@@ -338,8 +338,7 @@ class Worker:
         while True:
             size = sum(b - s for _, s, b in piece)
             t0 = time.perf_counter()
-            x, y = self._batch(Assignment(iteration=a.iteration, batch_size=size, ranges=piece,
-                                          global_batch=a.global_batch))
+            x, y = self._batch(piece, size)
             t1 = time.perf_counter()
             data_s += t1 - t0
             loss_sum += self._accumulate(x, y)
@@ -459,10 +458,10 @@ class Worker:
             self.flat.zero_grad_()
             self.memory.release()
 
-    def _batch(self, a: Assignment) -> tuple[torch.Tensor, torch.Tensor]:
-        idx = self.indexer.indices(a.ranges)
-        if idx.size != a.batch_size:
-            raise RuntimeError(f"assignment ranges hold {idx.size} samples, batch size is {a.batch_size}")
+    def _batch(self, ranges: list[list[int]], size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = self.indexer.indices(ranges)
+        if idx.size != size:
+            raise RuntimeError(f"assignment ranges hold {idx.size} samples, batch size is {size}")
         x, y = self.data.train_batch(idx)
         if self.device.type != "cpu":
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)

@@ -349,6 +349,10 @@ def test_trace_from_worker_metrics(tmp_path):
     assert list(tr.iteration) == [0, 1]
     assert np.allclose(tr.speed, [128.0, 128.0])
     assert np.allclose(tr.exog, [[40.0, 0.0, 0.0], [50.0, 20.0, 30.0]])
+    recs[1]["cpu_quota"], recs[1]["throttled_s"] = 0.2, 0.03
+    path.write_text("\n".join(json.dumps(r) for r in recs))
+    more = trace_from_worker_metrics(path, extra=("cpu_quota", "throttled_s"))
+    assert np.allclose(more.exog, [[40.0, 0.0, 0.0, 0.2, 0.03], [50.0, 20.0, 30.0, 0.0, 0.0]])
 
 
 def test_schedules():
