@@ -17,6 +17,10 @@ or let the script spawn the ranks itself (no torchrun needed)::
 compute time, between forward and backward so the sleep counts as its compute (see
 ``emulated_sleep``). Rank 0 prints the sizes every ``--print-every`` iterations and, at the end,
 the mean iteration time and the test accuracy.
+
+``--exchange servers`` sends the gradient buckets through a ``ps-bsm --world-size N`` service
+(``--bsm-endpoint``) instead of a ring all-reduce; the service's policy decides the splits. With
+``--nproc`` and no endpoint the script starts that service itself, with this script's policy.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import statistics  # noqa: E402
+import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from datetime import timedelta  # noqa: E402
@@ -71,9 +76,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--nproc", type=int, default=None,
                    help="spawn this many ranks locally instead of running under torchrun")
-    p.add_argument("--exchange", default="auto", choices=["auto", "fused", "separate"],
+    p.add_argument("--exchange", default="auto", choices=["auto", "fused", "separate", "servers"],
                    help="how the ranks' reports reach rank 0: with the last gradient bucket (fused, "
-                        "the default on CPU) or by an all-gather of their own (separate)")
+                        "the default on CPU) or by an all-gather of their own (separate); or "
+                        "servers: gradients, reports and splits through a ps-bsm service")
+    p.add_argument("--bsm-endpoint", default=None,
+                   help="with --exchange servers: the `ps-bsm --world-size N` service's endpoint")
     p.add_argument("--verify", action="store_true",
                    help="debug: all-reduce the batch sizes with every bucket and check the sum")
     args = p.parse_args(argv)
@@ -127,9 +135,10 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
     data = load_dataset(args.dataset, cache_dir=args.cache_dir, seed=args.seed)
     model = build_model(args.model, seed=args.seed, num_classes=data.num_classes).to(device)
     ddp = DistributedDataParallel(model, device_ids=[device.index] if use_cuda else None)
-    balancer = DDPBatchBalancer(args.global_batch, args.policy, policy_args(args),
+    servers = args.exchange == "servers"
+    balancer = DDPBatchBalancer(args.global_batch, args.policy, None if servers else policy_args(args),
                                 min_batch=args.min_batch, device=device, verify=args.verify,
-                                exchange=args.exchange)
+                                exchange=args.exchange, endpoint=args.bsm_endpoint if servers else None)
     balancer.register_hook(ddp)
     sampler = LBBSPSampler(data.num_train, args.global_batch, seed=args.seed)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=args.momentum)
@@ -140,7 +149,8 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
         print(f"LB-BSP DDP: {world_size} ranks, backend {dist.get_backend()}, model {args.model}, "
               f"dataset {args.dataset}, X={args.global_batch}, policy {args.policy}"
               f"{' ' + json.dumps(policy_args(args)) if policy_args(args) else ''}, "
-              f"slowdown {args.slowdown or 'none'}", flush=True)
+              f"slowdown {args.slowdown or 'none'}"
+              f"{', exchange through ' + args.bsm_endpoint if servers else ''}", flush=True)
     dist.barrier()
     iteration_s: list[float] = []
     t_prev = time.perf_counter()
@@ -183,6 +193,7 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
               f"{statistics.fmean(iteration_s) * 1e3:.1f} ms (last half "
               f"{statistics.fmean(half) * 1e3:.1f} ms) over {len(iteration_s)} iterations; "
               f"test accuracy {correct / data.num_test:.4f}", flush=True)
+    balancer.close()
 
 
 def choose_backend(args: argparse.Namespace) -> str:
@@ -213,16 +224,45 @@ def spawned_rank(rank: int, world_size: int, args: argparse.Namespace, init_meth
     os._exit(0)
 
 
+def start_exchange_service(args: argparse.Namespace, world_size: int) -> subprocess.Popen:
+    """``ps-bsm --world-size N`` with this script's policy; sets ``args.bsm_endpoint``."""
+    cmd = [sys.executable, "-m", "ps_server.bsm_service", "--world-size", str(world_size),
+           "--policy", args.policy, "--global-batch", str(args.global_batch),
+           "--min-batch", str(args.min_batch), "--policy-args", json.dumps(policy_args(args))]
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()  # "ps-bsm listening on tcp://..."
+    if "listening on" not in line:
+        proc.kill()
+        raise SystemExit(f"ps-bsm did not start (exit {proc.wait()}): {line.strip()}")
+    args.bsm_endpoint = line.split("listening on", 1)[1].strip()
+    return proc
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if (args.exchange == "servers") != (args.bsm_endpoint is not None) and args.nproc is None:
+        raise SystemExit("--exchange servers needs --bsm-endpoint under torchrun (and the "
+                         "endpoint is only used with --exchange servers)")
     if args.nproc is not None:
         if args.nproc < 1:
             raise SystemExit("--nproc must be >= 1")
-        # Rendezvous through a file, not a "free" TCP port that another process may take
-        # between choosing and binding it.
-        with tempfile.TemporaryDirectory(prefix="ddp_lbbsp_") as tmp:
-            init_method = Path(tmp, "rendezvous").as_uri()
-            mp.spawn(spawned_rank, args=(args.nproc, args, init_method), nprocs=args.nproc, join=True)
+        service = None
+        if args.exchange == "servers" and args.bsm_endpoint is None:
+            service = start_exchange_service(args, args.nproc)
+        try:
+            # Rendezvous through a file, not a "free" TCP port that another process may take
+            # between choosing and binding it.
+            with tempfile.TemporaryDirectory(prefix="ddp_lbbsp_") as tmp:
+                init_method = Path(tmp, "rendezvous").as_uri()
+                mp.spawn(spawned_rank, args=(args.nproc, args, init_method), nprocs=args.nproc, join=True)
+        finally:
+            if service is not None:
+                service.terminate()
+                try:
+                    service.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    service.kill()
         return 0
     if "RANK" not in os.environ:
         raise SystemExit("run under torchrun, or pass --nproc N to spawn the ranks locally")

@@ -32,7 +32,7 @@ from ps_common.errors import PsError
 from ps_common.report import Telemetry
 
 MAGIC = b"LBPS"
-VERSION = 4
+VERSION = 5
 HEADER_PREFIX = MAGIC + bytes([VERSION])
 MAX_HEADER_BYTES = 1 << 20
 ALLOWED_DTYPES = frozenset({"<f4", "<f8", "<i8", "<i4", "|u1"})
@@ -510,6 +510,64 @@ class BsmStatsReply(Message):
     state: dict[str, Any] = field(default_factory=dict)  # state_dict() when asked for, else {}
 
 
+# ----- gradient exchange for DDP ranks (ps-bsm --world-size N) --------------------------------
+# A DDP job's ranks exchange their gradients through the service instead of a ring all-reduce:
+# each rank sends each bucket once and gets the batch-size-weighted mean once, and the split of
+# the next iteration rides on the last bucket's answer (one round trip per bucket, no collective).
+
+
+@dataclass
+class ExchangeOpen(Message):
+    """A rank starts (or restarts at) ``iteration``: the answer is that iteration's split and this
+    rank's token (:class:`ExchangePlan`)."""
+
+    TYPE: ClassVar[str] = "exchange_open"
+    worker_id: int = -1
+    iteration: int = 0
+
+
+@dataclass
+class ExchangePlan(Message):
+    """``batch_sizes[r]`` is rank ``r``'s share of ``iteration``; ``token`` proves the rank later."""
+
+    TYPE: ClassVar[str] = "exchange_plan"
+    iteration: int = 0
+    batch_sizes: list[int] = field(default_factory=list)
+    token: str = ""
+
+
+@dataclass
+class ExchangePush(Message):
+    """One gradient bucket of one rank: the mean gradient over its ``batch_size`` samples.
+
+    ``last`` marks the rank's last bucket of the iteration; it carries the rank's report
+    (``telemetry``). The answer (:class:`ExchangeResult`) comes once every rank sent this bucket.
+    """
+
+    TYPE: ClassVar[str] = "exchange_push"
+    ARRAYS: ClassVar[tuple[int, int]] = (1, 1)
+    worker_id: int = -1
+    token: str = ""
+    iteration: int = 0
+    bucket: int = 0
+    last: bool = False
+    batch_size: int = 0
+    telemetry: Union[Telemetry, None] = None
+
+
+@dataclass
+class ExchangeResult(Message):
+    """The bucket's weighted mean ``sum_r x_r g_r / X`` (summed in rank order). On the last bucket
+    also the next iteration's split and every rank's report as the service observed it."""
+
+    TYPE: ClassVar[str] = "exchange_result"
+    ARRAYS: ClassVar[tuple[int, int]] = (1, 1)
+    iteration: int = 0
+    bucket: int = 0
+    next_batch_sizes: list[int] = field(default_factory=list)
+    reports: list[Telemetry] = field(default_factory=list)
+
+
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (
@@ -519,6 +577,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         Commit, PlanMessage, Stop, Finish, Rollback,
         StatusRequest, Status, EvalReport, Shutdown, Error,
         BsmJoin, BsmLeave, BsmReport, BsmAssign, BsmAssignment, BsmStats, BsmStatsReply,
+        ExchangeOpen, ExchangePlan, ExchangePush, ExchangeResult,
     )
 }
 

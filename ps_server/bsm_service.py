@@ -5,6 +5,11 @@ Training loops in other processes or frameworks (a DDP job, a JAX loop, a shell 
 change membership, ``BsmReport`` feeds one worker's measurements of a finished iteration,
 ``BsmAssign`` returns the next split (``BsmAssignment``) and ``BsmStats`` the counters.
 
+With ``world_size`` (``ps-bsm --world-size N``) it also exchanges the gradients of a DDP job's
+N ranks (:mod:`ps_server.exchange`): ``ExchangeOpen``/``ExchangePush`` replace the ring
+all-reduce, the split of every iteration is decided here and rides on the last bucket's answer.
+Membership is then the fixed world (ranks 0..N-1), so join, leave, report and assign are refused.
+
 The manager stays free of ZeroMQ; this module is only the I/O loop around it: a ROUTER socket,
 a dispatch table, a receive timeout on every poll so that SIGINT/SIGTERM (or :meth:`stop`) end
 it promptly. Every message is decoded and validated before it touches the manager; bad input
@@ -32,12 +37,15 @@ from ps_common.errors import PsError
 from ps_common.security.settings import SecurityConfig
 from ps_common.security.sockets import close_socket
 from ps_common.transport import advertised, bind_address, make_router
+from ps_server.exchange import GradientExchange
 from ps_server.router import Limits, Refused, RouterLoop
 
 log = logging.getLogger(__name__)
 
 #: Largest message accepted (ZMQ_MAXMSGSIZE): a header and nothing else; no BSM message has arrays.
 MAX_MSG_BYTES = P.MAX_HEADER_BYTES + 4096
+#: Largest gradient bucket an exchange accepts (DDP's default buckets are 25 MB).
+DEFAULT_MAX_BUCKET_BYTES = 256 << 20
 
 
 def _worker_id(w: int) -> int:
@@ -55,12 +63,19 @@ class BatchSizeService:
 
     def __init__(self, manager: BatchSizeManager, *, host: str = "127.0.0.1", port: int = 0,
                  advertise_host: str | None = None, ctx: zmq.Context | None = None,
-                 security: SecurityConfig | None = None, poll_s: float = 0.1) -> None:
+                 security: SecurityConfig | None = None, poll_s: float = 0.1,
+                 world_size: int | None = None, max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
+                 stale_s: float = 60.0) -> None:
         self.manager = manager
         self.ctx = ctx or zmq.Context.instance()
         self.poll_s = float(poll_s)
+        #: The gradient exchange of a DDP world, when the service serves one.
+        self.exchange = (GradientExchange(manager, world_size, stale_s=stale_s,
+                                          max_bytes=max(4 * max_bucket_bytes, 1 << 31))
+                         if world_size is not None else None)
+        array_bytes = max_bucket_bytes if self.exchange is not None else 0
         self.sock, bound = make_router(self.ctx, bind_address(host, port),
-                                       max_msg_bytes=MAX_MSG_BYTES, security=security)
+                                       max_msg_bytes=MAX_MSG_BYTES + array_bytes, security=security)
         self.endpoint = advertised(bound, advertise_host)
         self.stop_event = StopFlag()
         self.started = time.monotonic()
@@ -73,13 +88,19 @@ class BatchSizeService:
             P.BsmAssign: self._on_assign,
             P.BsmStats: self._on_stats,
         }
-        # With credentials, workers report and the operator may do anything; without, anyone may.
+        if self.exchange is not None:
+            self.handlers[P.ExchangeOpen] = self._on_exchange_open
+            self.handlers[P.ExchangePush] = self._on_exchange_push  # type: ignore[assignment]
+        # With credentials, workers report and the operator may do anything but send gradients;
+        # without, anyone may do anything.
         perms = None
         if security is not None and security.mechanism != "none":
             anyone = frozenset({"worker", "operator"})
             perms = {kind: anyone for kind in self.handlers}
+            perms[P.ExchangeOpen] = perms[P.ExchangePush] = frozenset({"worker"})
         self.router = RouterLoop(self.sock, {k: self._dispatch for k in self.handlers}, server="ps-bsm",
-                                 limits=Limits(max_frames=4, max_array_bytes=0), permissions=perms)
+                                 limits=Limits(max_frames=4, max_array_bytes=array_bytes),
+                                 permissions=perms)
 
     @property
     def requests(self) -> int:
@@ -99,6 +120,8 @@ class BatchSizeService:
         try:
             while not self.stop_event.is_set():
                 self.router.poll(int(self.poll_s * 1000))
+                if self.exchange is not None:
+                    self._send(self.exchange.expire())
         finally:
             self.close()
 
@@ -117,6 +140,9 @@ class BatchSizeService:
         self._closed = True
         log.info("ps-bsm stopping: %d requests, %d reports, %d decisions, %d malformed, %d errors sent",
                  self.requests, self.reports, self.manager.decisions, self.malformed, self.errors_sent)
+        if self.exchange is not None:
+            log.info("ps-bsm exchange: %d iterations completed, %d failed or abandoned",
+                     self.exchange.completed, self.exchange.abandoned)
         close_socket(self.sock)
 
     def install_signal_handlers(self) -> None:
@@ -128,8 +154,11 @@ class BatchSizeService:
         """Answer one message; nothing a peer sends raises out of here."""
         self.router.handle(frames)
 
-    def _dispatch(self, ident: bytes, role: str, msg: P.Message) -> P.Message:
+    def _dispatch(self, ident: bytes, role: str, msg: P.Message) -> P.Message | None:
         try:
+            if isinstance(msg, P.ExchangePush):  # answered later, to every rank at once
+                self._on_exchange_push(ident, msg)
+                return None
             return self.handlers[type(msg)](msg)
         except Refused:
             raise
@@ -138,7 +167,14 @@ class BatchSizeService:
             raise Refused("internal", f"{type(exc).__name__}: {exc}") from None
 
     # ----- handlers: each returns the reply or raises Refused -------------------------------
+    def _fixed_world(self, what: str) -> None:
+        if self.exchange is not None:
+            raise Refused("not_supported", f"this service exchanges the gradients of a world of "
+                                           f"{self.exchange.world} ranks, which decides its own "
+                                           f"membership and splits: {what} is not accepted")
+
     def _on_join(self, msg: P.BsmJoin) -> P.Message:
+        self._fixed_world("bsm_join")
         w = _worker_id(msg.worker_id)
         m = self.manager
         limit = m.global_batch // m.min_batch  # more workers than this can never be assigned
@@ -150,10 +186,12 @@ class BatchSizeService:
         return P.Ack(what="bsm_join")
 
     def _on_leave(self, msg: P.BsmLeave) -> P.Message:
+        self._fixed_world("bsm_leave")
         self.manager.leave(_worker_id(msg.worker_id))
         return P.Ack(what="bsm_leave")
 
     def _on_report(self, msg: P.BsmReport) -> P.Message:
+        self._fixed_world("bsm_report")
         w = _worker_id(msg.worker_id)
         if msg.iteration < 0:
             raise Refused("bad_request", f"iteration must be >= 0, got {msg.iteration}")
@@ -167,6 +205,7 @@ class BatchSizeService:
         return P.Ack(what="bsm_report")
 
     def _on_assign(self, msg: P.BsmAssign) -> P.Message:
+        self._fixed_world("bsm_assign")
         m = self.manager
         if not m.live_workers:
             raise Refused("no_workers", "no live workers: join at least one before asking for a split")
@@ -179,6 +218,18 @@ class BatchSizeService:
         ws = sorted(sizes)
         return P.BsmAssignment(workers=ws, batch_sizes=[int(sizes[w]) for w in ws],
                                global_batch=m.global_batch, decision_s=float(m.last_decision_s))
+
+    def _on_exchange_open(self, msg: P.ExchangeOpen) -> P.Message:
+        assert self.exchange is not None
+        return self.exchange.open(msg.worker_id, msg.iteration)
+
+    def _on_exchange_push(self, ident: bytes, msg: P.ExchangePush) -> None:
+        assert self.exchange is not None
+        self._send(self.exchange.push(ident, msg))
+
+    def _send(self, replies: list[tuple[bytes, P.Message]]) -> None:
+        for ident, reply in replies:
+            self.router.reply(ident, reply)
 
     def _on_stats(self, msg: P.BsmStats) -> P.Message:
         m = self.manager
@@ -231,6 +282,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-batch", type=int, default=None, help="cap on every worker's batch")
     ap.add_argument("--policy-args", default="{}", metavar="JSON",
                     help='policy keyword arguments, e.g. \'{"predictor": "ema"}\'')
+    ap.add_argument("--world-size", type=int, default=None, metavar="N",
+                    help="also exchange the gradients of a DDP job's N ranks (its split is decided here)")
+    ap.add_argument("--max-bucket-mb", type=float, default=DEFAULT_MAX_BUCKET_BYTES / (1 << 20),
+                    help="with --world-size: the largest gradient bucket accepted")
+    ap.add_argument("--stale-s", type=float, default=60.0,
+                    help="with --world-size: abandon an iteration held this long without progress")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind")
     ap.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one")
     ap.add_argument("--advertise", default=None, help="host name clients use to reach this service")
@@ -245,8 +302,15 @@ def main(argv: list[str] | None = None) -> int:
         manager = BatchSizeManager(args.policy, args.global_batch, min_batch=args.min_batch,
                                    max_batch=args.max_batch,
                                    policy_args=_json_object(args.policy_args, "--policy-args"))
+        if args.world_size is not None and args.world_size < 1:
+            raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
+        if not args.max_bucket_mb > 0 or not args.stale_s > 0:
+            raise ValueError("--max-bucket-mb and --stale-s must be > 0")
         service = BatchSizeService(manager, host=args.host, port=args.port,
-                                   advertise_host=args.advertise, security=_security(args))
+                                   advertise_host=args.advertise, security=_security(args),
+                                   world_size=args.world_size,
+                                   max_bucket_bytes=int(args.max_bucket_mb * (1 << 20)),
+                                   stale_s=args.stale_s)
     except (PsError, ValueError, TypeError, zmq.ZMQError) as exc:
         print(f"ps-bsm: error: {exc}", file=sys.stderr)
         return 2

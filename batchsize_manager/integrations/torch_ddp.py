@@ -104,6 +104,10 @@ class WeightedHookState:
     report_slot: tuple[int, int, Callable[[], list[float]]] | None = field(default=None, repr=False)
     #: The gathered rows (world size x fields) of the last bucket reduced, once it completed.
     reports: torch.Tensor | None = field(default=None, repr=False)
+    #: Set by the balancer with ``exchange="servers"``: a
+    #: :class:`~batchsize_manager.integrations.ddp_server_exchange.ServerExchange` that sends the
+    #: buckets to the service (which weights them) instead of all-reducing them.
+    server: Any = field(default=None, repr=False)
 
     def _mark_ready(self, tensor: torch.Tensor) -> None:
         self.hook_calls += 1
@@ -126,6 +130,8 @@ def weighted_allreduce_hook(
     """
     tensor = bucket.buffer()
     state._mark_ready(tensor)
+    if state.server is not None:
+        return _through_server(state, bucket)
     group = state.process_group if state.process_group is not None else dist.group.WORLD
     slot = state.report_slot
     if slot is not None and bucket.is_last() and tensor.dtype in (torch.float32, torch.float64):
@@ -161,6 +167,17 @@ def weighted_allreduce_hook(
         return grad.div_(summed)
 
     return torch.futures.collect_all([size_fut, grad_fut]).then(finish)
+
+
+def _through_server(state: WeightedHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The bucket goes to the exchange service unscaled (it weights by the planned sizes); the
+    last one carries this rank's report."""
+    last = bucket.is_last()
+    telemetry = None
+    if last:
+        slot = state.report_slot
+        telemetry = Telemetry.from_floats(slot[2]()) if slot is not None else Telemetry()
+    return state.server.submit(bucket.buffer(), bucket.index(), last, telemetry)
 
 
 def _scale(state: WeightedHookState, tensor: torch.Tensor) -> None:
@@ -409,6 +426,9 @@ class DDPBatchBalancer:
         device: torch.device | str | None = None,
         verify: bool = False,
         exchange: str = "auto",
+        endpoint: str | None = None,
+        security: Any = None,
+        timeout_s: float = 60.0,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("DDPBatchBalancer needs torch.distributed to be initialised first")
@@ -428,13 +448,21 @@ class DDPBatchBalancer:
         self.iteration = 0
         self.hook_state = WeightedHookState(batch_size=0, global_batch=self.global_batch,
                                             process_group=process_group, verify=verify)
-        if exchange not in ("auto", "fused", "separate"):
-            raise ValueError(f"exchange must be 'auto', 'fused' or 'separate', got {exchange!r}")
-        if exchange == "fused" and self.device.type == "cuda":
-            raise ValueError("exchange='fused' needs CPU timing (on CUDA the compute time is known "
-                             "only once the GPU is done; use 'separate')")
+        if exchange not in ("auto", "fused", "separate", "servers"):
+            raise ValueError(f"exchange must be 'auto', 'fused', 'separate' or 'servers', got {exchange!r}")
+        if exchange in ("fused", "servers") and self.device.type == "cuda":
+            raise ValueError(f"exchange={exchange!r} needs CPU timing (on CUDA the compute time is "
+                             f"known only once the GPU is done; use 'separate')")
+        if (exchange == "servers") != (endpoint is not None):
+            raise ValueError("exchange='servers' needs the endpoint of a `ps-bsm --world-size N` "
+                             "service, and an endpoint is only used with exchange='servers'")
+        if exchange == "servers" and (manager is not None or policy_args):
+            raise ValueError("with exchange='servers' the service's policy decides "
+                             "(ps-bsm --policy/--policy-args); pass neither manager nor policy_args")
         #: Do the reports ride with the last gradient bucket (no all-gather of their own)?
-        self.fused = exchange == "fused" or (exchange == "auto" and self.device.type != "cuda")
+        self.fused = exchange in ("fused", "servers") or (exchange == "auto" and self.device.type != "cuda")
+        #: With exchange="servers": this rank's link to the service (gradients, reports, splits).
+        self.server: Any = None
         if self.fused:
             self.hook_state.report_slot = (self.rank, self.world_size, self._row_at_last_bucket)
         self._prev_iteration_s = 0.0  # none before the first
@@ -444,12 +472,20 @@ class DDPBatchBalancer:
         self._floor = self.min_batch  # the smallest size rank 0 accepts from the decider
         self._decider: _PolicyLike | None = None
         self._setup_error: BaseException | None = None
-        if self.rank == 0:
-            try:
-                self._decider = self._make_decider(policy, policy_args, manager)
-            except Exception as exc:  # re-raised after telling the other ranks
-                self._setup_error = exc
-        self._sizes: list[int] = self._decide([])
+        if endpoint is not None:
+            from batchsize_manager.integrations.ddp_server_exchange import ServerExchange
+
+            self.server = ServerExchange(endpoint, self.rank, timeout_s=timeout_s, security=security)
+            self._sizes: list[int] = self._check(dict(enumerate(self.server.open(0))))
+            self.server.batch_size = self._sizes[self.rank]
+            self.hook_state.server = self.server
+        else:
+            if self.rank == 0:
+                try:
+                    self._decider = self._make_decider(policy, policy_args, manager)
+                except Exception as exc:  # re-raised after telling the other ranks
+                    self._setup_error = exc
+            self._sizes = self._decide([])
         self.hook_state.batch_size = self._sizes[self.rank]
         self._reset_timers()
 
@@ -618,6 +654,8 @@ class DDPBatchBalancer:
         :attr:`sizes` and the hook's ``batch_size``.
         """
         iteration_s = time.perf_counter() - self._iter_start
+        if self.server is not None:
+            return self._step_through_server(iteration_s)
         fused, self.hook_state.reports = self.hook_state.reports, None
         if fused is not None and self._sent:
             # Every rank's report came with the last bucket (the backward waited for it): a
@@ -646,6 +684,30 @@ class DDPBatchBalancer:
         self.iteration += 1
         self._reset_timers()
         return self.sizes
+
+    def _step_through_server(self, iteration_s: float) -> dict[int, int]:
+        """The service decided the next split when the last bucket of every rank reached it."""
+        srv = self.server
+        if srv.next_sizes is None:
+            raise RuntimeError(f"exchange='servers': no gradient bucket of iteration {self.iteration} "
+                               f"went through the service; each iteration needs one backward "
+                               f"through the DDP model (accumulate micro-batches under no_sync())")
+        self._prev_iteration_s = iteration_s
+        self.last_reports = [
+            WorkerReport(worker_id=r, iteration=self.iteration, batch_size=self._sizes[r], telemetry=tel)
+            for r, tel in enumerate(srv.reports)
+        ]
+        self._sizes = self._check(dict(enumerate(srv.next_sizes)))
+        self.hook_state.batch_size = self._sizes[self.rank]
+        srv.advance(self._sizes[self.rank])
+        self.iteration += 1
+        self._reset_timers()
+        return self.sizes
+
+    def close(self) -> None:
+        """Close the link to the exchange service (``exchange="servers"``); a no-op otherwise."""
+        if self.server is not None:
+            self.server.close()
 
     def _decide(self, reports: list[WorkerReport]) -> list[int]:
         """Rank 0 asks the policy; the result (or a failure marker) is broadcast to all."""

@@ -1,0 +1,269 @@
+"""Gradient exchange for the ranks of a DDP job, through ``ps-bsm`` instead of a ring all-reduce.
+
+Why: a ring all-reduce passes every rank's data through every rank, in 2(N-1) steps that each
+need every rank. A rank throttled by a CPU quota stalls every step it is out of quota for, and
+each collective costs every rank CPU it may not have; a rank behind a slow link slows every
+step of the ring. Through a server each rank sends each gradient bucket once and gets the
+batch-size-weighted mean once; the sum runs on the server's CPU.
+
+The rule, per iteration ``t`` (this module is the pure state; ``bsm_service`` does the I/O):
+
+* ``t`` has one split (``plan``), decided once by the service's manager: when a rank opens
+  ``t`` at the start (or a restart), or when ``t - 1`` completes. ``ExchangeOpen`` answers
+  with it and a token for the rank.
+* A rank's ``ExchangePush`` of bucket ``b`` is accepted only with its token, for the open
+  iteration, at its planned batch size, once per (rank, bucket), with the dtype and size of the
+  bucket's other contributions, and finite. When all ranks sent ``b``, each gets
+  ``sum_r x_r g_r / X`` summed in rank order (the same bytes for every rank, whatever the
+  arrival order). A rank with ``x_r = 0`` adds nothing.
+* When the bucket every rank marked ``last`` completes, every rank's report goes to the manager,
+  the split of ``t + 1`` is decided, and it rides on that bucket's answers.
+* A non-finite gradient fails the iteration for every rank (each waiting rank gets an Error,
+  and so does each later push of ``t``): nothing of ``t`` is ever answered with a sum. An
+  iteration with contributions and no progress for ``stale_s`` is abandoned the same way, so a
+  job restarted after a rank died can open a new iteration.
+
+What a peer can make the service hold is bounded: ``max_buckets`` open buckets, ``max_bytes`` of
+held gradients.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from batchsize_manager import BatchSizeManager, WorkerReport
+from ps_common import protocol as P
+from ps_common.report import Telemetry
+from ps_server.router import Refused
+
+Reply = tuple[bytes, P.Message]
+FLOAT_DTYPES = frozenset({np.dtype("<f4"), np.dtype("<f8")})
+
+
+@dataclass
+class _Bucket:
+    """One bucket of the open iteration: who sent it, and who waits for its sum."""
+
+    dtype: np.dtype
+    size: int
+    last: bool
+    grads: dict[int, np.ndarray] = field(default_factory=dict)
+    waiting: dict[int, bytes] = field(default_factory=dict)  # rank -> ident to answer
+
+
+class GradientExchange:
+    """The exchange of one DDP world of ``world`` ranks (ids ``0..world-1``) around ``manager``.
+
+    Not thread-safe; one service loop drives it. Every method either returns the replies to send
+    (``(ident, message)`` pairs) or raises :class:`Refused` for the sender, leaving state as it was.
+    """
+
+    def __init__(self, manager: BatchSizeManager, world: int, *, stale_s: float = 60.0,
+                 max_buckets: int = 4096, max_bytes: int = 1 << 31,
+                 clock: Callable[[], float] = time.monotonic,
+                 new_token: Callable[[], str] = lambda: secrets.token_hex(16)) -> None:
+        if world < 1:
+            raise ValueError(f"world must be >= 1, got {world}")
+        if not stale_s > 0:
+            raise ValueError(f"stale_s must be > 0, got {stale_s}")
+        self.manager = manager
+        self.world = int(world)
+        self.stale_s = float(stale_s)
+        self.max_buckets = int(max_buckets)
+        self.max_bytes = int(max_bytes)
+        self.clock = clock
+        self.new_token = new_token
+        for r in range(self.world):
+            manager.join(r)
+        self.tokens: dict[int, str] = {}
+        self.iteration: int | None = None  # the open iteration, whose split is ``plan``
+        self.plan: list[int] = []
+        self.failed: str | None = None     # why the open iteration failed, if it did
+        self.buckets: dict[int, _Bucket] = {}
+        self.done: set[int] = set()        # buckets of the open iteration already answered
+        self.reports: dict[int, Telemetry] = {}
+        self.held_bytes = 0
+        self.last_activity = clock()
+        self.completed = 0   # iterations completed
+        self.abandoned = 0   # iterations failed or abandoned
+
+    # ----- what a rank asks ----------------------------------------------------------------
+    def open(self, rank: int, iteration: int) -> P.ExchangePlan:
+        """The split of ``iteration`` and a token for ``rank``; starts ``iteration`` if nothing of
+        the open one is held (the start, or a restart after a failure)."""
+        self._rank(rank)
+        if iteration < 0:
+            raise Refused("bad_request", f"iteration must be >= 0, got {iteration}")
+        if iteration != self.iteration or self.failed is not None:
+            if self._busy():
+                raise Refused("wrong_iteration",
+                              f"iteration {self.iteration} is in progress (ranks "
+                              f"{self._senders()} sent buckets); it cannot open {iteration} "
+                              f"until it completes or is abandoned after {self.stale_s:g} s")
+            self._start(iteration, self._decide())
+        if rank not in self._senders() or rank not in self.tokens:
+            self.tokens[rank] = self.new_token()  # a restarted rank gets a fresh one
+        return P.ExchangePlan(iteration=iteration, batch_sizes=list(self.plan), token=self.tokens[rank])
+
+    def push(self, ident: bytes, msg: P.ExchangePush) -> list[Reply]:
+        """Hold one bucket of one rank; the replies once the bucket (or the iteration) is done."""
+        rank, t, b = msg.worker_id, msg.iteration, msg.bucket
+        self._rank(rank)
+        token = self.tokens.get(rank)
+        if token is None or not secrets.compare_digest(token, msg.token):
+            raise Refused("unauthorized", f"wrong token for rank {rank} (open the iteration first)")
+        if t != self.iteration:
+            raise Refused("not_planned", f"iteration {t} is not open (open: {self.iteration})")
+        if self.failed is not None:
+            raise Refused("iteration_failed", self.failed)
+        if msg.batch_size != self.plan[rank]:
+            raise Refused("bad_batch", f"rank {rank} was given {self.plan[rank]} samples in "
+                                       f"iteration {t}, not {msg.batch_size}")
+        if not 0 <= b < self.max_buckets:
+            raise Refused("bad_request", f"bucket must be in [0, {self.max_buckets}), got {b}")
+        if b in self.done:
+            raise Refused("duplicate", f"bucket {b} of iteration {t} was already summed")
+        (grad,) = msg.arrays
+        if grad.dtype not in FLOAT_DTYPES:
+            raise Refused("bad_request", f"gradients must be float32 or float64, not {grad.dtype}")
+        grad = grad.reshape(-1)
+        bucket = self.buckets.get(b)
+        if bucket is not None:
+            if rank in bucket.grads:
+                raise Refused("duplicate", f"rank {rank} already sent bucket {b} of iteration {t}")
+            if grad.dtype != bucket.dtype or grad.size != bucket.size or msg.last != bucket.last:
+                raise Refused("bad_shape", f"bucket {b}: {grad.size} x {grad.dtype} last={msg.last}, "
+                                           f"other ranks sent {bucket.size} x {bucket.dtype} "
+                                           f"last={bucket.last}")
+        elif len(self.buckets) >= self.max_buckets:
+            raise Refused("too_large", f"{len(self.buckets)} buckets are open, at most {self.max_buckets}")
+        if self.held_bytes + grad.nbytes > self.max_bytes:
+            raise Refused("too_large", f"holding {self.held_bytes} bytes; {grad.nbytes} more exceed "
+                                       f"the limit of {self.max_bytes}")
+        if msg.last and msg.telemetry is None:
+            raise Refused("bad_request", "the last bucket carries the rank's report (telemetry)")
+        self.last_activity = self.clock()
+        if self.plan[rank] > 0 and not np.isfinite(grad).all():
+            return [(ident, self._error("non_finite", f"rank {rank}'s gradient (bucket {b}) is "
+                                                      f"not finite"))] + self._fail(
+                f"iteration {t} failed: rank {rank}'s gradient (bucket {b}) is not finite")
+        if bucket is None:
+            bucket = self.buckets[b] = _Bucket(dtype=grad.dtype, size=grad.size, last=msg.last)
+        bucket.grads[rank] = grad
+        bucket.waiting[rank] = ident
+        self.held_bytes += grad.nbytes
+        if msg.last:
+            assert msg.telemetry is not None
+            self.reports[rank] = msg.telemetry
+        if len(bucket.grads) < self.world:
+            return []
+        return self._complete(b, bucket)
+
+    def expire(self) -> list[Reply]:
+        """Abandon the open iteration if it has held gradients without progress for ``stale_s``."""
+        if not self._busy() or self.clock() - self.last_activity < self.stale_s:
+            return []
+        missing = sorted(set(range(self.world)) - set(self._senders_of_all()))
+        return self._fail(f"iteration {self.iteration} abandoned after {self.stale_s:g} s without "
+                          f"progress (ranks {missing} sent none of its open buckets)")
+
+    # ----- internals ------------------------------------------------------------------------
+    def _rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world:
+            raise Refused("unknown_worker", f"rank {rank} is not in this world of {self.world} ranks")
+
+    def _busy(self) -> bool:
+        return bool(self.buckets)
+
+    def _senders(self) -> list[int]:
+        return sorted({r for bk in self.buckets.values() for r in bk.grads})
+
+    def _senders_of_all(self) -> list[int]:
+        """Ranks that sent every open bucket."""
+        sets = [set(bk.grads) for bk in self.buckets.values()]
+        return sorted(set.intersection(*sets)) if sets else []
+
+    def _decide(self) -> list[int]:
+        try:
+            sizes = self.manager.assign()
+        except ValueError as exc:  # the bounds cannot hold X
+            raise Refused("infeasible", str(exc)) from None
+        except RuntimeError as exc:
+            raise Refused("policy_error", str(exc)) from None
+        return [int(sizes[r]) for r in range(self.world)]
+
+    def _start(self, iteration: int, plan: Sequence[int]) -> None:
+        self.iteration = iteration
+        self.plan = list(plan)
+        self.failed = None
+        self.buckets.clear()
+        self.done.clear()
+        self.reports.clear()
+        self.held_bytes = 0
+        self.last_activity = self.clock()
+
+    def _weighted_mean(self, bucket: _Bucket) -> np.ndarray:
+        total = float(sum(self.plan))
+        acc = np.zeros(bucket.size, dtype=np.float64)
+        for r in range(self.world):  # rank order: the same sum whatever the arrival order
+            if self.plan[r] > 0:
+                acc += bucket.grads[r] * (self.plan[r] / total)
+        return acc.astype(bucket.dtype, copy=False)
+
+    def _complete(self, b: int, bucket: _Bucket) -> list[Reply]:
+        t = self.iteration
+        assert t is not None
+        mean = self._weighted_mean(bucket)
+        del self.buckets[b]
+        self.done.add(b)
+        self.held_bytes -= sum(g.nbytes for g in bucket.grads.values())
+        next_sizes: list[int] = []
+        reports: list[Telemetry] = []
+        if bucket.last:
+            if self.buckets:  # ranks send their buckets in order, the last one last
+                reason = (f"iteration {t}: the last bucket completed while buckets "
+                          f"{sorted(self.buckets)} were still open")
+                return self._fail(reason) + [(ident, self._error("iteration_failed", reason))
+                                             for ident in bucket.waiting.values()]
+            reports = [self.reports[r] for r in range(self.world)]
+            for r, tel in enumerate(reports):
+                self.manager.observe(WorkerReport(worker_id=r, iteration=t, batch_size=self.plan[r],
+                                                  telemetry=tel))
+            try:
+                next_sizes = self._decide()
+            except Refused as exc:
+                waiting = list(bucket.waiting.values())
+                failed = self._fail(f"iteration {t + 1} cannot be planned: {exc}")
+                return failed + [(ident, self._error(exc.code, str(exc))) for ident in waiting]
+            self.completed += 1
+            self._start(t + 1, next_sizes)
+        result = P.ExchangeResult(iteration=t, bucket=b, next_batch_sizes=next_sizes,
+                                  reports=reports, arrays=[mean])
+        return [(bucket.waiting[r], result) for r in range(self.world)]
+
+    def _fail(self, reason: str) -> list[Reply]:
+        """Fail the open iteration: every waiting rank is told, nothing of it is kept."""
+        replies: list[Reply] = [(ident, self._error("iteration_failed", reason))
+                   for bk in self.buckets.values() for ident in bk.waiting.values()]
+        self.failed = reason
+        self.buckets.clear()
+        self.held_bytes = 0
+        self.abandoned += 1
+        return replies
+
+    @staticmethod
+    def _error(code: str, message: str) -> P.Error:
+        return P.Error(code=code, message=message[:2000])
+
+    def stats(self) -> dict[str, float]:
+        """Counters for ``BsmStats``."""
+        return {"exchange_iteration": -1 if self.iteration is None else self.iteration,
+                "exchange_completed": self.completed, "exchange_abandoned": self.abandoned,
+                "exchange_held_bytes": self.held_bytes,
+                "exchange_age_s": self.clock() - self.last_activity if self._busy() else math.nan}

@@ -1,0 +1,229 @@
+"""DDP ranks exchanging their gradients through a real ``ps-bsm --world-size N`` process.
+
+The claim: with ``DDPBatchBalancer(exchange="servers")`` the buckets never meet an all-reduce,
+the service's policy moves the split, and the run is still exactly single-process SGD with the
+global batch. Then well-formed forgeries against the real service, a rank that never sends
+(the others are told, not hung), the operator role refused under CURVE, and the example script.
+(The rule message by message: tests/unit/test_exchange.py.)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import zmq
+from torch.nn.parallel import DistributedDataParallel
+
+from batchsize_manager import BatchSizeManager
+from batchsize_manager.integrations.torch_ddp import DDPBatchBalancer, LBBSPSampler
+from ps_common import protocol as P
+from ps_common.report import Telemetry
+from ps_common.transport import Connection, RemoteError
+from ps_ml.datasets import load_dataset
+from ps_ml.reference import flat_parameters, global_batch_indices, train_reference
+from ps_server.bsm_service import BatchSizeService
+from tests.system.test_ddp_plugin import (
+    DATA_SEED,
+    LR,
+    MODEL_SEED,
+    MOMENTUM,
+    N_TRAIN,
+    ROOT,
+    X,
+    _free_port,
+    _init,
+    _model,
+    _spawn,
+)
+
+STEPS = 8
+PER_SAMPLE_S = [1e-3, 3e-3, 1e-3]   # rank 1 reports itself 3x slower per sample
+
+
+def _start_service(procs, world: int, *extra: str) -> str:
+    child = procs.start("ps-bsm", "ps_server.bsm_service",
+                        ["--world-size", str(world), "--policy", "lbbsp-cpu", "--global-batch", str(X),
+                         "--policy-args", '{"predictor": "last"}', "--port", "0", *extra])
+    return procs.wait_endpoint(child, 15)
+
+
+def _rank_main(rank: int, world: int, port: int, endpoint: str, out_dir: str) -> None:
+    _init(rank, world, port)
+    out: dict[str, Any] = {}
+    try:
+        data = load_dataset("synthetic", seed=DATA_SEED, synthetic_train=N_TRAIN, synthetic_test=8)
+        sampler = LBBSPSampler(data.num_train, X, seed=DATA_SEED)
+        bal = DDPBatchBalancer(X, exchange="servers", endpoint=endpoint, timeout_s=20)
+        ddp = DistributedDataParallel(_model(), bucket_cap_mb=0.05, find_unused_parameters=True)
+        bal.register_hook(ddp)
+        opt = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=MOMENTUM)
+        sizes, used, buckets, reports = [], [], [], []
+        for _ in range(STEPS):
+            sizes.append([bal.sizes[r] for r in range(world)])
+            idx = bal.batch_indices(sampler)
+            used.append(idx)
+            xb, yb = data.train_batch(idx)
+            sent = bal.server.buckets_sent
+            bal.report(compute_s=bal.my_batch_size * PER_SAMPLE_S[rank],
+                       telemetry=Telemetry(host_cpu=float(rank)))
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(ddp(xb), yb).backward()
+            buckets.append(bal.server.buckets_sent - sent)
+            opt.step()
+            bal.step()
+            reports.append([(r.worker_id, r.batch_size, r.telemetry.compute_s, r.telemetry.host_cpu)
+                            for r in bal.last_reports])
+        out.update(params=flat_parameters(ddp.module), sizes=sizes, used=used, buckets=buckets,
+                   reports=reports)
+        if rank == 0:
+            out["reference"] = train_reference("mlp", MODEL_SEED, data, DATA_SEED, X, STEPS,
+                                               lr=LR, momentum=MOMENTUM)
+        bal.close()
+        dist.barrier()
+    finally:
+        torch.save(out, Path(out_dir) / f"rank{rank}.pt")
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_ddp_through_the_service_equals_single_process_sgd(procs, tmp_path):
+    world = 3
+    endpoint = _start_service(procs, world)
+    _spawn(_rank_main, world, (world, _free_port(), endpoint, str(tmp_path)), timeout_s=90)
+    res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    for r in range(world):
+        np.testing.assert_array_equal(res[r]["params"], res[0]["params"])  # same bytes everywhere
+        np.testing.assert_allclose(res[r]["params"], res[0]["reference"], rtol=1e-4, atol=2e-6)
+        assert res[r]["sizes"] == res[0]["sizes"] and min(res[r]["buckets"]) > 1
+        assert res[r]["reports"] == res[0]["reports"]
+    sizes = res[0]["sizes"]
+    assert all(sum(s) == X for s in sizes)
+    assert sizes[0] == [22, 21, 21]                      # cold start: uniform
+    assert sizes[-1][1] < sizes[-1][0] / 2               # then the slow rank gets less
+    for t in range(STEPS):  # the ranks' slices, in rank order, are the global batch
+        got = np.concatenate([res[r]["used"][t] for r in range(world)])
+        np.testing.assert_array_equal(got, global_batch_indices(DATA_SEED, N_TRAIN, X, t))
+    last = res[0]["reports"][-1]
+    assert [(w, b, h) for w, b, _, h in last] == [(r, sizes[-1][r], float(r)) for r in range(world)]
+    assert [c for _, _, c, _ in last] == pytest.approx([sizes[-1][r] * PER_SAMPLE_S[r] for r in range(world)])
+
+
+def _push(conn: Connection, rank: int, token: str, grad: np.ndarray, *, iteration: int = 0,
+          batch_size: int, bucket: int = 0) -> None:
+    conn.send(P.ExchangePush(worker_id=rank, token=token, iteration=iteration, bucket=bucket, last=True,
+                             batch_size=batch_size, telemetry=Telemetry(compute_s=0.01), arrays=[grad]))
+
+
+def _refused(conn: Connection) -> str:
+    with pytest.raises(RemoteError) as err:
+        conn.recv(timeout_s=5)
+    return err.value.code
+
+
+@pytest.mark.timeout(60)
+def test_forged_exchange_messages_against_the_real_service(procs):
+    endpoint = _start_service(procs, 2, "--stale-s", "1")
+    ctx = zmq.Context.instance()
+    a, b, forger = (Connection(ctx, endpoint, role="worker", timeout_s=5) for _ in range(3))
+    try:
+        plan_a = a.request(P.ExchangeOpen(worker_id=0, iteration=0), P.ExchangePlan)
+        plan_b = b.request(P.ExchangeOpen(worker_id=1, iteration=0), P.ExchangePlan)
+        assert plan_a.batch_sizes == plan_b.batch_sizes == [32, 32]
+        g = np.ones(4, np.float32)
+        # Well-formed pushes that are not what the plan allows, each refused to its sender.
+        for kwargs, code in [
+            (dict(rank=1, token="f" * 32, batch_size=32), "unauthorized"),          # no token
+            (dict(rank=1, token=plan_a.token, batch_size=32), "unauthorized"),      # another's
+            (dict(rank=1, token=plan_b.token, batch_size=32, iteration=1), "not_planned"),
+            (dict(rank=1, token=plan_b.token, batch_size=33), "bad_batch"),
+            (dict(rank=5, token=plan_b.token, batch_size=32), "unknown_worker"),
+        ]:
+            _push(forger, grad=g, **kwargs)
+            assert _refused(forger) == code, kwargs
+        forger.send(P.BsmJoin(worker_id=3))          # membership is the fixed world
+        assert _refused(forger) == "not_supported"
+        # Rank 0 sends; a second copy is refused; rank 1's NaN fails the iteration for both.
+        _push(a, 0, plan_a.token, g, batch_size=32)
+        _push(a, 0, plan_a.token, g, batch_size=32)
+        assert _refused(a) == "duplicate"
+        _push(b, 1, plan_b.token, np.full(4, np.nan, np.float32), batch_size=32)
+        assert _refused(b) == "non_finite"
+        assert _refused(a) == "iteration_failed"
+        # A restart opens iteration 0 again; rank 1 never sends: rank 0 is told, not hung.
+        plan_a = a.request(P.ExchangeOpen(worker_id=0, iteration=0), P.ExchangePlan)
+        _push(a, 0, plan_a.token, g, batch_size=32)
+        t0 = time.monotonic()
+        with pytest.raises(RemoteError) as err:
+            a.recv(timeout_s=10)
+        assert err.value.code == "iteration_failed" and "abandoned" in str(err.value)
+        assert time.monotonic() - t0 < 5
+        # And then a whole iteration goes through: the weighted mean, the next split.
+        plan_a = a.request(P.ExchangeOpen(worker_id=0, iteration=0), P.ExchangePlan)
+        plan_b = b.request(P.ExchangeOpen(worker_id=1, iteration=0), P.ExchangePlan)
+        _push(a, 0, plan_a.token, np.full(4, 1.0, np.float32), batch_size=32)
+        _push(b, 1, plan_b.token, np.full(4, 3.0, np.float32), batch_size=32)
+        for conn in (a, b):
+            res = conn.recv(timeout_s=5)
+            assert isinstance(res, P.ExchangeResult) and res.next_batch_sizes == [32, 32]
+            np.testing.assert_array_equal(res.arrays[0], np.full(4, 2.0, np.float32))
+    finally:
+        for c in (a, b, forger):
+            c.close()
+
+
+@pytest.mark.timeout(20)
+def test_under_curve_only_workers_may_exchange(tmp_path):
+    if not zmq.has("curve"):
+        pytest.skip("libzmq without CURVE")
+    from ps_common.security.authenticator import stop_authenticators
+    from ps_common.security.settings import init_local_keys
+
+    sec = init_local_keys(tmp_path / "keys")
+    ctx = zmq.Context()
+    svc = BatchSizeService(BatchSizeManager("uniform", X), ctx=ctx, security=sec, poll_s=0.05, world_size=2)
+    thread = svc.start()
+    try:
+        op = Connection(ctx, svc.endpoint, role="operator", timeout_s=5, security=sec)
+        worker = Connection(ctx, svc.endpoint, role="worker", timeout_s=5, security=sec)
+        try:
+            op.send(P.ExchangeOpen(worker_id=0, iteration=0))
+            assert _refused(op) == "forbidden"
+            assert worker.request(P.ExchangeOpen(worker_id=0, iteration=0), P.ExchangePlan).batch_sizes == [32, 32]
+            assert op.request(P.BsmStats(), P.BsmStatsReply).requests == 3
+        finally:
+            op.close()
+            worker.close()
+    finally:
+        svc.stop()
+        thread.join(timeout=5)
+        stop_authenticators(ctx)
+        ctx.term()
+    assert not thread.is_alive()
+
+
+def test_example_script_exchanges_through_a_service_it_starts():
+    cmd = [sys.executable, str(ROOT / "examples" / "ddp_lbbsp.py"), "--nproc", "2", "--exchange", "servers",
+           "--policy", "fixed", "--weights", "1,3", "--iterations", "4", "--print-every", "2",
+           "--global-batch", "32", "--model", "mlp"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher, its service and the ranks
+        output, _ = proc.communicate(timeout=10)
+        pytest.fail(f"example timed out:\n{output}")
+    assert proc.returncode == 0, output
+    assert "exchange through tcp://" in output and "final sizes [8, 24]" in output, output
+    assert "4 iterations completed, 0 failed" in output, output

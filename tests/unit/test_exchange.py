@@ -1,0 +1,233 @@
+"""The gradient exchange's rule (ps_server/exchange.py), message by message, without sockets.
+
+Real ranks and a real service: tests/system/test_ddp_server_exchange.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from batchsize_manager import BatchSizeManager
+from ps_common import protocol as P
+from ps_common.report import Telemetry
+from ps_server.exchange import GradientExchange
+from ps_server.router import Refused
+
+X = 64
+WEIGHTS = [1.0, 3.0, 4.0]   # fixed policy: splits [8, 24, 32]
+PLAN = [8, 24, 32]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(world: int = 3, **kw) -> tuple[GradientExchange, Clock]:
+    clock = Clock()
+    counter = itertools.count()
+    manager = BatchSizeManager("fixed", X, policy_args={"weights": WEIGHTS[:world]})
+    ex = GradientExchange(manager, world, clock=clock, new_token=lambda: f"tok{next(counter)}", **kw)
+    return ex, clock
+
+
+def push(ex: GradientExchange, rank: int, grad, *, bucket: int = 0, last: bool = True,
+         iteration: int = 0, token: str | None = None, batch_size: int | None = None,
+         telemetry: Telemetry | None = None):
+    msg = P.ExchangePush(worker_id=rank, token=ex.tokens.get(rank, "") if token is None else token,
+                         iteration=iteration, bucket=bucket, last=last,
+                         batch_size=ex.plan[rank] if batch_size is None else batch_size,
+                         telemetry=(telemetry or Telemetry(compute_s=0.01 * (rank + 1))) if last else None,
+                         arrays=[np.asarray(grad)])
+    return ex.push(f"id{rank}".encode(), msg)
+
+
+def open_all(ex: GradientExchange, iteration: int = 0) -> list[P.ExchangePlan]:
+    return [ex.open(r, iteration) for r in range(ex.world)]
+
+
+def grads(world: int = 3, n: int = 5, dtype=np.float32) -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    return [rng.standard_normal(n).astype(dtype) for _ in range(world)]
+
+
+def test_weighted_mean_in_rank_order_whatever_the_arrival_order():
+    g = grads()
+    want = (sum(np.float64(PLAN[r]) / X * g[r].astype(np.float64) for r in range(3))).astype(np.float32)
+    results = []
+    for order in ([0, 1, 2], [2, 0, 1], [1, 2, 0]):
+        ex, _ = make()
+        plans = open_all(ex)
+        assert [p.batch_sizes for p in plans] == [PLAN] * 3
+        assert len({p.token for p in plans}) == 3
+        replies = []
+        for r in order:
+            replies += push(ex, r, g[r])
+        assert len(replies) == 3 and sorted(i for i, _ in replies) == [b"id0", b"id1", b"id2"]
+        msgs = [m for _, m in replies]
+        assert all(isinstance(m, P.ExchangeResult) for m in msgs)
+        results.append(msgs[0].arrays[0])
+        assert all(np.array_equal(m.arrays[0], msgs[0].arrays[0]) for m in msgs)
+        # The last bucket brings the next split and every rank's report, and opens iteration 1.
+        assert msgs[0].next_batch_sizes == PLAN and ex.iteration == 1
+        assert [t.compute_s for t in msgs[0].reports] == pytest.approx([0.01, 0.02, 0.03])
+    assert results[0].dtype == np.float32
+    np.testing.assert_allclose(results[0], want, rtol=1e-6)
+    assert all(np.array_equal(r, results[0]) for r in results)  # bit-identical
+
+
+def test_buckets_answer_as_they_complete_and_only_the_last_moves_the_iteration():
+    ex, _ = make(world=2)
+    open_all(ex)
+    g = grads(world=2)
+    assert push(ex, 0, g[0], bucket=0, last=False) == []
+    assert push(ex, 0, g[1], bucket=1, last=True) == []
+    done0 = push(ex, 1, g[0], bucket=0, last=False)
+    assert [m.bucket for _, m in done0] == [0, 0] and done0[0][1].next_batch_sizes == []
+    assert ex.iteration == 0
+    done1 = push(ex, 1, g[1], bucket=1, last=True)
+    assert done1[0][1].next_batch_sizes == [16, 48] and ex.iteration == 1 and ex.held_bytes == 0
+    # The manager saw one report per rank for iteration 0.
+    assert ex.manager.decisions == 2
+
+
+def test_a_rank_with_no_samples_adds_nothing_even_if_its_gradient_is_nan():
+    ex, _ = make(world=2)
+    ex.plan = [0, X]
+    open_all(ex)
+    ex.plan = [0, X]
+    out = push(ex, 0, np.full(3, np.nan, np.float32)) + push(ex, 1, np.ones(3, np.float32))
+    np.testing.assert_array_equal(out[0][1].arrays[0], np.ones(3, np.float32))
+
+
+@pytest.mark.parametrize("case, code", [
+    ("token", "unauthorized"),
+    ("other_rank_token", "unauthorized"),
+    ("rank", "unknown_worker"),
+    ("iteration", "not_planned"),
+    ("batch", "bad_batch"),
+    ("duplicate", "duplicate"),
+    ("shape", "bad_shape"),
+    ("dtype", "bad_shape"),
+    ("last_flag", "bad_shape"),
+    ("int_dtype", "bad_request"),
+    ("bucket_index", "bad_request"),
+    ("no_report", "bad_request"),
+])
+def test_well_formed_forgeries_are_refused_and_change_nothing(case, code):
+    ex, _ = make()
+    open_all(ex)
+    g = grads()
+    push(ex, 0, g[0])  # rank 0 is in; ranks 1 and 2 are not
+    before = (ex.iteration, dict(ex.tokens), ex.held_bytes, {b: sorted(bk.grads) for b, bk in ex.buckets.items()})
+    f32 = g[1]
+    with pytest.raises(Refused) as err:
+        if case == "token":
+            push(ex, 1, f32, token="forged")
+        elif case == "other_rank_token":
+            push(ex, 1, f32, token=ex.tokens[0])
+        elif case == "rank":
+            push(ex, 3, f32, token="x", batch_size=8)
+        elif case == "iteration":
+            push(ex, 1, f32, iteration=1)
+        elif case == "batch":
+            push(ex, 1, f32, batch_size=PLAN[1] + 1)
+        elif case == "duplicate":
+            push(ex, 0, g[0])
+        elif case == "shape":
+            push(ex, 1, np.zeros(6, np.float32))
+        elif case == "dtype":
+            push(ex, 1, f32.astype(np.float64))
+        elif case == "last_flag":
+            push(ex, 1, f32, last=False)
+        elif case == "int_dtype":
+            push(ex, 1, np.zeros(5, np.int64))
+        elif case == "bucket_index":
+            push(ex, 1, f32, bucket=ex.max_buckets)
+        elif case == "no_report":
+            msg = P.ExchangePush(worker_id=1, token=ex.tokens[1], iteration=0, bucket=0, last=True,
+                                 batch_size=PLAN[1], telemetry=None, arrays=[f32])
+            ex.push(b"id1", msg)
+    assert err.value.code == code
+    assert (ex.iteration, dict(ex.tokens), ex.held_bytes,
+            {b: sorted(bk.grads) for b, bk in ex.buckets.items()}) == before
+    # ...and the iteration still completes with the real pushes.
+    out = push(ex, 1, g[1]) + push(ex, 2, g[2])
+    assert len(out) == 3 and ex.iteration == 1
+
+
+def test_a_non_finite_gradient_fails_the_iteration_for_every_rank():
+    ex, _ = make()
+    open_all(ex)
+    g = grads()
+    assert push(ex, 0, g[0]) == []
+    bad = g[1].copy()
+    bad[2] = np.inf
+    out = push(ex, 1, bad)
+    assert {(i, m.code) for i, m in out} == {(b"id1", "non_finite"), (b"id0", "iteration_failed")}
+    assert ex.held_bytes == 0 and ex.abandoned == 1
+    with pytest.raises(Refused) as err:
+        push(ex, 2, g[2])
+    assert err.value.code == "iteration_failed" and "not finite" in str(err.value)
+    # The job can start over (e.g. from a checkpoint): opening an iteration replans it.
+    plans = open_all(ex, iteration=0)
+    assert plans[0].batch_sizes == PLAN and ex.failed is None
+    assert len(push(ex, 0, g[0]) + push(ex, 1, g[1]) + push(ex, 2, g[2])) == 3
+
+
+def test_a_stalled_iteration_is_abandoned_and_its_waiters_told():
+    ex, clock = make(stale_s=5.0)
+    open_all(ex)
+    g = grads()
+    push(ex, 0, g[0])
+    with pytest.raises(Refused) as err:  # a restart cannot open another iteration meanwhile
+        ex.open(1, 7)
+    assert err.value.code == "wrong_iteration"
+    clock.now = 4.0
+    assert ex.expire() == []
+    clock.now = 9.5
+    out = ex.expire()
+    assert [(i, m.code) for i, m in out] == [(b"id0", "iteration_failed")]
+    assert "ranks [1, 2]" in out[0][1].message
+    plan = ex.open(1, 7)                 # now a restarted job may open its own iteration
+    assert ex.iteration == 7 and plan.iteration == 7
+
+
+def test_reopening_keeps_a_token_while_the_rank_has_buckets_in():
+    ex, _ = make()
+    open_all(ex)
+    push(ex, 0, grads()[0])
+    token0 = ex.tokens[0]
+    assert ex.open(0, 0).token == token0          # in flight: same token
+    assert ex.open(1, 0).token != "tok1"          # nothing in flight: a fresh one
+
+
+def test_held_bytes_and_open_buckets_are_bounded():
+    ex, _ = make(max_buckets=2, max_bytes=100)
+    open_all(ex)
+    push(ex, 0, np.zeros(10, np.float32), bucket=0, last=False)            # 40 bytes
+    push(ex, 0, np.zeros(10, np.float32), bucket=1, last=False)            # 80
+    with pytest.raises(Refused) as err:
+        push(ex, 0, np.zeros(10, np.float32), bucket=1 + 1, last=False)
+    assert err.value.code == "bad_request"   # bucket index beyond max_buckets
+    with pytest.raises(Refused) as err:
+        push(ex, 1, np.zeros(10, np.float32), bucket=0, last=False)       # 120 > 100
+    assert err.value.code == "too_large"
+
+
+def test_world_and_arguments_are_checked():
+    manager = BatchSizeManager("uniform", X)
+    with pytest.raises(ValueError):
+        GradientExchange(manager, 0)
+    with pytest.raises(ValueError):
+        GradientExchange(manager, 2, stale_s=0)
+    ex, _ = make()
+    with pytest.raises(Refused) as err:
+        ex.open(0, -1)
+    assert err.value.code == "bad_request"
