@@ -15,8 +15,13 @@ collective, so under a quota the rest can grow too.
 ``--rotate-s S`` moves the quotas one rank along every S seconds (rank r gets rank r-1's), as
 the lab's ``rotation`` does for parameter-server workers.
 
-``--exchanges fused,separate`` runs every policy both ways: the ranks' reports riding with the
-last gradient bucket, or gathered by a collective of their own (the balancer's ``exchange``).
+``--exchanges fused,separate,servers`` runs every policy each way: the ranks' reports riding
+with the last gradient bucket, gathered by a collective of their own (the balancer's
+``exchange``), or the gradients themselves going through a ``ps-bsm --world-size N`` service
+(started by the example outside the quotas, like a parameter server on a host of its own).
+``plain`` is DDP without the plug-in (its own mean all-reduce, an even split, no other
+collective; its "compute" is forward+backward with the all-reduce in it): the baseline. The
+first variant is the reference of the ratio column, so list ``plain`` first.
 
 Needs root and the cgroup cpu controller (the lab's CPU quotas).
 """
@@ -42,6 +47,8 @@ sys.path.insert(0, str(ROOT))
 from ps_launcher.lab import CpuQuotaGroup, cpu_quota_available  # noqa: E402
 from ps_launcher.summary import percentile  # noqa: E402
 
+#: A line printed when an iteration ends: a row, or plain DDP's "tick N".
+PROGRESS = re.compile(r"(?:it|tick)\s+(\d+)\s")
 LINE = re.compile(r"it\s+(\d+)\s+sizes \[([^\]]*)\]\s+compute ms \[([^\]]*)\]\s+iteration ([\d.]+) ms")
 
 
@@ -91,10 +98,11 @@ def run(policy: str, exchange: str, args: argparse.Namespace,
         assert proc.stdout is not None
         for line in proc.stdout:
             lines.append(line)
-            m = LINE.match(line)
-            if m and int(m.group(1)) in (args.skip, args.iterations - 1):
-                snap = (int(m.group(1)), cpu_seconds(ranks))
-                first, last = (snap, last) if first is None else (first, snap)
+            m = PROGRESS.match(line)  # as it happens (plain DDP prints its rows at the end)
+            if m and int(m.group(1)) == args.skip and first is None:
+                first = (args.skip, cpu_seconds(ranks))
+            if m and int(m.group(1)) == args.iterations - 1 and last is None:
+                last = (args.iterations - 1, cpu_seconds(ranks))
             if time.monotonic() > deadline:
                 raise TimeoutError(f"ddp_lbbsp.py ran over {args.timeout_s:.0f}s")
         proc.wait(timeout=30)
@@ -147,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quotas", default="0.7,0.7,0.2,0.2")
     ap.add_argument("--policies", default="uniform,lbbsp-cpu")
     ap.add_argument("--iterations", type=int, default=300)
-    ap.add_argument("--exchanges", default="auto", help="the balancer's report exchange(s), comma-separated")
+    ap.add_argument("--exchanges", default="auto",
+                    help="comma-separated: plain (no plug-in), auto, fused, separate, servers")
     ap.add_argument("--global-batch", type=int, default=512)
     ap.add_argument("--model", default="lenet")
     ap.add_argument("--skip", type=int, default=30, help="first iterations left out")
@@ -159,8 +168,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_lab_ddp: CPU quotas unavailable: {why}", file=sys.stderr)
         return 2
     quotas = [float(q) for q in args.quotas.split(",")]
-    variants = [(p, e) for p in args.policies.split(",") for e in args.exchanges.split(",")]
-    label = {v: v[0] if v[1] == "auto" else f"{v[0]} ({v[1]})" for v in variants}
+    variants = [(p, e) for e in args.exchanges.split(",") for p in args.policies.split(",")
+                if e != "plain" or p == "uniform"]  # plain: DDP without the plug-in, even split
+    label = {v: "plain DDP" if v[1] == "plain" else v[0] if v[1] == "auto" else f"{v[0]} ({v[1]})"
+             for v in variants}
     results: dict[str, list] = {label[v]: [] for v in variants}
     cpu: dict[str, list[list[float]]] = {p: [] for p in results}
     for r in range(args.repeats):
@@ -177,9 +188,10 @@ def main(argv: list[str] | None = None) -> int:
           + (f" moving one rank along every {args.rotate_s:g} s" if args.rotate_s else "")
           + f", {args.iterations} iterations x {args.repeats} "
           f"(first {args.skip} left out); median / mean / p95 in ms\n")
-    print("| policy | iteration | slowest rank's compute | rest (collectives, data, step) | "
+    first = statistics.median(x[3] for x in next(iter(results.values())))
+    print("| policy | iteration | median / first row's | slowest rank's compute | rest (collectives, data, step) | "
           "rest / iteration | compute per rank (median) | CPU ms per iteration per rank (budget) | last split |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for policy, rows in results.items():
         it = [x[3] for x in rows]
         slowest = [max(x[2]) for x in rows]
@@ -187,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         per_rank = [statistics.median(x[2][k] for x in rows) * 1e3 for k in range(len(quotas))]
         cpu_ms = [statistics.fmean(c[k] for c in cpu[policy]) * 1e3 for k in range(len(quotas))]
         budget = [q * statistics.fmean(it) * 1e3 for q in quotas]
-        print(f"| {policy} | {describe(it)} | {describe(slowest)} | {describe(rest)} | "
+        print(f"| {policy} | {describe(it)} | {statistics.median(it) / first:.2f}x | "
+              f"{describe(slowest)} | {describe(rest)} | "
               f"{statistics.median(rest) / statistics.median(it):.2f} | "
               f"{', '.join(f'{c:.1f}' for c in per_rank)} | "
               f"{', '.join(f'{c:.1f} ({b:.0f})' for c, b in zip(cpu_ms, budget))} | {rows[-1][1]} |")

@@ -13,8 +13,12 @@ included, so the slow link's cost lands on every rank's all-reduce, whatever the
 table shows how much of the iteration that is. The parameter server's runs on the same link
 are in ``configs/compare_link.yaml``.
 
+``--exchanges auto,servers`` also runs every policy with the gradients going through a
+``ps-bsm --world-size N`` service on a host of its own (unshaped link), where only the slow
+rank's own bucket crosses the slow link.
+
     python benchmarks/bench_lab_ddp_link.py [--ranks 4] [--rate-mbit 100] [--delay-ms 5]
-        [--iterations 200] [--policies uniform,lbbsp-cpu] [--repeats 1]
+        [--iterations 200] [--policies uniform,lbbsp-cpu] [--exchanges auto] [--repeats 1]
 
 Needs root, network namespaces, tbf and /dev/net/tun (the lab's links).
 """
@@ -33,19 +37,39 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_lab_ddp import describe, parse_rows  # noqa: E402
 from ps_launcher.lab import NetLab, delay_available, netns_available  # noqa: E402
-from ps_launcher.lab.netns import HOST_IF  # noqa: E402
+from ps_launcher.lab.netns import HOST_IF, Host  # noqa: E402
 
 MASTER_PORT = 29500  # inside rank 0's own namespace: nothing else listens there
 
 
-def run(policy: str, args: argparse.Namespace, seed: int) -> list[tuple[int, list[int], list[float], float]]:
+def start_service(lab: NetLab, policy: str, args: argparse.Namespace) -> tuple[Host, subprocess.Popen, str]:
+    """``ps-bsm --world-size N`` on a host of its own; its host, process and endpoint."""
+    host = lab.add_host("bsm")
+    cmd = [sys.executable, "-m", "ps_server.bsm_service", "--world-size", str(args.ranks),
+           "--policy", policy, "--global-batch", str(args.global_batch), "--host", host.ip, "--port", "0"]
+    proc = host.popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if "listening on" not in line:
+        host.stop(proc)
+        raise RuntimeError(f"ps-bsm did not start: {line!r}")
+    return host, proc, line.split("listening on", 1)[1].strip()
+
+
+def run(policy: str, exchange: str, args: argparse.Namespace,
+        seed: int) -> list[tuple[int, list[int], list[float], float]]:
     """One DDP job, every rank on a host of its own; rank 0's per-iteration rows."""
     with NetLab() as lab:
         hosts = [lab.add_host(f"rank{r}") for r in range(args.ranks - 1)]
         hosts.append(lab.add_host(f"rank{args.ranks - 1}", rate_mbit=args.rate_mbit, delay_ms=args.delay_ms))
         cmd = [sys.executable, str(ROOT / "examples" / "ddp_lbbsp.py"), "--policy", policy,
                "--iterations", str(args.iterations), "--print-every", "1", "--seed", str(seed),
-               "--global-batch", str(args.global_batch), "--model", args.model, "--dataset", "mnist"]
+               "--global-batch", str(args.global_batch), "--model", args.model, "--dataset", "mnist",
+               "--exchange", exchange]
+        service = None
+        if exchange == "servers":
+            service = start_service(lab, policy, args)
+            cmd += ["--bsm-endpoint", service[2]]
         procs = []
         for r, host in enumerate(hosts):
             env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(args.ranks),
@@ -60,6 +84,8 @@ def run(policy: str, args: argparse.Namespace, seed: int) -> list[tuple[int, lis
             for host, p in zip(hosts, procs):
                 if p.poll() is None:
                     host.stop(p)
+            if service is not None:
+                service[0].stop(service[1])
         bad = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
         if bad:
             raise RuntimeError(f"ranks exited with {bad}:\n{out[-3000:]}")
@@ -72,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate-mbit", type=float, default=100.0)
     ap.add_argument("--delay-ms", type=float, default=5.0)
     ap.add_argument("--policies", default="uniform,lbbsp-cpu")
+    ap.add_argument("--exchanges", default="auto", help="comma-separated: auto (all-reduce), servers")
     ap.add_argument("--iterations", type=int, default=200)
     ap.add_argument("--global-batch", type=int, default=512)
     ap.add_argument("--model", default="lenet")
@@ -83,13 +110,17 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         print(f"bench_lab_ddp_link: the lab's links are unavailable: {why}", file=sys.stderr)
         return 2
-    results: dict[str, list] = {p: [] for p in args.policies.split(",")}
+    variants = [(p, e) for e in args.exchanges.split(",") for p in args.policies.split(",")
+                if e != "plain" or p == "uniform"]  # plain: DDP without the plug-in, even split
+    label = {v: "plain DDP" if v[1] == "plain" else v[0] if v[1] == "auto" else f"{v[0]} ({v[1]})"
+             for v in variants}
+    results: dict[str, list] = {label[v]: [] for v in variants}
     for r in range(args.repeats):
-        for policy in results:
-            rows = run(policy, args, seed=r)[args.skip:]
-            results[policy] += rows
-            print(f"repeat {r} {policy}: median iteration {statistics.median(x[3] for x in rows) * 1e3:.1f} ms",
-                  flush=True)
+        for policy, exchange in variants:
+            rows = run(policy, exchange, args, seed=r)[args.skip:]
+            results[label[(policy, exchange)]] += rows
+            print(f"repeat {r} {label[(policy, exchange)]}: median iteration "
+                  f"{statistics.median(x[3] for x in rows) * 1e3:.1f} ms", flush=True)
     print(f"\nDDP plug-in (examples/ddp_lbbsp.py, gloo), {args.model}, MNIST, X = {args.global_batch}, "
           f"{args.ranks} ranks each on its own host, rank {args.ranks - 1} behind {args.rate_mbit:g} Mbit/s"
           f" + {args.delay_ms:g} ms each way; {args.iterations} iterations x {args.repeats} "

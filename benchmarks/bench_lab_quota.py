@@ -3,7 +3,7 @@
 Each worker runs in a cgroup with its share of a core (``--quotas``, static, or rotating
 between workers every ``--rotate-s`` seconds). In every repeat each quota's speed is measured alone:
 one worker under its own quota, training whole iterations of X / N samples through a shard
-(v_i = samples per second of iteration time). The ideal balanced bound is X / sum(v_i). Then
+(v_i = samples per second over all its measured iterations: throughput, quota stalls included). The ideal balanced bound is X / sum(v_i). Then
 BSP (uniform split) and LB-BSP (lbbsp-cpu) run with all workers at once, ``--repeats`` times,
 alternating. Prints median / mean / p95 time per iteration and the ratio to the bound.
 
@@ -58,7 +58,10 @@ def alone_speed(args: argparse.Namespace, quota: float, work: Path, tag: str) ->
                              f"scenario.workers=[{{cpu_quota: {quota}}}]"], env={})
     LocalCluster(cfg, work / f"alone-{tag}", progress=False).run()
     d = durations(work / f"alone-{tag}", args.skip)
-    return batch / statistics.median(d)
+    # Throughput, not the median iteration: under a quota most iterations run at full speed and
+    # every few the worker waits out the rest of its CFS period, so the median of the durations
+    # is the unthrottled speed (at 0.7 of a core it swung between 0.7x and 1x of a core's speed).
+    return batch * len(d) / sum(d)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     samples: dict[str, list[float]] = {m: [] for m in modes}
     splits: dict[str, list] = {m: [] for m in modes}
     for r in range(args.repeats):
-        for q in alone:   # alone speeds in every repeat: one 12 s measurement varied by 1.4x
+        for q in alone:   # alone speeds in every repeat
             alone[q].append(alone_speed(args, q, work, f"{q:g}-{r}"))
             print(f"repeat {r} alone at {q:g} core: {alone[q][-1]:.0f} samples/s", flush=True)
         for name, sets in modes.items():

@@ -76,10 +76,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--nproc", type=int, default=None,
                    help="spawn this many ranks locally instead of running under torchrun")
-    p.add_argument("--exchange", default="auto", choices=["auto", "fused", "separate", "servers"],
+    p.add_argument("--exchange", default="auto", choices=["auto", "fused", "separate", "servers", "plain"],
                    help="how the ranks' reports reach rank 0: with the last gradient bucket (fused, "
                         "the default on CPU) or by an all-gather of their own (separate); or "
-                        "servers: gradients, reports and splits through a ps-bsm service")
+                        "servers: gradients, reports and splits through a ps-bsm service; or "
+                        "plain: no plug-in at all (DDP's own mean, even split; the baseline)")
     p.add_argument("--bsm-endpoint", default=None,
                    help="with --exchange servers: the `ps-bsm --world-size N` service's endpoint")
     p.add_argument("--verify", action="store_true",
@@ -87,6 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.iterations < 1 or args.global_batch < 1 or args.print_every < 1:
         p.error("--iterations, --global-batch and --print-every must be >= 1")
+    if args.exchange == "plain" and (args.policy != "uniform" or args.slowdown or args.verify):
+        p.error("--exchange plain is DDP without the plug-in: --policy uniform, no --slowdown or --verify")
     return args
 
 
@@ -196,6 +199,51 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
     balancer.close()
 
 
+def train_plain(rank: int, world_size: int, args: argparse.Namespace) -> None:
+    """The baseline: DDP as shipped (its own mean all-reduce, an even split, nothing else per
+    iteration). Each rank times its own forward+backward (which, in DDP, ends when the
+    all-reduce is done) and the per-iteration lines are gathered once, after training, so the
+    loop has no collective beyond DDP's own."""
+    torch.set_num_threads(args.threads)
+    data = load_dataset(args.dataset, cache_dir=args.cache_dir, seed=args.seed)
+    model = build_model(args.model, seed=args.seed, num_classes=data.num_classes)
+    ddp = DistributedDataParallel(model)
+    sizes = [args.global_batch // world_size + (1 if r < args.global_batch % world_size else 0)
+             for r in range(world_size)]
+    sampler = LBBSPSampler(data.num_train, args.global_batch, seed=args.seed)
+    opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=args.momentum)
+    if rank == 0:
+        print(f"plain DDP: {world_size} ranks, backend {dist.get_backend()}, model {args.model}, "
+              f"dataset {args.dataset}, X={args.global_batch}, even split {sizes}", flush=True)
+    dist.barrier()
+    rows: list[tuple[float, float]] = []  # (forward+backward s, iteration s)
+    t_prev = time.perf_counter()
+    for it in range(args.iterations):
+        x, y = data.train_batch(sampler.rank_indices(it, sizes, rank))
+        t0 = time.perf_counter()
+        loss = F.cross_entropy(ddp(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        compute_s = time.perf_counter() - t0
+        opt.step()
+        now = time.perf_counter()
+        rows.append((compute_s, now - t_prev))
+        t_prev = now
+        if rank == 0 and ((it + 1) % args.print_every == 0 or it == 0):
+            print(f"tick {it + 1} ", flush=True)  # progress now; the rows come at the end
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, rows)
+    if rank == 0:
+        for it in range(args.iterations):
+            if (it + 1) % args.print_every == 0 or it == 0:
+                compute_ms = ", ".join(f"{g[it][0] * 1e3:.1f}" for g in gathered)
+                print(f"it {it + 1:4d}  sizes {sizes}  compute ms [{compute_ms}]  "
+                      f"iteration {rows[it][1] * 1e3:.1f} ms", flush=True)
+        its = [r[1] for r in rows]
+        print(f"final sizes {sizes}; mean iteration {statistics.fmean(its) * 1e3:.1f} ms over "
+              f"{len(its)} iterations; loss(rank 0) {loss.item():.4f}", flush=True)
+
+
 def choose_backend(args: argparse.Namespace) -> str:
     if args.backend == "nccl" and not torch.cuda.is_available():
         raise SystemExit("--backend nccl needs CUDA")
@@ -207,7 +255,7 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace, init_method: 
     dist.init_process_group(choose_backend(args), init_method=init_method, rank=rank,
                             world_size=world_size, timeout=timedelta(minutes=5))
     try:
-        train(rank, world_size, args)
+        (train_plain if args.exchange == "plain" else train)(rank, world_size, args)
         dist.barrier()  # leave together
     finally:
         dist.destroy_process_group()

@@ -48,7 +48,7 @@ class ServerExchange:
     """One rank's connection to the exchange. Not thread-safe (DDP calls its hook from one
     thread per device); :meth:`open` once before the first backward."""
 
-    def __init__(self, endpoint: str, rank: int, *, timeout_s: float = 60.0,
+    def __init__(self, endpoint: str, rank: int, *, timeout_s: float = 120.0,
                  security: SecurityConfig | None = None, ctx: zmq.Context | None = None) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")

@@ -15,7 +15,9 @@ gradient of rank ``i``'s *mean* loss over its ``x_i`` samples. Three pieces make
 * :class:`DDPBatchBalancer` (alias ``LBBSPHelper``): per iteration every rank's compute time
   reaches rank 0 (with the last gradient bucket on CPU), a
   :class:`~batchsize_manager.policies.BatchPolicy` decides the next sizes there, and a
-  broadcast hands them to every rank's hook state.
+  broadcast hands them to every rank's hook state. With ``exchange="servers"`` the buckets,
+  the reports and the decision go through a ``ps-bsm --world-size N`` service instead
+  (:mod:`~batchsize_manager.integrations.ddp_server_exchange`), with no collective at all.
 
 Usage::
 
@@ -37,7 +39,8 @@ loading is by index (``rank_indices``) because the batch size changes between it
 ``DataLoader`` works with ``batch_sampler`` yielding those lists and ``num_workers=0`` (worker
 processes would prefetch batches before the next sizes are known).
 
-Nothing here initialises ``torch.distributed`` or needs ZeroMQ; importing it is side-effect free.
+Nothing here initialises ``torch.distributed`` or needs ZeroMQ (``exchange="servers"`` imports it
+when used); importing it is side-effect free.
 """
 
 # No `from __future__ import annotations`: DDP inspects the hook's annotations at runtime and
@@ -406,6 +409,15 @@ class DDPBatchBalancer:
     ``process_group``. If the decision raises on rank 0, every rank raises. ``device`` holds
     the small collectives' tensors (default: the current CUDA device under NCCL, else CPU).
 
+    ``exchange="servers"`` with ``endpoint`` (a ``ps-bsm --world-size N`` service) replaces all
+    of that: the buckets go to the service, which sums them weighted by the sizes it planned,
+    decides the next split with its own policy, and returns both (``policy`` and the other
+    decision arguments are then not used; ``security``: the ranks' CURVE settings;
+    ``timeout_s``: how long a rank waits for an answer, longer than the service's
+    ``--stale-s`` so that a lost rank is reported by the service). No collective runs per
+    iteration; under CPU quotas and on slow links that is what makes it faster
+    (``benchmarks/bench_lab_ddp.py``). Each iteration needs one backward through the DDP model.
+
     Compute time (what LB-BSP's policies need: how long this rank takes for its own batch) is
     measured by :meth:`timed_compute`, which stops the clock when the registered hook saw this
     rank's last gradient bucket. That matters: in DDP the end of ``backward()`` waits for the
@@ -428,7 +440,7 @@ class DDPBatchBalancer:
         exchange: str = "auto",
         endpoint: str | None = None,
         security: Any = None,
-        timeout_s: float = 60.0,
+        timeout_s: float = 120.0,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("DDPBatchBalancer needs torch.distributed to be initialised first")

@@ -227,3 +227,25 @@ def test_example_script_exchanges_through_a_service_it_starts():
     assert proc.returncode == 0, output
     assert "exchange through tcp://" in output and "final sizes [8, 24]" in output, output
     assert "4 iterations completed, 0 failed" in output, output
+
+
+def test_example_script_plain_ddp_baseline():
+    """``--exchange plain``: DDP without the plug-in (the benchmarks' baseline), rows at the end."""
+    cmd = [sys.executable, str(ROOT / "examples" / "ddp_lbbsp.py"), "--nproc", "2", "--exchange", "plain",
+           "--iterations", "4", "--print-every", "2", "--global-batch", "33", "--model", "mlp"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate(timeout=10)
+        pytest.fail(f"example timed out:\n{output}")
+    assert proc.returncode == 0, output
+    assert "even split [17, 16]" in output and output.count("tick ") == 3, output
+    rows = [line for line in output.splitlines() if line.startswith("it ")]
+    assert len(rows) == 3 and all("compute ms [" in r and r.count(",") >= 1 for r in rows), output
+    bad = subprocess.run([sys.executable, str(ROOT / "examples" / "ddp_lbbsp.py"), "--nproc", "2",
+                          "--exchange", "plain", "--policy", "lbbsp-cpu"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "--exchange plain is DDP without the plug-in" in bad.stderr
