@@ -17,7 +17,12 @@ The rule, per iteration ``t`` (this module is the pure state; ``bsm_service`` do
   ``sum_r x_r g_r / X`` summed in rank order (the same bytes for every rank, whatever the
   arrival order). A rank with ``x_r = 0`` adds nothing.
 * When the bucket every rank marked ``last`` completes, every rank's report goes to the manager,
-  the split of ``t + 1`` is decided, and it rides on that bucket's answers.
+  the split of ``t + 1`` is decided, and it rides on that bucket's answers. A report's
+  ``finish_s`` is the service's own measurement, as the parameter server's coordinator does it:
+  from the moment iteration ``t`` was opened (the answers of ``t - 1`` left) to the arrival of
+  the rank's last bucket. It holds what a rank cannot time itself: receiving the sum, its
+  optimizer step, a slow link, and every phase a CPU quota held back. A rank's own value is
+  dropped, so no rank can steer the split with a finish time it made up.
 * A non-finite gradient fails the iteration for every rank (each waiting rank gets an Error,
   and so does each later push of ``t``): nothing of ``t`` is ever answered with a sum. An
   iteration with contributions and no progress for ``stale_s`` is abandoned the same way, so a
@@ -32,7 +37,7 @@ from __future__ import annotations
 import math
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -90,6 +95,7 @@ class GradientExchange:
         self.reports: dict[int, Telemetry] = {}
         self.held_bytes = 0
         self.last_activity = clock()
+        self.opened_at = clock()  # when the open iteration began, as the barrier sees it
         self.completed = 0   # iterations completed
         self.abandoned = 0   # iterations failed or abandoned
 
@@ -160,7 +166,7 @@ class GradientExchange:
         self.held_bytes += grad.nbytes
         if msg.last:
             assert msg.telemetry is not None
-            self.reports[rank] = msg.telemetry
+            self.reports[rank] = replace(msg.telemetry, finish_s=self.last_activity - self.opened_at)
         if len(bucket.grads) < self.world:
             return []
         return self._complete(b, bucket)
@@ -206,7 +212,7 @@ class GradientExchange:
         self.done.clear()
         self.reports.clear()
         self.held_bytes = 0
-        self.last_activity = self.clock()
+        self.last_activity = self.opened_at = self.clock()
 
     def _weighted_mean(self, bucket: _Bucket) -> np.ndarray:
         total = float(sum(self.plan))

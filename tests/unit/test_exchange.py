@@ -231,3 +231,20 @@ def test_world_and_arguments_are_checked():
     with pytest.raises(Refused) as err:
         ex.open(0, -1)
     assert err.value.code == "bad_request"
+
+
+def test_finish_times_are_the_services_own_measure():
+    """From the moment an iteration opened to each rank's last bucket; a rank's own is dropped."""
+    ex, clock = make(world=2)
+    open_all(ex)
+    g = grads(world=2)
+    clock.now = 0.5
+    push(ex, 0, g[0], telemetry=Telemetry(compute_s=0.1, finish_s=0.001))
+    clock.now = 2.0
+    out = push(ex, 1, g[1], telemetry=Telemetry(compute_s=0.1, finish_s=0.001))
+    assert [t.finish_s for t in out[0][1].reports] == pytest.approx([0.5, 2.0])
+    clock.now = 2.3                      # iteration 1 opened at 2.0, when the answers left
+    push(ex, 1, g[1], iteration=1)
+    clock.now = 2.4
+    out = push(ex, 0, g[0], iteration=1)
+    assert [t.finish_s for t in out[0][1].reports] == pytest.approx([0.4, 0.3])
