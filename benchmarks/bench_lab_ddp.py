@@ -167,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     if why := cpu_quota_available():
         print(f"bench_lab_ddp: CPU quotas unavailable: {why}", file=sys.stderr)
         return 2
+    # SIGTERM unwinds like Ctrl-C: the ranks are killed and their cgroups removed.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     quotas = [float(q) for q in args.quotas.split(",")]
     variants = [(p, e) for e in args.exchanges.split(",") for p in args.policies.split(",")
                 if e != "plain" or p == "uniform"]  # plain: DDP without the plug-in, even split

@@ -3,7 +3,8 @@
 Each worker runs in a cgroup with its share of a core (``--quotas``, static, or rotating
 between workers every ``--rotate-s`` seconds). In every repeat each quota's speed is measured alone:
 one worker under its own quota, training whole iterations of X / N samples through a shard
-(v_i = samples per second over all its measured iterations: throughput, quota stalls included). The ideal balanced bound is X / sum(v_i). Then
+(v_i = samples per second over all its measured iterations: throughput, quota stalls
+included). The ideal balanced bound is X / sum(v_i). Then
 BSP (uniform split) and LB-BSP (lbbsp-cpu) run with all workers at once, ``--repeats`` times,
 alternating. Prints median / mean / p95 time per iteration and the ratio to the bound.
 
