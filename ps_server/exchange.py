@@ -23,13 +23,16 @@ The rule, per iteration ``t`` (this module is the pure state; ``bsm_service`` do
   the rank's last bucket. It holds what a rank cannot time itself: receiving the sum, its
   optimizer step, a slow link, and every phase a CPU quota held back. A rank's own value is
   dropped, so no rank can steer the split with a finish time it made up.
-* A non-finite gradient fails the iteration for every rank (each waiting rank gets an Error,
-  and so does each later push of ``t``): nothing of ``t`` is ever answered with a sum. An
-  iteration with contributions and no progress for ``stale_s`` is abandoned the same way, so a
-  job restarted after a rank died can open a new iteration.
+* A push that carries the rank's token but breaks the rule (a size other than planned, a
+  bucket it already sent, another shape, a non-finite gradient...) fails the iteration for
+  every rank: the sender gets the refusal, each waiting rank an Error, and so does each later
+  push of ``t``; nothing of ``t`` is ever answered with a sum. An iteration with contributions
+  and no progress for ``stale_s`` is abandoned the same way, so a job restarted after a rank
+  died can open a new iteration. A push without the rank's token, or for another iteration,
+  is refused and changes nothing.
 
-What a peer can make the service hold is bounded: ``max_buckets`` open buckets, ``max_bytes`` of
-held gradients.
+What a peer can make the service hold is bounded: bucket indices below ``max_buckets``, so at
+most that many open buckets, and ``max_bytes`` of held gradients.
 """
 
 from __future__ import annotations
@@ -128,6 +131,30 @@ class GradientExchange:
             raise Refused("not_planned", f"iteration {t} is not open (open: {self.iteration})")
         if self.failed is not None:
             raise Refused("iteration_failed", self.failed)
+        # The token proves this is the rank itself: a push of it that breaks the rule means the
+        # rank is broken (its sizes or its model differ), and the iteration cannot complete.
+        # Everybody is told now, not after ``stale_s``.
+        try:
+            grad, bucket = self._checked(msg)
+        except Refused as exc:
+            return [(ident, self._error(exc.code, str(exc)))] + self._fail(
+                f"iteration {t} failed: rank {rank}'s bucket {b} was refused ({exc.code}: {exc})")
+        self.last_activity = self.clock()
+        if bucket is None:
+            bucket = self.buckets[b] = _Bucket(dtype=grad.dtype, size=grad.size, last=msg.last)
+        bucket.grads[rank] = grad
+        bucket.waiting[rank] = ident
+        self.held_bytes += grad.nbytes
+        if msg.last:
+            assert msg.telemetry is not None
+            self.reports[rank] = replace(msg.telemetry, finish_s=self.last_activity - self.opened_at)
+        if len(bucket.grads) < self.world:
+            return []
+        return self._complete(b, bucket)
+
+    def _checked(self, msg: P.ExchangePush) -> tuple[np.ndarray, _Bucket | None]:
+        """The push's gradient (flat) and its open bucket, or :class:`Refused`."""
+        rank, t, b = msg.worker_id, msg.iteration, msg.bucket
         if msg.batch_size != self.plan[rank]:
             raise Refused("bad_batch", f"rank {rank} was given {self.plan[rank]} samples in "
                                        f"iteration {t}, not {msg.batch_size}")
@@ -147,29 +174,14 @@ class GradientExchange:
                 raise Refused("bad_shape", f"bucket {b}: {grad.size} x {grad.dtype} last={msg.last}, "
                                            f"other ranks sent {bucket.size} x {bucket.dtype} "
                                            f"last={bucket.last}")
-        elif len(self.buckets) >= self.max_buckets:
-            raise Refused("too_large", f"{len(self.buckets)} buckets are open, at most {self.max_buckets}")
         if self.held_bytes + grad.nbytes > self.max_bytes:
             raise Refused("too_large", f"holding {self.held_bytes} bytes; {grad.nbytes} more exceed "
                                        f"the limit of {self.max_bytes}")
         if msg.last and msg.telemetry is None:
             raise Refused("bad_request", "the last bucket carries the rank's report (telemetry)")
-        self.last_activity = self.clock()
         if self.plan[rank] > 0 and not np.isfinite(grad).all():
-            return [(ident, self._error("non_finite", f"rank {rank}'s gradient (bucket {b}) is "
-                                                      f"not finite"))] + self._fail(
-                f"iteration {t} failed: rank {rank}'s gradient (bucket {b}) is not finite")
-        if bucket is None:
-            bucket = self.buckets[b] = _Bucket(dtype=grad.dtype, size=grad.size, last=msg.last)
-        bucket.grads[rank] = grad
-        bucket.waiting[rank] = ident
-        self.held_bytes += grad.nbytes
-        if msg.last:
-            assert msg.telemetry is not None
-            self.reports[rank] = replace(msg.telemetry, finish_s=self.last_activity - self.opened_at)
-        if len(bucket.grads) < self.world:
-            return []
-        return self._complete(b, bucket)
+            raise Refused("non_finite", f"rank {rank}'s gradient (bucket {b}) is not finite")
+        return grad, bucket
 
     def expire(self) -> list[Reply]:
         """Abandon the open iteration if it has held gradients without progress for ``stale_s``."""

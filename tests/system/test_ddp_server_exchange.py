@@ -141,25 +141,34 @@ def test_forged_exchange_messages_against_the_real_service(procs):
         plan_b = b.request(P.ExchangeOpen(worker_id=1, iteration=0), P.ExchangePlan)
         assert plan_a.batch_sizes == plan_b.batch_sizes == [32, 32]
         g = np.ones(4, np.float32)
-        # Well-formed pushes that are not what the plan allows, each refused to its sender.
+        # Well-formed pushes without the rank's token or for another iteration: refused to the
+        # sender, nothing changes.
         for kwargs, code in [
             (dict(rank=1, token="f" * 32, batch_size=32), "unauthorized"),          # no token
             (dict(rank=1, token=plan_a.token, batch_size=32), "unauthorized"),      # another's
             (dict(rank=1, token=plan_b.token, batch_size=32, iteration=1), "not_planned"),
-            (dict(rank=1, token=plan_b.token, batch_size=33), "bad_batch"),
             (dict(rank=5, token=plan_b.token, batch_size=32), "unknown_worker"),
         ]:
             _push(forger, grad=g, **kwargs)
             assert _refused(forger) == code, kwargs
         forger.send(P.BsmJoin(worker_id=3))          # membership is the fixed world
         assert _refused(forger) == "not_supported"
-        # Rank 0 sends; a second copy is refused; rank 1's NaN fails the iteration for both.
+        # A push with the rank's token that breaks the rule fails the iteration for every rank at
+        # once: a second copy, a size other than planned (here from a forger holding rank 1's
+        # token: it can make the job fail loudly, never have its gradient summed), a NaN.
         _push(a, 0, plan_a.token, g, batch_size=32)
         _push(a, 0, plan_a.token, g, batch_size=32)
-        assert _refused(a) == "duplicate"
-        _push(b, 1, plan_b.token, np.full(4, np.nan, np.float32), batch_size=32)
-        assert _refused(b) == "non_finite"
-        assert _refused(a) == "iteration_failed"
+        assert [_refused(a), _refused(a)] == ["duplicate", "iteration_failed"]
+        _push(b, 1, plan_b.token, g, batch_size=32)
+        assert _refused(b) == "iteration_failed"
+        for bad, code in [(dict(grad=g, batch_size=33), "bad_batch"),
+                          (dict(grad=np.full(4, np.nan, np.float32), batch_size=32), "non_finite")]:
+            plan_a = a.request(P.ExchangeOpen(worker_id=0, iteration=0), P.ExchangePlan)
+            plan_b = b.request(P.ExchangeOpen(worker_id=1, iteration=0), P.ExchangePlan)
+            _push(a, 0, plan_a.token, g, batch_size=32)
+            _push(forger, 1, plan_b.token, **bad)
+            assert _refused(forger) == code
+            assert _refused(a) == "iteration_failed"
         # A restart opens iteration 0 again; rank 1 never sends: rank 0 is told, not hung.
         plan_a = a.request(P.ExchangeOpen(worker_id=0, iteration=0), P.ExchangePlan)
         _push(a, 0, plan_a.token, g, batch_size=32)

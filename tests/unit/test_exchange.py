@@ -106,11 +106,40 @@ def test_a_rank_with_no_samples_adds_nothing_even_if_its_gradient_is_nan():
     np.testing.assert_array_equal(out[0][1].arrays[0], np.ones(3, np.float32))
 
 
+def _state(ex: GradientExchange) -> tuple:
+    return (ex.iteration, dict(ex.tokens), ex.held_bytes, ex.failed,
+            {b: sorted(bk.grads) for b, bk in ex.buckets.items()})
+
+
 @pytest.mark.parametrize("case, code", [
     ("token", "unauthorized"),
     ("other_rank_token", "unauthorized"),
     ("rank", "unknown_worker"),
     ("iteration", "not_planned"),
+])
+def test_pushes_without_the_ranks_token_are_refused_and_change_nothing(case, code):
+    ex, _ = make()
+    open_all(ex)
+    g = grads()
+    push(ex, 0, g[0])  # rank 0 is in; ranks 1 and 2 are not
+    before = _state(ex)
+    with pytest.raises(Refused) as err:
+        if case == "token":
+            push(ex, 1, g[1], token="forged")
+        elif case == "other_rank_token":
+            push(ex, 1, g[1], token=ex.tokens[0])
+        elif case == "rank":
+            push(ex, 3, g[1], token="x", batch_size=8)
+        elif case == "iteration":
+            push(ex, 1, g[1], iteration=1)
+    assert err.value.code == code
+    assert _state(ex) == before
+    # ...and the iteration still completes with the real pushes.
+    out = push(ex, 1, g[1]) + push(ex, 2, g[2])
+    assert len(out) == 3 and ex.iteration == 1
+
+
+@pytest.mark.parametrize("case, code", [
     ("batch", "bad_batch"),
     ("duplicate", "duplicate"),
     ("shape", "bad_shape"),
@@ -119,62 +148,44 @@ def test_a_rank_with_no_samples_adds_nothing_even_if_its_gradient_is_nan():
     ("int_dtype", "bad_request"),
     ("bucket_index", "bad_request"),
     ("no_report", "bad_request"),
+    ("non_finite", "non_finite"),
 ])
-def test_well_formed_forgeries_are_refused_and_change_nothing(case, code):
+def test_a_ranks_own_broken_push_fails_the_iteration_for_every_rank(case, code):
+    """With the rank's token the push is the rank's: its sizes or its model differ from the
+    others', so the iteration cannot complete, and every rank is told at once."""
     ex, _ = make()
     open_all(ex)
     g = grads()
-    push(ex, 0, g[0])  # rank 0 is in; ranks 1 and 2 are not
-    before = (ex.iteration, dict(ex.tokens), ex.held_bytes, {b: sorted(bk.grads) for b, bk in ex.buckets.items()})
-    f32 = g[1]
-    with pytest.raises(Refused) as err:
-        if case == "token":
-            push(ex, 1, f32, token="forged")
-        elif case == "other_rank_token":
-            push(ex, 1, f32, token=ex.tokens[0])
-        elif case == "rank":
-            push(ex, 3, f32, token="x", batch_size=8)
-        elif case == "iteration":
-            push(ex, 1, f32, iteration=1)
-        elif case == "batch":
-            push(ex, 1, f32, batch_size=PLAN[1] + 1)
-        elif case == "duplicate":
-            push(ex, 0, g[0])
-        elif case == "shape":
-            push(ex, 1, np.zeros(6, np.float32))
-        elif case == "dtype":
-            push(ex, 1, f32.astype(np.float64))
-        elif case == "last_flag":
-            push(ex, 1, f32, last=False)
-        elif case == "int_dtype":
-            push(ex, 1, np.zeros(5, np.int64))
-        elif case == "bucket_index":
-            push(ex, 1, f32, bucket=ex.max_buckets)
-        elif case == "no_report":
-            msg = P.ExchangePush(worker_id=1, token=ex.tokens[1], iteration=0, bucket=0, last=True,
-                                 batch_size=PLAN[1], telemetry=None, arrays=[f32])
-            ex.push(b"id1", msg)
-    assert err.value.code == code
-    assert (ex.iteration, dict(ex.tokens), ex.held_bytes,
-            {b: sorted(bk.grads) for b, bk in ex.buckets.items()}) == before
-    # ...and the iteration still completes with the real pushes.
-    out = push(ex, 1, g[1]) + push(ex, 2, g[2])
-    assert len(out) == 3 and ex.iteration == 1
-
-
-def test_a_non_finite_gradient_fails_the_iteration_for_every_rank():
-    ex, _ = make()
-    open_all(ex)
-    g = grads()
-    assert push(ex, 0, g[0]) == []
-    bad = g[1].copy()
-    bad[2] = np.inf
-    out = push(ex, 1, bad)
-    assert {(i, m.code) for i, m in out} == {(b"id1", "non_finite"), (b"id0", "iteration_failed")}
-    assert ex.held_bytes == 0 and ex.abandoned == 1
-    with pytest.raises(Refused) as err:
+    push(ex, 0, g[0])
+    sender = 0 if case == "duplicate" else 1
+    if case == "batch":
+        out = push(ex, 1, g[1], batch_size=PLAN[1] + 1)
+    elif case == "duplicate":
+        out = push(ex, 0, g[0])
+    elif case == "shape":
+        out = push(ex, 1, np.zeros(6, np.float32))
+    elif case == "dtype":
+        out = push(ex, 1, g[1].astype(np.float64))
+    elif case == "last_flag":
+        out = push(ex, 1, g[1], last=False)
+    elif case == "int_dtype":
+        out = push(ex, 1, np.zeros(5, np.int64))
+    elif case == "bucket_index":
+        out = push(ex, 1, g[1], bucket=ex.max_buckets)
+    elif case == "no_report":
+        out = ex.push(b"id1", P.ExchangePush(worker_id=1, token=ex.tokens[1], iteration=0, bucket=0,
+                                             last=True, batch_size=PLAN[1], telemetry=None, arrays=[g[1]]))
+    else:
+        bad = g[1].copy()
+        bad[2] = np.inf
+        out = push(ex, 1, bad)
+    codes = [(i, m.code) for i, m in out]
+    assert codes[0] == (f"id{sender}".encode(), code)
+    assert (b"id0", "iteration_failed") in codes[1:] and len(codes) == 2
+    assert ex.held_bytes == 0 and ex.abandoned == 1 and not ex.buckets
+    with pytest.raises(Refused) as err:   # every later push of the iteration is told why
         push(ex, 2, g[2])
-    assert err.value.code == "iteration_failed" and "not finite" in str(err.value)
+    assert err.value.code == "iteration_failed" and f"rank {sender}'s bucket" in str(err.value)
     # The job can start over (e.g. from a checkpoint): opening an iteration replans it.
     plans = open_all(ex, iteration=0)
     assert plans[0].batch_sizes == PLAN and ex.failed is None
@@ -213,12 +224,9 @@ def test_held_bytes_and_open_buckets_are_bounded():
     open_all(ex)
     push(ex, 0, np.zeros(10, np.float32), bucket=0, last=False)            # 40 bytes
     push(ex, 0, np.zeros(10, np.float32), bucket=1, last=False)            # 80
-    with pytest.raises(Refused) as err:
-        push(ex, 0, np.zeros(10, np.float32), bucket=1 + 1, last=False)
-    assert err.value.code == "bad_request"   # bucket index beyond max_buckets
-    with pytest.raises(Refused) as err:
-        push(ex, 1, np.zeros(10, np.float32), bucket=0, last=False)       # 120 > 100
-    assert err.value.code == "too_large"
+    out = push(ex, 1, np.zeros(10, np.float32), bucket=0, last=False)      # 120 > 100
+    assert [(i, m.code) for i, m in out][0] == (b"id1", "too_large")
+    assert ex.held_bytes == 0 and not ex.buckets       # the iteration failed, nothing is held
 
 
 def test_world_and_arguments_are_checked():
