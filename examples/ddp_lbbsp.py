@@ -262,8 +262,8 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace, init_method: 
 
 
 def spawned_rank(rank: int, world_size: int, args: argparse.Namespace, init_method: str) -> None:
-    """``--nproc``: one rank in a process of its own, which ends without running C++ static
-    destructors. With gloo on torch 2.13 a rank's exit after a clean destroy_process_group()
+    """One rank in a process of its own (``--nproc``, or under torchrun), which ends without
+    running C++ static destructors. With gloo on torch 2.13 a rank's exit after a clean destroy_process_group()
     aborted about one time in ten ("terminate called without an active exception", SIGABRT),
     failing a run whose work was done; there is nothing left to tear down at that point."""
     run_rank(rank, world_size, args, init_method)
@@ -314,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if "RANK" not in os.environ:
         raise SystemExit("run under torchrun, or pass --nproc N to spawn the ranks locally")
-    run_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
+    # One rank of a finished run aborted in gloo's teardown on the lab's links, as under --nproc.
+    spawned_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, "env://")
     return 0
 
 
