@@ -189,7 +189,7 @@ class GradientExchange:
             return []
         missing = sorted(set(range(self.world)) - set(self._senders_of_all()))
         return self._fail(f"iteration {self.iteration} abandoned after {self.stale_s:g} s without "
-                          f"progress (ranks {missing} sent none of its open buckets)")
+                          f"progress (ranks {missing} have not sent every open bucket)")
 
     # ----- internals ------------------------------------------------------------------------
     def _rank(self, rank: int) -> None:
