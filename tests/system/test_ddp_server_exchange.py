@@ -119,6 +119,46 @@ def test_ddp_through_the_service_equals_single_process_sgd(procs, tmp_path):
     assert [c for _, _, c, _ in last] == pytest.approx([sizes[-1][r] * PER_SAMPLE_S[r] for r in range(world)])
 
 
+def _dying_rank_main(rank: int, world: int, port: int, endpoint: str, out_dir: str) -> None:
+    """Rank 1 dies between iterations 2 and 3; rank 0 must be told, not hang."""
+    _init(rank, world, port)
+    out: dict[str, Any] = {"completed": 0, "error": None}
+    try:
+        data = load_dataset("synthetic", seed=DATA_SEED, synthetic_train=N_TRAIN, synthetic_test=8)
+        sampler = LBBSPSampler(data.num_train, X, seed=DATA_SEED)
+        bal = DDPBatchBalancer(X, exchange="servers", endpoint=endpoint, timeout_s=20)
+        ddp = DistributedDataParallel(_model())
+        bal.register_hook(ddp)
+        opt = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=MOMENTUM)
+        t0 = time.monotonic()
+        for it in range(6):
+            if rank == 1 and it == 3:
+                os._exit(0)  # gone without a word, like a SIGKILL between two iterations
+            xb, yb = data.train_batch(bal.batch_indices(sampler))
+            opt.zero_grad(set_to_none=True)
+            t0 = time.monotonic()
+            F.cross_entropy(ddp(xb), yb).backward()
+            opt.step()
+            bal.step()
+            out["completed"] += 1
+    except Exception as exc:  # noqa: BLE001 - what rank 0 saw is the result
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        out["waited_s"] = time.monotonic() - t0
+    finally:
+        torch.save(out, Path(out_dir) / f"rank{rank}.pt")
+        os._exit(0)  # the process group lost a member: skip its teardown
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_that_dies_fails_the_others_iteration_instead_of_hanging(procs, tmp_path):
+    endpoint = _start_service(procs, 2, "--stale-s", "2")
+    _spawn(_dying_rank_main, 2, (2, _free_port(), endpoint, str(tmp_path)), timeout_s=60)
+    out = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    assert out["completed"] == 3, out
+    assert out["error"] is not None and "abandoned" in out["error"] and "ranks [1]" in out["error"], out
+    assert 1.5 < out["waited_s"] < 15, out   # the service's --stale-s, not the rank's 20 s timeout
+
+
 def _push(conn: Connection, rank: int, token: str, grad: np.ndarray, *, iteration: int = 0,
           batch_size: int, bucket: int = 0) -> None:
     conn.send(P.ExchangePush(worker_id=rank, token=token, iteration=iteration, bucket=bucket, last=True,
