@@ -133,6 +133,15 @@ def parse_rows(out: str) -> list[tuple[int, list[int], list[float], float]]:
     return rows
 
 
+def variant_labels(policies: str, exchanges: str) -> dict[tuple[str, str], str]:
+    """Every (policy, exchange) to run, in order, with its table label; ``plain`` (DDP without
+    the plug-in, even split) runs once, as ``uniform``."""
+    variants = [(p, e) for e in exchanges.split(",") for p in policies.split(",")
+                if e != "plain" or p == "uniform"]
+    return {v: "plain DDP" if v[1] == "plain" else v[0] if v[1] == "auto" else f"{v[0]} ({v[1]})"
+            for v in variants}
+
+
 def rotate(groups: list[CpuQuotaGroup], quotas: list[float], period_s: float, stop: threading.Event) -> None:
     """Every ``period_s``, each rank takes the quota of the rank before it."""
     shift = 0
@@ -170,10 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM unwinds like Ctrl-C: the ranks are killed and their cgroups removed.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     quotas = [float(q) for q in args.quotas.split(",")]
-    variants = [(p, e) for e in args.exchanges.split(",") for p in args.policies.split(",")
-                if e != "plain" or p == "uniform"]  # plain: DDP without the plug-in, even split
-    label = {v: "plain DDP" if v[1] == "plain" else v[0] if v[1] == "auto" else f"{v[0]} ({v[1]})"
-             for v in variants}
+    label = variant_labels(args.policies, args.exchanges)
+    variants = list(label)
     results: dict[str, list] = {label[v]: [] for v in variants}
     cpu: dict[str, list[list[float]]] = {p: [] for p in results}
     for r in range(args.repeats):

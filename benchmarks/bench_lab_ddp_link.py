@@ -35,9 +35,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_lab_ddp import describe, parse_rows  # noqa: E402
+from benchmarks.bench_lab_ddp import describe, parse_rows, variant_labels  # noqa: E402
 from ps_launcher.lab import NetLab, delay_available, netns_available  # noqa: E402
 from ps_launcher.lab.netns import HOST_IF, Host  # noqa: E402
+from ps_launcher.processes import ENDPOINT_RE  # noqa: E402
 
 MASTER_PORT = 29500  # inside rank 0's own namespace: nothing else listens there
 
@@ -49,11 +50,11 @@ def start_service(lab: NetLab, policy: str, args: argparse.Namespace) -> tuple[H
            "--policy", policy, "--global-batch", str(args.global_batch), "--host", host.ip, "--port", "0"]
     proc = host.popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if "listening on" not in line:
+    found = ENDPOINT_RE.search(proc.stdout.readline())
+    if found is None:
         host.stop(proc)
-        raise RuntimeError(f"ps-bsm did not start: {line!r}")
-    return host, proc, line.split("listening on", 1)[1].strip()
+        raise RuntimeError("ps-bsm did not start")
+    return host, proc, found.group(1)
 
 
 def run(policy: str, exchange: str, args: argparse.Namespace,
@@ -110,10 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         print(f"bench_lab_ddp_link: the lab's links are unavailable: {why}", file=sys.stderr)
         return 2
-    variants = [(p, e) for e in args.exchanges.split(",") for p in args.policies.split(",")
-                if e != "plain" or p == "uniform"]  # plain: DDP without the plug-in, even split
-    label = {v: "plain DDP" if v[1] == "plain" else v[0] if v[1] == "auto" else f"{v[0]} ({v[1]})"
-             for v in variants}
+    label = variant_labels(args.policies, args.exchanges)
+    variants = list(label)
     results: dict[str, list] = {label[v]: [] for v in variants}
     for r in range(args.repeats):
         for policy, exchange in variants:

@@ -51,6 +51,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 from batchsize_manager.integrations.torch_ddp import DDPBatchBalancer, LBBSPSampler  # noqa: E402
+from ps_launcher.processes import ENDPOINT_RE  # noqa: E402
 from ps_ml.datasets import load_dataset  # noqa: E402
 from ps_ml.models import build_model  # noqa: E402
 
@@ -280,10 +281,11 @@ def start_exchange_service(args: argparse.Namespace, world_size: int) -> subproc
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()  # "ps-bsm listening on tcp://..."
-    if "listening on" not in line:
+    found = ENDPOINT_RE.search(line)
+    if found is None:
         proc.kill()
         raise SystemExit(f"ps-bsm did not start (exit {proc.wait()}): {line.strip()}")
-    args.bsm_endpoint = line.split("listening on", 1)[1].strip()
+    args.bsm_endpoint = found.group(1)
     return proc
 
 

@@ -14,6 +14,9 @@ range); no reply within ``timeout_s`` raises
 :class:`~ps_common.transport.TransportTimeout`. After a timeout the socket is replaced, so a late
 reply can never be mistaken for the answer to the next request. Nothing is retried: reports are
 not idempotent. One client per thread (ZeroMQ sockets are not thread-safe).
+
+:meth:`send` and :meth:`recv` let a caller keep several requests in flight (the DDP gradient
+exchange sends every bucket before it reads an answer), with the same socket replacement.
 """
 
 from __future__ import annotations
@@ -36,47 +39,73 @@ class BatchSizeClient:
     """Request/reply access to one ``ps-bsm`` service."""
 
     def __init__(self, endpoint: str, timeout_s: float = 10.0, security: SecurityConfig | None = None,
-                 *, ctx: zmq.Context | None = None, role: str = "worker") -> None:
+                 *, ctx: zmq.Context | None = None, role: str = "worker", max_array_bytes: int = 0) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.endpoint = endpoint
         self.timeout_s = float(timeout_s)
         self.security = security
         self.role = role
+        self.max_array_bytes = int(max_array_bytes)  # the largest array an answer may carry
         self.ctx = ctx or zmq.Context.instance()
         self.last_decision_s = math.nan  #: the manager's decision time of the last assign()
         self._conn: Connection | None = self._connect()
 
     def _connect(self) -> Connection:
         return Connection(self.ctx, self.endpoint, role=self.role, timeout_s=self.timeout_s,
-                          max_array_bytes=0, security=self.security)
+                          max_array_bytes=self.max_array_bytes, security=self.security)
 
-    def _request(self, msg: P.Message, expect: type[P.Message]) -> Any:
+    def _open_conn(self) -> Connection:
         if self._conn is None:
             raise RuntimeError("BatchSizeClient is closed")
+        return self._conn
+
+    def reconnect(self) -> None:
+        """A fresh socket: no late answer to what was sent before can reach the next request."""
+        self._open_conn().close()
+        self._conn = self._connect()
+
+    def request(self, msg: P.Message, expect: type[P.Message]) -> Any:
+        """Send ``msg`` and return its answer, which must be an ``expect``."""
+        conn = self._open_conn()
         try:
-            return self._conn.request(msg, expect)
+            return conn.request(msg, expect)
         except RemoteError:
             raise
         except (TransportTimeout, P.ProtocolError):
             # A late or unexpected reply would answer the wrong request: start a fresh socket.
-            self._conn.close()
-            self._conn = self._connect()
+            self.reconnect()
+            raise
+
+    def send(self, msg: P.Message) -> None:
+        """Send without waiting for the answer (read it with :meth:`recv`)."""
+        try:
+            self._open_conn().send(msg)
+        except TransportTimeout:
+            self.reconnect()
+            raise
+
+    def recv(self) -> P.Message:
+        """The next answer; an Error is raised as :class:`RemoteError`."""
+        try:
+            return self._open_conn().recv()
+        except (TransportTimeout, P.ProtocolError):
+            self.reconnect()
             raise
 
     # ----- membership --------------------------------------------------------------------
     def join(self, worker_id: int) -> None:
         """Make ``worker_id`` live (joining twice is a no-op)."""
-        self._request(P.BsmJoin(worker_id=int(worker_id)), P.Ack)
+        self.request(P.BsmJoin(worker_id=int(worker_id)), P.Ack)
 
     def leave(self, worker_id: int) -> None:
         """``worker_id`` left (unknown ids are ignored by the service)."""
-        self._request(P.BsmLeave(worker_id=int(worker_id)), P.Ack)
+        self.request(P.BsmLeave(worker_id=int(worker_id)), P.Ack)
 
     # ----- reports and decisions ---------------------------------------------------------
     def report(self, worker_id: int, iteration: int, batch_size: int, telemetry: Telemetry) -> None:
         """One worker's measurements of a finished iteration (the fields of ``WorkerReport``)."""
-        self._request(P.BsmReport(worker_id=int(worker_id), iteration=int(iteration),
+        self.request(P.BsmReport(worker_id=int(worker_id), iteration=int(iteration),
                                   batch_size=int(batch_size), telemetry=telemetry), P.Ack)
 
     def observe(self, report: Any) -> None:
@@ -85,7 +114,7 @@ class BatchSizeClient:
 
     def assign(self) -> dict[int, int]:
         """The next ``{worker: batch size}`` for the live workers (sums to the global batch)."""
-        a = self._request(P.BsmAssign(), P.BsmAssignment)
+        a = self.request(P.BsmAssign(), P.BsmAssignment)
         if len(a.workers) != len(a.batch_sizes):
             raise P.ProtocolError(f"{self.endpoint}: assignment lists {len(a.workers)} workers "
                                   f"and {len(a.batch_sizes)} batch sizes")
@@ -96,7 +125,7 @@ class BatchSizeClient:
         """The service's counters and decision times (``BsmStatsReply`` fields as a dict),
         plus ``last_assignment`` as ``{worker: batch}``; ``include_state`` adds ``state``,
         the manager's ``state_dict()``."""
-        r = self._request(P.BsmStats(include_state=bool(include_state)), P.BsmStatsReply)
+        r = self.request(P.BsmStats(include_state=bool(include_state)), P.BsmStatsReply)
         out = {f.name: getattr(r, f.name) for f in dataclasses.fields(r) if f.name != "arrays"}
         out["last_assignment"] = dict(zip(r.last_workers, r.last_batch_sizes))
         if not include_state:

@@ -88,17 +88,19 @@ class BatchSizeService:
             P.BsmAssign: self._on_assign,
             P.BsmStats: self._on_stats,
         }
+        routes: dict[type, Callable[[bytes, str, Any], P.Message | None]] = {}
         if self.exchange is not None:
             self.handlers[P.ExchangeOpen] = self._on_exchange_open
-            self.handlers[P.ExchangePush] = self._on_exchange_push  # type: ignore[assignment]
+            routes[P.ExchangePush] = self._dispatch_push  # answered later, to every rank at once
+        routes.update({kind: self._dispatch for kind in self.handlers})
         # With credentials, workers report and the operator may do anything but send gradients;
         # without, anyone may do anything.
         perms = None
         if security is not None and security.mechanism != "none":
             anyone = frozenset({"worker", "operator"})
-            perms = {kind: anyone for kind in self.handlers}
+            perms = {kind: anyone for kind in routes}
             perms[P.ExchangeOpen] = perms[P.ExchangePush] = frozenset({"worker"})
-        self.router = RouterLoop(self.sock, {k: self._dispatch for k in self.handlers}, server="ps-bsm",
+        self.router = RouterLoop(self.sock, routes, server="ps-bsm",
                                  limits=Limits(max_frames=4, max_array_bytes=array_bytes),
                                  permissions=perms)
 
@@ -154,17 +156,13 @@ class BatchSizeService:
         """Answer one message; nothing a peer sends raises out of here."""
         self.router.handle(frames)
 
-    def _dispatch(self, ident: bytes, role: str, msg: P.Message) -> P.Message | None:
-        try:
-            if isinstance(msg, P.ExchangePush):  # answered later, to every rank at once
-                self._on_exchange_push(ident, msg)
-                return None
-            return self.handlers[type(msg)](msg)
-        except Refused:
-            raise
-        except Exception as exc:  # a policy bug must not take the service down
-            log.exception("%s failed", msg.TYPE)
-            raise Refused("internal", f"{type(exc).__name__}: {exc}") from None
+    def _dispatch(self, ident: bytes, role: str, msg: P.Message) -> P.Message:
+        return _guarded(msg, lambda: self.handlers[type(msg)](msg))
+
+    def _dispatch_push(self, ident: bytes, role: str, msg: P.ExchangePush) -> None:
+        assert self.exchange is not None
+        exchange = self.exchange
+        _guarded(msg, lambda: self._send(exchange.push(ident, msg)))
 
     # ----- handlers: each returns the reply or raises Refused -------------------------------
     def _fixed_world(self, what: str) -> None:
@@ -223,10 +221,6 @@ class BatchSizeService:
         assert self.exchange is not None
         return self.exchange.open(msg.worker_id, msg.iteration)
 
-    def _on_exchange_push(self, ident: bytes, msg: P.ExchangePush) -> None:
-        assert self.exchange is not None
-        self._send(self.exchange.push(ident, msg))
-
     def _send(self, replies: list[tuple[bytes, P.Message]]) -> None:
         for ident, reply in replies:
             self.router.reply(ident, reply)
@@ -244,6 +238,18 @@ class BatchSizeService:
             malformed=self.malformed, errors_sent=self.errors_sent,
             uptime_s=time.monotonic() - self.started,
             state=_plain_state(m.state_dict()) if msg.include_state else {})
+
+
+def _guarded(msg: P.Message, handle: Callable[[], Any]) -> Any:
+    """``handle()``, with any failure but a refusal answered as ``internal``: a policy bug must
+    not take the service down."""
+    try:
+        return handle()
+    except Refused:
+        raise
+    except Exception as exc:
+        log.exception("%s failed", msg.TYPE)
+        raise Refused("internal", f"{type(exc).__name__}: {exc}") from None
 
 
 def _plain_state(state: Mapping[str, Any]) -> dict[str, Any]:

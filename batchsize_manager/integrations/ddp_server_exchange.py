@@ -18,16 +18,15 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any
 
-import numpy as np
 import torch
 import zmq
 
 from ps_common import protocol as P
 from ps_common.report import Telemetry
 from ps_common.security.settings import SecurityConfig
-from ps_common.transport import Connection, RemoteError, TransportTimeout
+from ps_common.transport import RemoteError, TransportTimeout
+from ps_server.bsm_client import BatchSizeClient
 
 __all__ = ["ServerExchange", "ExchangeFailed"]
 
@@ -40,78 +39,53 @@ class ExchangeFailed(RuntimeError):
 class _Sent:
     bucket: int
     tensor: torch.Tensor                    # DDP's bucket buffer: the answer is written into it
-    host: np.ndarray                        # what was sent (kept alive until the answer)
     future: torch.futures.Future[torch.Tensor]
 
 
 class ServerExchange:
-    """One rank's connection to the exchange. Not thread-safe (DDP calls its hook from one
-    thread per device); :meth:`open` once before the first backward."""
+    """One rank's link to the exchange: a :class:`~ps_server.bsm_client.BatchSizeClient` with
+    the buckets of an iteration in flight. Not thread-safe (DDP calls its hook from one thread
+    per device); :meth:`open` once before the first backward."""
 
     def __init__(self, endpoint: str, rank: int, *, timeout_s: float = 120.0,
                  security: SecurityConfig | None = None, ctx: zmq.Context | None = None) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        self.endpoint = endpoint
         self.rank = int(rank)
         self.timeout_s = float(timeout_s)
-        self.security = security
-        self.ctx = ctx or zmq.Context.instance()
+        self.client = BatchSizeClient(endpoint, timeout_s, security, ctx=ctx, max_array_bytes=1 << 40)
         self.token = ""
         self.iteration = 0
-        self.batch_size = 0
         self._sent: list[_Sent] = []
         #: From the last bucket's answer: the next split and every rank's report.
         self.next_sizes: list[int] | None = None
         self.reports: list[Telemetry] = []
         self.buckets_sent = 0
-        self._conn: Connection | None = self._connect()
-
-    def _connect(self) -> Connection:
-        return Connection(self.ctx, self.endpoint, role="worker", timeout_s=self.timeout_s,
-                          security=self.security)
 
     def open(self, iteration: int) -> list[int]:
         """Start (or restart) at ``iteration``; returns that iteration's split (one size per rank)."""
-        plan = self._request(P.ExchangeOpen(worker_id=self.rank, iteration=int(iteration)), P.ExchangePlan)
+        plan = self.client.request(P.ExchangeOpen(worker_id=self.rank, iteration=int(iteration)),
+                                   P.ExchangePlan)
         self.token = plan.token
         self.iteration = int(iteration)
         self.next_sizes = None
         return list(plan.batch_sizes)
 
-    def _request(self, msg: P.Message, expect: type[P.Message]) -> Any:
-        if self._conn is None:
-            raise RuntimeError("ServerExchange is closed")
-        try:
-            return self._conn.request(msg, expect)
-        except (TransportTimeout, P.ProtocolError):
-            self._reconnect()  # a late reply must not answer the next request
-            raise
-
-    def _reconnect(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-        self._conn = self._connect()
-
     # ----- the hook's side ------------------------------------------------------------------
-    def submit(self, tensor: torch.Tensor, bucket: int, last: bool,
+    def submit(self, tensor: torch.Tensor, bucket: int, last: bool, batch_size: int,
                telemetry: Telemetry | None) -> torch.futures.Future[torch.Tensor]:
-        """Send one bucket (the mean gradient over this rank's ``batch_size`` samples); the future
-        completes with the weighted mean over all ranks. On the last bucket, wait for all."""
-        if self._conn is None:
-            raise RuntimeError("ServerExchange is closed")
-        if last and telemetry is None:
-            telemetry = Telemetry()
-        flat = tensor.detach().reshape(-1)
-        host = (flat.cpu() if flat.is_cuda else flat).numpy()
+        """Send one bucket: the mean gradient over this rank's ``batch_size`` samples, as a view
+        of DDP's buffer (sent zero-copy), with this rank's report on the last one. The future
+        completes with the weighted mean over all ranks; on the last bucket, wait for all."""
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        self._sent.append(_Sent(bucket=bucket, tensor=tensor, host=host, future=fut))
+        self._sent.append(_Sent(bucket=bucket, tensor=tensor, future=fut))
         self.buckets_sent += 1
         try:
-            self._conn.send(P.ExchangePush(
+            self.client.send(P.ExchangePush(
                 worker_id=self.rank, token=self.token, iteration=self.iteration, bucket=int(bucket),
-                last=bool(last), batch_size=int(self.batch_size), telemetry=telemetry if last else None,
-                arrays=[host]))
+                last=bool(last), batch_size=int(batch_size),
+                telemetry=(telemetry or Telemetry()) if last else None,
+                arrays=[tensor.detach().reshape(-1).numpy()]))
             if last:
                 self._collect()
         except Exception as exc:
@@ -121,22 +95,20 @@ class ServerExchange:
 
     def _collect(self) -> None:
         """Every answer of the iteration, in bucket order (the service answers in that order)."""
-        assert self._conn is not None
         while self._sent:
             sent = self._sent[0]
             try:
-                msg = self._conn.recv()
+                msg = self.client.recv()
             except RemoteError as exc:
                 raise ExchangeFailed(f"rank {self.rank}, iteration {self.iteration}, bucket "
                                      f"{sent.bucket}: {exc}") from exc
             except TransportTimeout as exc:
-                self._reconnect()
                 raise ExchangeFailed(f"rank {self.rank}, iteration {self.iteration}: no answer for "
                                      f"bucket {sent.bucket} within {self.timeout_s:g} s (a rank is "
                                      f"slow, gone, or the service is down): {exc}") from exc
             if (not isinstance(msg, P.ExchangeResult) or msg.iteration != self.iteration
                     or msg.bucket != sent.bucket or msg.arrays[0].size != sent.tensor.numel()):
-                self._reconnect()
+                self.client.reconnect()
                 raise ExchangeFailed(f"rank {self.rank}: expected the sum of bucket {sent.bucket} "
                                      f"of iteration {self.iteration}, got {msg!r:.200}")
             with warnings.catch_warnings():  # a read-only view of the frame, only read from
@@ -149,21 +121,17 @@ class ServerExchange:
                 self.reports = list(msg.reports)
             sent.future.set_result(sent.tensor)
 
-    def _fail_all(self, exc: BaseException) -> None:
+    def _fail_all(self, exc: Exception) -> None:
         for sent in self._sent:
             if not sent.future.done():
-                err = exc if isinstance(exc, Exception) else RuntimeError(str(exc))
-                sent.future.set_exception(err)  # type: ignore[arg-type]
+                sent.future.set_exception(exc)  # type: ignore[arg-type]
         self._sent.clear()
 
-    def advance(self, batch_size: int) -> None:
-        """The iteration is over on this rank: the next one uses ``batch_size`` samples."""
+    def advance(self) -> None:
+        """This rank is done with its iteration: the next answers belong to the next one."""
         self.iteration += 1
-        self.batch_size = int(batch_size)
         self.next_sizes = None
 
     def close(self) -> None:
         self._fail_all(RuntimeError("ServerExchange closed"))
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        self.client.close()

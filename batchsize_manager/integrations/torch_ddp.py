@@ -180,7 +180,7 @@ def _through_server(state: WeightedHookState, bucket: dist.GradBucket) -> torch.
     if last:
         slot = state.report_slot
         telemetry = Telemetry.from_floats(slot[2]()) if slot is not None else Telemetry()
-    return state.server.submit(bucket.buffer(), bucket.index(), last, telemetry)
+    return state.server.submit(bucket.buffer(), bucket.index(), last, state.batch_size, telemetry)
 
 
 def _scale(state: WeightedHookState, tensor: torch.Tensor) -> None:
@@ -489,7 +489,6 @@ class DDPBatchBalancer:
 
             self.server = ServerExchange(endpoint, self.rank, timeout_s=timeout_s, security=security)
             self._sizes: list[int] = self._check(dict(enumerate(self.server.open(0))))
-            self.server.batch_size = self._sizes[self.rank]
             self.hook_state.server = self.server
         else:
             if self.rank == 0:
@@ -666,55 +665,48 @@ class DDPBatchBalancer:
         :attr:`sizes` and the hook's ``batch_size``.
         """
         iteration_s = time.perf_counter() - self._iter_start
-        if self.server is not None:
-            return self._step_through_server(iteration_s)
-        fused, self.hook_state.reports = self.hook_state.reports, None
-        if fused is not None and self._sent:
-            # Every rank's report came with the last bucket (the backward waited for it): a
-            # collective only when a bucket was reduced, so every rank takes the same branch.
-            rows = fused.tolist()
+        srv = self.server
+        if srv is not None:  # the service decided when every rank's last bucket reached it
+            if srv.next_sizes is None:
+                raise RuntimeError(f"exchange='servers': no gradient bucket of iteration {self.iteration} "
+                                   f"went through the service; each iteration needs one backward "
+                                   f"through the DDP model (accumulate micro-batches under no_sync())")
+            telemetry = list(srv.reports)
         else:
-            compute_s = self._measured_compute()
-            # What the all-reduce waits for, like the servers' finish time: from the moment every
-            # rank knew its size (the end of the last step) to this rank's last gradient bucket,
-            # data loading and CPU-quota stalls included. Measured, so not with reported timings.
-            finish_s = (self._ready_s - self._iter_start
-                        if self._reported_compute is None and math.isfinite(self._ready_s) else math.nan)
-            mine = self._mine(compute_s, iteration_s, finish_s)
-            local = torch.tensor(mine.to_floats(), dtype=torch.float64, device=self.device)
-            gathered = [torch.empty_like(local) for _ in range(self.world_size)]
-            dist.all_gather(gathered, local, group=self.group)
-            rows = torch.stack(gathered).cpu().tolist()
+            telemetry = [Telemetry.from_floats(row) for row in self._gathered_rows(iteration_s)]
         self._prev_iteration_s = iteration_s
         self.last_reports = [
-            WorkerReport(worker_id=r, iteration=self.iteration, batch_size=self._sizes[r],
-                         telemetry=Telemetry.from_floats(row))
-            for r, row in enumerate(rows)
+            WorkerReport(worker_id=r, iteration=self.iteration, batch_size=self._sizes[r], telemetry=tel)
+            for r, tel in enumerate(telemetry)
         ]
-        self._sizes = self._decide(self.last_reports)
+        if srv is not None:
+            self._sizes = self._check(dict(enumerate(srv.next_sizes)))
+            srv.advance()
+        else:
+            self._sizes = self._decide(self.last_reports)
         self.hook_state.batch_size = self._sizes[self.rank]
         self.iteration += 1
         self._reset_timers()
         return self.sizes
 
-    def _step_through_server(self, iteration_s: float) -> dict[int, int]:
-        """The service decided the next split when the last bucket of every rank reached it."""
-        srv = self.server
-        if srv.next_sizes is None:
-            raise RuntimeError(f"exchange='servers': no gradient bucket of iteration {self.iteration} "
-                               f"went through the service; each iteration needs one backward "
-                               f"through the DDP model (accumulate micro-batches under no_sync())")
-        self._prev_iteration_s = iteration_s
-        self.last_reports = [
-            WorkerReport(worker_id=r, iteration=self.iteration, batch_size=self._sizes[r], telemetry=tel)
-            for r, tel in enumerate(srv.reports)
-        ]
-        self._sizes = self._check(dict(enumerate(srv.next_sizes)))
-        self.hook_state.batch_size = self._sizes[self.rank]
-        srv.advance(self._sizes[self.rank])
-        self.iteration += 1
-        self._reset_timers()
-        return self.sizes
+    def _gathered_rows(self, iteration_s: float) -> list[list[float]]:
+        """Every rank's report row, from the last bucket's all-reduce or an all-gather."""
+        fused, self.hook_state.reports = self.hook_state.reports, None
+        if fused is not None and self._sent:
+            # Every rank's report came with the last bucket (the backward waited for it): a
+            # collective only when a bucket was reduced, so every rank takes the same branch.
+            return fused.tolist()
+        compute_s = self._measured_compute()
+        # What the all-reduce waits for, like the servers' finish time: from the moment every
+        # rank knew its size (the end of the last step) to this rank's last gradient bucket,
+        # data loading and CPU-quota stalls included. Measured, so not with reported timings.
+        finish_s = (self._ready_s - self._iter_start
+                    if self._reported_compute is None and math.isfinite(self._ready_s) else math.nan)
+        mine = self._mine(compute_s, iteration_s, finish_s)
+        local = torch.tensor(mine.to_floats(), dtype=torch.float64, device=self.device)
+        gathered = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(gathered, local, group=self.group)
+        return torch.stack(gathered).cpu().tolist()
 
     def close(self) -> None:
         """Close the link to the exchange service (``exchange="servers"``); a no-op otherwise."""

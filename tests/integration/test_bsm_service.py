@@ -5,6 +5,9 @@ tests/system/test_bsm_service_cli.py."""
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
 
 import msgpack
 import pytest
@@ -13,6 +16,7 @@ import zmq
 from batchsize_manager import BatchSizeManager, WorkerReport
 from ps_common import protocol as P
 from ps_common.report import Telemetry
+from ps_common.security.settings import SecurityConfig
 from ps_common.transport import recv_frames
 from ps_server.bsm_client import BatchSizeClient, RemoteError, TransportTimeout
 from ps_server.bsm_service import BatchSizeService
@@ -184,27 +188,35 @@ def test_client_observe_accepts_worker_reports_and_times_out(service):
         c.assign()
 
 
-@pytest.mark.timeout(20)
-def test_curve_clients_must_be_allowed(tmp_path):
+@contextmanager
+def curve_service(key_dir: Path, **kw: Any) -> Iterator[tuple[BatchSizeService, SecurityConfig, zmq.Context]]:
+    """A ``uniform`` service under CURVE with a single-host key set (one key per role), in a
+    thread with a context and authenticator of its own; stopped and checked afterwards."""
     if not zmq.has("curve"):
         pytest.skip("libzmq without CURVE")
     from ps_common.security.authenticator import stop_authenticators
     from ps_common.security.settings import init_local_keys
 
-    sec = init_local_keys(tmp_path / "keys")
-    ctx = zmq.Context()                                # its own authenticator
-    svc = BatchSizeService(BatchSizeManager("uniform", X), ctx=ctx, security=sec, poll_s=0.05)
+    sec = init_local_keys(key_dir)
+    ctx = zmq.Context()
+    svc = BatchSizeService(BatchSizeManager("uniform", X), ctx=ctx, security=sec, poll_s=0.05, **kw)
     thread = svc.start()
     try:
-        with BatchSizeClient(svc.endpoint, timeout_s=5, security=sec, ctx=ctx) as c:
-            c.join(0)
-            assert c.assign() == {0: X}
-        with BatchSizeClient(svc.endpoint, timeout_s=0.5, ctx=ctx) as plain:
-            with pytest.raises(TransportTimeout):
-                plain.join(1)
+        yield svc, sec, ctx
     finally:
         svc.stop()
         thread.join(timeout=5)
         stop_authenticators(ctx)
         ctx.term()
     assert not thread.is_alive()
+
+
+@pytest.mark.timeout(20)
+def test_curve_clients_must_be_allowed(tmp_path):
+    with curve_service(tmp_path / "keys") as (svc, sec, ctx):
+        with BatchSizeClient(svc.endpoint, timeout_s=5, security=sec, ctx=ctx) as c:
+            c.join(0)
+            assert c.assign() == {0: X}
+        with BatchSizeClient(svc.endpoint, timeout_s=0.5, ctx=ctx) as plain:
+            with pytest.raises(TransportTimeout):
+                plain.join(1)

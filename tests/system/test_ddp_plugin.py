@@ -378,18 +378,25 @@ def test_integrations_package_does_not_import_torch():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=30)
 
 
-def test_example_script_runs_with_nproc():
-    cmd = [sys.executable, str(ROOT / "examples" / "ddp_lbbsp.py"), "--nproc", "2",
-           "--policy", "fixed", "--weights", "1,3", "--iterations", "4", "--print-every", "2",
-           "--global-batch", "32", "--model", "mlp", "--slowdown", "1,2", "--verify"]
+def run_example(*args: str, timeout_s: float = 60) -> str:
+    """``examples/ddp_lbbsp.py ARGS`` to the end; its output. Fails the test on a non-zero exit
+    or a timeout (then the launcher and everything it started are killed)."""
+    cmd = [sys.executable, str(ROOT / "examples" / "ddp_lbbsp.py"), *args]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:
-        output, _ = proc.communicate(timeout=60)
+        output, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the ranks it spawned
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher, the ranks and any service it started
         output, _ = proc.communicate(timeout=10)
         pytest.fail(f"example timed out:\n{output}")
     assert proc.returncode == 0, output
+    return output
+
+
+def test_example_script_runs_with_nproc():
+    output = run_example("--nproc", "2", "--policy", "fixed", "--weights", "1,3", "--iterations", "4",
+                         "--print-every", "2", "--global-batch", "32", "--model", "mlp",
+                         "--slowdown", "1,2", "--verify")
     assert "sizes [8, 24]" in output, output
     assert "mean iteration" in output and "final sizes [8, 24]" in output, output

@@ -10,7 +10,6 @@ global batch. Then well-formed forgeries against the real service, a rank that n
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -25,14 +24,13 @@ import torch.nn.functional as F
 import zmq
 from torch.nn.parallel import DistributedDataParallel
 
-from batchsize_manager import BatchSizeManager
 from batchsize_manager.integrations.torch_ddp import DDPBatchBalancer, LBBSPSampler
 from ps_common import protocol as P
 from ps_common.report import Telemetry
 from ps_common.transport import Connection, RemoteError
 from ps_ml.datasets import load_dataset
 from ps_ml.reference import flat_parameters, global_batch_indices, train_reference
-from ps_server.bsm_service import BatchSizeService
+from tests.integration.test_bsm_service import curve_service
 from tests.system.test_ddp_plugin import (
     DATA_SEED,
     LR,
@@ -45,6 +43,7 @@ from tests.system.test_ddp_plugin import (
     _init,
     _model,
     _spawn,
+    run_example,
 )
 
 STEPS = 8
@@ -233,64 +232,30 @@ def test_forged_exchange_messages_against_the_real_service(procs):
 
 @pytest.mark.timeout(20)
 def test_under_curve_only_workers_may_exchange(tmp_path):
-    if not zmq.has("curve"):
-        pytest.skip("libzmq without CURVE")
-    from ps_common.security.authenticator import stop_authenticators
-    from ps_common.security.settings import init_local_keys
-
-    sec = init_local_keys(tmp_path / "keys")
-    ctx = zmq.Context()
-    svc = BatchSizeService(BatchSizeManager("uniform", X), ctx=ctx, security=sec, poll_s=0.05, world_size=2)
-    thread = svc.start()
-    try:
+    with curve_service(tmp_path / "keys", world_size=2) as (svc, sec, ctx):
         op = Connection(ctx, svc.endpoint, role="operator", timeout_s=5, security=sec)
         worker = Connection(ctx, svc.endpoint, role="worker", timeout_s=5, security=sec)
         try:
             op.send(P.ExchangeOpen(worker_id=0, iteration=0))
             assert _refused(op) == "forbidden"
-            assert worker.request(P.ExchangeOpen(worker_id=0, iteration=0), P.ExchangePlan).batch_sizes == [32, 32]
+            assert worker.request(P.ExchangeOpen(worker_id=0, iteration=0), P.ExchangePlan).batch_sizes == [256, 256]
             assert op.request(P.BsmStats(), P.BsmStatsReply).requests == 3
         finally:
             op.close()
             worker.close()
-    finally:
-        svc.stop()
-        thread.join(timeout=5)
-        stop_authenticators(ctx)
-        ctx.term()
-    assert not thread.is_alive()
 
 
 def test_example_script_exchanges_through_a_service_it_starts():
-    cmd = [sys.executable, str(ROOT / "examples" / "ddp_lbbsp.py"), "--nproc", "2", "--exchange", "servers",
-           "--policy", "fixed", "--weights", "1,3", "--iterations", "4", "--print-every", "2",
-           "--global-batch", "32", "--model", "mlp"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher, its service and the ranks
-        output, _ = proc.communicate(timeout=10)
-        pytest.fail(f"example timed out:\n{output}")
-    assert proc.returncode == 0, output
+    output = run_example("--nproc", "2", "--exchange", "servers", "--policy", "fixed", "--weights", "1,3",
+                         "--iterations", "4", "--print-every", "2", "--global-batch", "32", "--model", "mlp")
     assert "exchange through tcp://" in output and "final sizes [8, 24]" in output, output
     assert "4 iterations completed, 0 failed" in output, output
 
 
 def test_example_script_plain_ddp_baseline():
     """``--exchange plain``: DDP without the plug-in (the benchmarks' baseline), rows at the end."""
-    cmd = [sys.executable, str(ROOT / "examples" / "ddp_lbbsp.py"), "--nproc", "2", "--exchange", "plain",
-           "--iterations", "4", "--print-every", "2", "--global-batch", "33", "--model", "mlp"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate(timeout=10)
-        pytest.fail(f"example timed out:\n{output}")
-    assert proc.returncode == 0, output
+    output = run_example("--nproc", "2", "--exchange", "plain", "--iterations", "4", "--print-every", "2",
+                         "--global-batch", "33", "--model", "mlp")
     assert "even split [17, 16]" in output and output.count("tick ") == 3, output
     rows = [line for line in output.splitlines() if line.startswith("it ")]
     assert len(rows) == 3 and all("compute ms [" in r and r.count(",") >= 1 for r in rows), output
@@ -298,3 +263,9 @@ def test_example_script_plain_ddp_baseline():
                           "--exchange", "plain", "--policy", "lbbsp-cpu"], cwd=ROOT, capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "--exchange plain is DDP without the plug-in" in bad.stderr
+
+
+def test_the_service_does_not_import_torch():
+    """ps-bsm serves frameworks that may not have torch; its exchange sums with numpy."""
+    code = "import sys, ps_server.bsm_service; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=30)
