@@ -138,6 +138,41 @@ def stall_share(finish: np.ndarray, compute: np.ndarray, x: np.ndarray,
     return np.where(np.isfinite(share) & (share > 0), np.minimum(share, 1.0), 1.0)
 
 
+#: Window entries with CPU times a worker needs before its quota replaces its clocks.
+QUOTA_MIN_ENTRIES = 4
+
+
+def quota_speed(finish: np.ndarray, cpu: np.ndarray, work_cpu: np.ndarray, x: np.ndarray,
+                quota: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per worker (row): the speed and fixed time a CPU quota of ``quota`` cores lets it sustain,
+    from the CPU its iterations cost. An iteration of x samples costs a + s x CPU seconds (s:
+    CPU per sample of data loading, forward and backward, sum(work_cpu) / sum(x); a: the mean
+    CPU outside them, the per-iteration cost of exchange, optimizer step and bookkeeping), and
+    the quota grants ``quota`` CPU seconds per second, so the worker sustains one iteration per
+    L + (a + s x) / quota seconds, where L is what it waits for besides its CPU (a link, the
+    service): the ``STALL_BASE_QUANTILE`` of finish - cpu. Returns (quota / s, L + a / quota);
+    nan for rows with fewer than :data:`QUOTA_MIN_ENTRIES` complete entries.
+
+    Why: under a quota the worker runs at full speed until the period's share is spent, then not
+    at all, so its clocks swing with where the stall fell, while its CPU per iteration does not.
+    Equal finish times with these speeds are the split where every worker uses its quota
+    alike. Measured (DDP ranks through the servers, quotas 0.7/0.7/0.2/0.2, static): the split
+    the quotas imply, fixed by hand, ran at 31.6 / 31.9 ms (median / mean) where the clocks'
+    tail model settled at 35.3 / 38.4 ms with the 0.2-core ranks' share swinging from 14 to 64.
+    """
+    with np.errstate(invalid="ignore", divide="ignore"):
+        full = np.isfinite(finish) & np.isfinite(cpu) & np.isfinite(work_cpu)
+        n = np.count_nonzero(full, axis=1)
+        per_sample = np.where(full, work_cpu, 0.0).sum(axis=1) / np.where(full, x, 0.0).sum(axis=1)
+        fixed = np.maximum(0.0, np.where(full, cpu - work_cpu, 0.0).sum(axis=1) / n)
+        waits = np.maximum(0.0, _row_quantile(np.where(full, finish - cpu, math.nan),
+                                              STALL_BASE_QUANTILE))
+        speed = quota / per_sample
+        overhead = waits + fixed / quota
+    bad = (n < QUOTA_MIN_ENTRIES) | ~(per_sample > 0)
+    return np.where(bad, math.nan, speed), np.where(bad, math.nan, overhead)
+
+
 def _ring_order(count: int, size: int) -> list[int]:
     """Positions of a ring buffer of ``size`` that has had ``count`` writes, oldest first."""
     n = min(count, size)
@@ -408,6 +443,24 @@ class LBBSPCpuPolicy(SlotPolicy):
     grow with the work given; ``"fixed"`` charges them as time outside compute only, which left
     a 0.2-core worker at half the batch for a whole run (those lab numbers predate the change).
 
+    Workers held to less than a core by a CPU quota (``cpu_quota`` in their reports, read from
+    their own cgroup) that also report their CPU times (``cpu_s``, ``compute_cpu_s``) are planned
+    by what the quota sustains instead (``use_quota``, default on; :func:`quota_speed`): an
+    iteration of x samples costs a_i + s_i x CPU seconds, so it takes L_i + (a_i + s_i x) /
+    quota_i. The clocks cannot show that: the kernel runs the worker at full speed until the
+    period's share is spent and then not at all, so they swing with where the stall fell, and
+    the tail model above kept the 0.2-core ranks of the lab between 14 and 64 samples (DDP
+    through the servers, quotas 0.7/0.7/0.2/0.2: 35.3 / 38.4 ms median / mean per iteration).
+    With the quota model the same run settles at the split the quotas imply, 30.9 / 32.2 ms,
+    and a quota that moves is followed from the next report on (rotating every 5 s: 32.5 /
+    33.6 ms, against 36.0 / 41.1). Above one core a quota rarely binds a one-thread worker and
+    the clocks stand.
+
+    A worker whose ``regime_run`` (3) newest iterations all took more than ``regime_factor``
+    (2) x what its plan predicted is restarted (:meth:`_watch_regime`): its forecast and finish
+    window keep only those iterations, as for a worker that just joined, instead of closing
+    the gap a fraction per iteration over a window's length.
+
     Cost: every worker's state (predictor, overhead, history) is a row of numpy arrays and one
     iteration's reports are applied together (:mod:`predictors.batch`), so a decision costs a few
     µs per worker. NARX and ARIMA refits are batched, staggered over the refit period by worker id
@@ -424,7 +477,9 @@ class LBBSPCpuPolicy(SlotPolicy):
                  max_factor: float | None = 2.0,
                  predictor_factory: Callable[[], Any] | None = None, refit: str = "background",
                  stagger: bool = True, finish_quantile: float | None = 0.9, finish_window: int = 32,
-                 finish_tail: str = "finish", stalls: str = "per_sample") -> None:
+                 finish_tail: str = "finish", stalls: str = "per_sample",
+                 regime_factor: float | None = 2.0, regime_run: int = 3,
+                 use_quota: bool = True) -> None:
         if finish_tail not in ("finish", "overhead"):
             raise ValueError(f"finish_tail must be 'finish' or 'overhead', got {finish_tail!r}")
         if stalls not in STALL_MODELS:
@@ -437,6 +492,21 @@ class LBBSPCpuPolicy(SlotPolicy):
             raise ValueError(f"finish_window must be >= 2, got {finish_window}")
         self.finish_quantile = None if finish_quantile is None else float(finish_quantile)
         self.finish_window = int(finish_window)
+        if regime_factor is not None and not regime_factor > 1.0:
+            raise ValueError(f"regime_factor must be > 1 (or None), got {regime_factor}")
+        if not 1 <= regime_run <= min(history, finish_window):
+            raise ValueError(f"regime_run must be in [1, min(history, finish_window)] = "
+                             f"[1, {min(history, finish_window)}], got {regime_run}")
+        self.regime_factor = None if regime_factor is None else float(regime_factor)
+        self.regime_run = int(regime_run)
+        self._cplan = np.zeros(0)                     # overhead of the last decision, nan: none
+        self._veff = np.zeros(0)                      # speed the last decision used, nan: none
+        self._slow = np.zeros(0, dtype=np.int64)      # iterations in a row far slower than planned
+        self.restarts = 0                             #: workers restarted on a regime change
+        self.use_quota = bool(use_quota)
+        self._fcpu = np.full((0, self.finish_window), math.nan)   # cpu_s of the window's iterations
+        self._fwork = np.full((0, self.finish_window), math.nan)  # compute_cpu_s of the same
+        self._quota = np.zeros(0)                     # cpu_quota of the newest report, nan: none
         self._fx = np.zeros((0, self.finish_window))  # batch sizes of the last finish times
         self._ff = np.full((0, self.finish_window), math.nan)  # finish_s, nan: none yet
         self._fc = np.zeros((0, self.finish_window))  # compute_s of the same iterations
@@ -507,6 +577,12 @@ class LBBSPCpuPolicy(SlotPolicy):
         self._fv = grown(self._fv, capacity, math.nan)
         self._vplan = grown(self._vplan, capacity, math.nan)
         self._fn = grown(self._fn, capacity, 0)
+        self._cplan = grown(self._cplan, capacity, math.nan)
+        self._fcpu = grown(self._fcpu, capacity, math.nan)
+        self._fwork = grown(self._fwork, capacity, math.nan)
+        self._quota = grown(self._quota, capacity, math.nan)
+        self._veff = grown(self._veff, capacity, math.nan)
+        self._slow = grown(self._slow, capacity, 0)
         self._pred.resize(capacity)
 
     def _init_slots(self, slots: np.ndarray, ids: np.ndarray) -> None:
@@ -516,6 +592,12 @@ class LBBSPCpuPolicy(SlotPolicy):
         self._fv[slots] = math.nan
         self._vplan[slots] = math.nan
         self._fn[slots] = 0
+        self._cplan[slots] = math.nan
+        self._veff[slots] = math.nan
+        self._slow[slots] = 0
+        self._fcpu[slots] = math.nan
+        self._fwork[slots] = math.nan
+        self._quota[slots] = math.nan
         self._pred.reset(slots, ids)
 
     # ----- membership and observations ----------------------------------------------------
@@ -551,10 +633,8 @@ class LBBSPCpuPolicy(SlotPolicy):
         if self.use_exog:
             exog = batch.exog() if rows is None else batch.exog()[rows]
         self._feed(slots, v, exog)
-        if self.use_overhead:
-            o = batch.overhead() if rows is None else batch.overhead()[rows]
-        else:
-            o = np.zeros(slots.size)
+        o_seen = batch.overhead() if rows is None else batch.overhead()[rows]
+        o = o_seen if self.use_overhead else np.zeros(slots.size)
         prev = self._overhead[slots]
         a = self.overhead_alpha
         self._overhead[slots] = np.where(np.isnan(prev), o, a * o + (1 - a) * prev)
@@ -570,7 +650,74 @@ class LBBSPCpuPolicy(SlotPolicy):
                 comp = batch.compute if rows is None else batch.compute[rows]
                 self._fc[fs, pos] = np.nan_to_num(comp[has])
                 self._fv[fs, pos] = self._vplan[fs]
+                if self.use_quota:
+                    def seen(name: str) -> np.ndarray:
+                        col = batch.measured(name)
+                        return (col if rows is None else col[rows])[has]
+                    self._fcpu[fs, pos] = seen("cpu_s")
+                    self._fwork[fs, pos] = seen("compute_cpu_s")
                 self._fn[fs] += 1
+        if self.use_quota:
+            q = batch.measured("cpu_quota")
+            self._quota[slots] = q if rows is None else q[rows]
+        if self.regime_factor is not None:
+            x_seen = batch.batch if rows is None else batch.batch[rows]
+            self._watch_regime(slots, o_seen + x_seen / v, x_seen)
+
+    def _watch_regime(self, slots: np.ndarray, took: np.ndarray, x: np.ndarray) -> None:
+        """Restart the workers whose last ``regime_run`` iterations all took more than
+        ``regime_factor`` x what the decision planned for their batch (``took``: overhead +
+        compute, i.e. the finish time where the servers measured one).
+
+        Why: when a worker loses most of its CPU (a quota moved to it, a co-tenant arrived), its
+        predictor closes a fraction of the gap per iteration and its window of finish times
+        keeps the old regime for ``finish_window`` iterations, so its big batch stalls every
+        iteration for a dozen of them (lab, DDP ranks under quotas moving every 5 s: 80-100 ms
+        iterations against 35 ms). A plan is pessimistic already (a high quantile of the finish
+        times), so several iterations in a row at twice it are not noise; a single stall is
+        not enough. Only slowdowns restart: a worker that got faster is under-used for a while,
+        which costs less than a straggler, and a throttled worker's unstalled iterations would
+        look like one."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            planned = self._cplan[slots] + x / self._veff[slots]
+        assert self.regime_factor is not None
+        slow = took > self.regime_factor * planned          # nan plan: False
+        run = np.where(slow, self._slow[slots] + 1, 0)
+        self._slow[slots] = run
+        hit = run >= self.regime_run
+        if hit.any():
+            self._restart(slots[hit])
+
+    def _restart(self, slots: np.ndarray) -> None:
+        """Keep only the newest ``regime_run`` observations of ``slots``: the predictor starts
+        again from them (as for a worker that just joined) and so does the finish window."""
+        k = self.regime_run
+        n = self._pred.n_updates(slots)                     # >= k: each slow iteration fed it
+        newest = [(n - k + j) % self.history for j in range(k)]  # ring positions, oldest first
+        speeds = [self._hv[slots, pos] for pos in newest]
+        exogs = [self._hx[slots, pos] for pos in newest]     # fancy indexing: copies
+        self._pred.reset(slots, self._slots.ids_of(slots))
+        for v, exog in zip(speeds, exogs):
+            self._feed(slots, v, exog if self.use_exog else None)
+        full = slots[self._fn[slots] > k]                    # windows of <= k are kept whole
+        if full.size:
+            fn = self._fn[full]
+            src = [(fn - k + j) % self.finish_window for j in range(k)]
+            for arr, fill in ((self._fx, 0.0), (self._ff, math.nan), (self._fc, 0.0),
+                              (self._fcpu, math.nan), (self._fwork, math.nan)):
+                kept = [arr[full, pos] for pos in src]
+                arr[full] = fill
+                for j, col in enumerate(kept):
+                    arr[full, j] = col
+            self._fn[full] = k
+        # The kept batches were planned with the old speed: against it their time would read as
+        # stalls (stall_share) on top of the new, lower forecast. Their compute stands in.
+        self._fv[slots] = math.nan
+        self._slow[slots] = 0
+        self.restarts += int(slots.size)
+        log.info("lbbsp-cpu: worker(s) %s ran over %gx their plan %d iterations in a row: "
+                 "forecast restarted from the newest iterations", self._slots.ids_of(slots).tolist(),
+                 self.regime_factor, k)
 
     def _feed(self, slots: np.ndarray, v: np.ndarray, exog: np.ndarray | None) -> None:
         self._pred.update(slots, v, exog)
@@ -645,7 +792,27 @@ class LBBSPCpuPolicy(SlotPolicy):
         out, v_out = oh.copy(), v.copy()
         out[ready] = np.maximum(0.0, q)
         v_out[ready] = vr
+        if self.use_quota:
+            self._quota_model(s, ready, v_out, out)
         return v_out, out
+
+    def _quota_model(self, s: np.ndarray, ready: np.ndarray, v: np.ndarray, c: np.ndarray) -> None:
+        """For the workers of ``s`` held to less than a core (their reports' ``cpu_quota``) whose
+        reports carry CPU times, replace (v, c) in place (positions ``ready``) by
+        :func:`quota_speed`'s: what the quota lets them sustain, not what their clocks showed
+        between its stalls."""
+        quota = self._quota[s]
+        held = quota < 1.0                                   # nan: False
+        if not held.any():
+            return
+        hs = s[held]
+        vq, cq = quota_speed(self._ff[hs], self._fcpu[hs], self._fwork[hs], self._fx[hs], quota[held])
+        ok = np.isfinite(vq) & (vq > 0) & np.isfinite(cq)
+        if not ok.any():
+            return
+        pos = np.flatnonzero(ready)[np.flatnonzero(held)[ok]]
+        v[pos] = vq[ok]
+        c[pos] = cq[ok]
 
     def estimates(self, workers: Sequence[int]) -> tuple[dict[int, float], dict[int, float]]:
         """Predicted speed and overhead per worker (unmeasured ones get the measured means)."""
@@ -668,6 +835,8 @@ class LBBSPCpuPolicy(SlotPolicy):
         if est is None:
             out = bounded_split_arrays(np.ones(ids.size), total, min_batch, caps)
             self.predicted_s = math.nan
+            self._cplan[slots] = math.nan
+            self._veff[slots] = math.nan
         else:
             v, c = est
             if not _within_arrays(prev, ids, total, min_batch, caps):
@@ -692,6 +861,8 @@ class LBBSPCpuPolicy(SlotPolicy):
                     out = px
                     t_new = t_prev
                 self.predicted_s = t_new
+            self._cplan[slots] = c
+            self._veff[slots] = v
         if prev is None or prev[0].size != ids.size or not (prev[0] == ids).all() \
                 or not (prev[1] == out).all():
             if prev is not None:
@@ -722,9 +893,9 @@ class LBBSPCpuPolicy(SlotPolicy):
 
     def _finish_rows(self, s: int) -> list[list[float]]:
         """Worker slot ``s``'s finish window, oldest first, as [batch, finish_s, compute_s,
-        planned speed (nan: none)] rows."""
+        planned speed, cpu_s, compute_cpu_s] rows (nan: none)."""
         idx = _ring_order(int(self._fn[s]), self.finish_window)
-        return [[float(self._fx[s, i]), float(self._ff[s, i]), float(self._fc[s, i]), float(self._fv[s, i])]
+        return [[float(a[s, i]) for a in (self._fx, self._ff, self._fc, self._fv, self._fcpu, self._fwork)]
                 for i in idx]
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -763,6 +934,8 @@ class LBBSPCpuPolicy(SlotPolicy):
             for j, row in enumerate(rows):
                 self._fx[s, j], self._ff[s, j], self._fc[s, j] = (float(r) for r in row[:3])
                 self._fv[s, j] = float(row[3]) if len(row) > 3 else math.nan
+                self._fcpu[s, j] = float(row[4]) if len(row) > 4 else math.nan
+                self._fwork[s, j] = float(row[5]) if len(row) > 5 else math.nan
             self._fn[s] = len(rows)
         self._prev = _split_arrays(state.get("prev"))
         self.changes = int(state.get("changes", 0))

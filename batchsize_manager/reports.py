@@ -190,6 +190,16 @@ class ReportBatch:
             self._cols[name] = col
         return col
 
+    def measured(self, name: str) -> np.ndarray:
+        """Field ``name`` per report as float64, nan where not measured (None) or not finite."""
+        key = "measured:" + name
+        col = self._cols.get(key)
+        if col is None:
+            a = _tel_column(self.tels, name)
+            col = np.where(np.isfinite(a), a, math.nan)
+            self._cols[key] = col
+        return col
+
     @property
     def finish(self) -> np.ndarray:
         """``finish_s`` where measured (finite and > 0), else 0."""

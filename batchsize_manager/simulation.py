@@ -31,6 +31,8 @@ class SimulatedWorker:
     ``schedule`` holds step changes ``(from_iteration, speed)``; ``noise`` is the standard
     deviation of a Gaussian multiplicative factor on compute time (clipped to ±3σ). The overhead
     is split into data loading (``data_fraction``) and equal push and pull parts.
+    ``quota_schedule`` holds changes ``(from_iteration, fraction)`` of ``cpu_quota``, as the
+    lab's rotating quotas move a share from one worker to another.
     """
 
     speed: float
@@ -43,6 +45,7 @@ class SimulatedWorker:
     data_fraction: float = 0.2
     cpu_quota: float | None = None
     quota_period_s: float = 0.1
+    quota_schedule: Sequence[tuple[int, float]] = ()
     _rng: random.Random = field(init=False, repr=False)
     _quota: CpuQuota | None = field(init=False, repr=False, default=None)
 
@@ -55,13 +58,31 @@ class SimulatedWorker:
             raise ValueError(f"scheduled speeds must be > 0: {list(self.schedule)}")
         self.schedule = sorted((int(i), float(s)) for i, s in self.schedule)
         self._rng = random.Random(self.seed)
+        self.quota_schedule = sorted((int(i), float(f)) for i, f in self.quota_schedule)
+        if self.quota_schedule and self.cpu_quota is None:
+            raise ValueError("quota_schedule needs cpu_quota (the fraction before the first change)")
         if self.cpu_quota is not None:
             self._quota = CpuQuota(self.cpu_quota, self.quota_period_s)
+            for _, f in self.quota_schedule:
+                CpuQuota(f, self.quota_period_s)            # clear errors now, not mid-run
 
-    def busy_until(self, start_s: float, busy_s: float) -> float:
+    def quota_at(self, iteration: int) -> float | None:
+        """The CPU quota at ``iteration`` (the latest scheduled change at or before it)."""
+        q = self.cpu_quota
+        for start, f in self.quota_schedule:
+            if iteration >= start:
+                q = f
+        return q
+
+    def busy_until(self, start_s: float, busy_s: float, iteration: int = 0) -> float:
         """When ``busy_s`` of work begun at ``start_s`` (simulated clock) is done: at once
         without a quota, later under one if the period's share runs out on the way."""
-        return start_s + busy_s if self._quota is None else self._quota.run(start_s, busy_s)
+        if self._quota is None:
+            return start_s + busy_s
+        q = self.quota_at(iteration)
+        assert q is not None
+        self._quota.fraction = q
+        return self._quota.run(start_s, busy_s)
 
     def speed_at(self, iteration: int) -> float:
         """Samples/s at ``iteration`` (the latest scheduled step at or before it)."""
@@ -183,7 +204,7 @@ class Simulation:
                 compute = w.compute_time(x, t, w.draw_noise())
             parts[wid] = (data, compute, comm, comm)
             busy = data + compute + 2 * comm
-            times[wid] = w.busy_until(self.clock_s, busy) - self.clock_s
+            times[wid] = w.busy_until(self.clock_s, busy, t) - self.clock_s
         it_s = max(times.values())
         for wid, x in sizes.items():
             w = self.workers[wid]
@@ -197,6 +218,10 @@ class Simulation:
                 cotenant_cpu=max(0.0, 100.0 * (1.0 - w.speed_at(t) / base)),
                 rss_mb=500.0, host_mem_pct=40.0, oom=wid in oom,
                 finish_s=None if wid in oom else times[wid],
+                # under a quota, what a worker reads from its cgroup and its CPU clock: the whole
+                # busy time is CPU (data, compute, push and pull alike)
+                cpu_quota=w.quota_at(t), cpu_s=None if w.cpu_quota is None else data + compute + push + pull,
+                compute_cpu_s=None if w.cpu_quota is None else data + compute,
             )
             self.manager.observe(WorkerReport(worker_id=wid, iteration=t, batch_size=x, telemetry=tel))
             self._prev[wid] = _Prev(push_s=push, wait_s=it_s - times[wid], pull_s=pull, iteration_s=it_s)

@@ -77,6 +77,8 @@ def run(policy: str, exchange: str, args: argparse.Namespace,
     cmd = [sys.executable, str(ROOT / "examples" / "ddp_lbbsp.py"), "--nproc", str(len(quotas)),
            "--policy", policy, "--exchange", exchange, "--iterations", str(args.iterations), "--print-every", "1",
            "--global-batch", str(args.global_batch), "--model", args.model, "--dataset", "mnist"]
+    if getattr(args, "policy_args", None):
+        cmd += ["--policy-args", args.policy_args]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     groups: list[CpuQuotaGroup] = []
@@ -172,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--timeout-s", type=float, default=500)
     ap.add_argument("--rotate-s", type=float, default=0.0, help="move the quotas one rank along every S s")
+    ap.add_argument("--policy-args", default=None, help="JSON object of policy arguments (every policy run)")
     args = ap.parse_args(argv)
     if why := cpu_quota_available():
         print(f"bench_lab_ddp: CPU quotas unavailable: {why}", file=sys.stderr)

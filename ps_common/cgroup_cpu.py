@@ -4,13 +4,15 @@ A kernel-enforced share of a core (a container's CPU limit, a small VM, the lab'
 slows a worker in a way host-wide CPU percentages cannot show: the worker runs at full speed
 until its share of the period is spent, then not at all until the next one. The lab writes
 quotas (``ps_launcher.lab.cgroups``); a worker reads its own group here, to report the quota in
-force and the time it was throttled (``ps_worker.telemetry``).
+force and the time it was throttled (:class:`CpuQuotaProbe`, used by ``ps_worker`` and the DDP
+plug-in).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -76,3 +78,46 @@ def own_cpu_group(proc_cgroup: Path = Path("/proc/self/cgroup"),
         if v1 is None and v2 is not None and fstype == "cgroup2":
             return 2, Path(mnt) / v2.lstrip("/")
     return None
+
+
+class CpuQuotaProbe:
+    """The CFS quota of the worker's own CPU cgroup and the time the kernel held it back since
+    the previous reading: what a container's CPU limit (or the lab's ``cpu_quota``) does to the
+    worker, which host-wide CPU percentages do not show. Read at each report, on the critical
+    path: three small files, tens of microseconds."""
+
+    def __init__(self, find: Callable[[], tuple[int, Path] | None] = own_cpu_group,
+                 membership: Path = Path("/proc/self/cgroup")) -> None:
+        self._find = find
+        self._membership = membership
+        self._found: tuple[str, tuple[int, Path] | None] | None = None
+        self._last: tuple[Path, float] | None = None
+
+    def _group(self) -> tuple[int, Path] | None:
+        """The group, looked up again only when the process has moved (the lab moves a worker
+        into its group after it starts)."""
+        try:
+            now = self._membership.read_text()
+        except OSError:
+            return None
+        if self._found is None or self._found[0] != now:
+            self._found = (now, self._find())
+        return self._found[1]
+
+    def read(self) -> tuple[float | None, float | None]:
+        """(quota in cores, seconds throttled since the last reading); None where not known."""
+        found = self._group()
+        if found is None:
+            return None, None
+        version, group = found
+        try:
+            quota = read_quota_cores(group, version)
+            held = read_throttling(group, version).throttled_s
+        except (OSError, ValueError):
+            return None, None
+        last, self._last = self._last, (group, held)
+        if quota is None:
+            return None, None
+        if last is None or last[0] != group:  # the first reading in this group: no interval yet
+            return quota, None
+        return quota, max(0.0, held - last[1])

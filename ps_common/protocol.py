@@ -32,7 +32,7 @@ from ps_common.errors import PsError
 from ps_common.report import Telemetry
 
 MAGIC = b"LBPS"
-VERSION = 5
+VERSION = 6
 HEADER_PREFIX = MAGIC + bytes([VERSION])
 MAX_HEADER_BYTES = 1 << 20
 ALLOWED_DTYPES = frozenset({"<f4", "<f8", "<i8", "<i4", "|u1"})

@@ -85,6 +85,12 @@ class Telemetry:
     #: seconds the kernel held the worker's CPU cgroup back for spending its quota, since the
     #: worker's previous report (None: no quota, or the first report in this group)
     throttled_s: float | None = _measured("s", MAX_SECONDS, None)
+    #: CPU seconds the worker's process used since its previous report, all threads: what a
+    #: quota rations (None: not measured)
+    cpu_s: float | None = _measured("s", MAX_SECONDS, None)
+    #: the part of ``cpu_s`` spent loading the batch and in forward and backward: what grows with
+    #: the batch size (None: not measured)
+    compute_cpu_s: float | None = _measured("s", MAX_SECONDS, None)
     # ----- the heterogeneity lab ----------------------------------------------------------
     #: seconds slept inside compute to emulate a slowdown
     emulated_s: float = _measured("s", MAX_SECONDS)

@@ -10,12 +10,9 @@ input can use anyway.
 from __future__ import annotations
 
 import threading
-from pathlib import Path
-from typing import Callable
 
 import psutil
 
-from ps_common.cgroup_cpu import own_cpu_group, read_quota_cores, read_throttling
 from ps_common.report import Telemetry
 from ps_common.timeouts import DEFAULT_TIMEOUTS
 
@@ -72,46 +69,3 @@ class ResourceProbe:
                          cotenant_cpu=max(0.0, host_cpu - proc_cpu / self.ncpu),
                          rss_mb=self.proc.memory_info().rss / 2**20, host_mem_pct=float(vm.percent),
                          gpu_mem_free_mb=gpu_free, gpu_mem_total_mb=gpu_total, gpu_mem_alloc_mb=gpu_alloc)
-
-
-class CpuQuotaProbe:
-    """The CFS quota of the worker's own CPU cgroup and the time the kernel held it back since
-    the previous reading: what a container's CPU limit (or the lab's ``cpu_quota``) does to the
-    worker, which host-wide CPU percentages do not show. Read at each report, on the critical
-    path: three small files, tens of microseconds."""
-
-    def __init__(self, find: Callable[[], tuple[int, Path] | None] = own_cpu_group,
-                 membership: Path = Path("/proc/self/cgroup")) -> None:
-        self._find = find
-        self._membership = membership
-        self._found: tuple[str, tuple[int, Path] | None] | None = None
-        self._last: tuple[Path, float] | None = None
-
-    def _group(self) -> tuple[int, Path] | None:
-        """The group, looked up again only when the process has moved (the lab moves a worker
-        into its group after it starts)."""
-        try:
-            now = self._membership.read_text()
-        except OSError:
-            return None
-        if self._found is None or self._found[0] != now:
-            self._found = (now, self._find())
-        return self._found[1]
-
-    def read(self) -> tuple[float | None, float | None]:
-        """(quota in cores, seconds throttled since the last reading); None where not known."""
-        found = self._group()
-        if found is None:
-            return None, None
-        version, group = found
-        try:
-            quota = read_quota_cores(group, version)
-            held = read_throttling(group, version).throttled_s
-        except (OSError, ValueError):
-            return None, None
-        last, self._last = self._last, (group, held)
-        if quota is None:
-            return None, None
-        if last is None or last[0] != group:  # the first reading in this group: no interval yet
-            return quota, None
-        return quota, max(0.0, held - last[1])

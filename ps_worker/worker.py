@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import zmq
 
 from ps_common import protocol as P
+from ps_common.cgroup_cpu import CpuQuotaProbe
 from ps_common.config import JobConfig
 from ps_common.errors import PsError, UsageError
 from ps_common.metrics import MetricsWriter, existing_for
@@ -30,7 +31,7 @@ from ps_worker.contention import CommDelay, ContentionDriver, EmulatedSlowdown
 from ps_worker.heartbeat import Heartbeat
 from ps_worker.memory import MemoryLimit, bound_kernel_cache, is_out_of_memory
 from ps_worker.scenario_runtime import runtime_for
-from ps_worker.telemetry import CpuQuotaProbe, ResourceProbe
+from ps_worker.telemetry import ResourceProbe
 
 log = logging.getLogger(__name__)
 
@@ -252,10 +253,12 @@ class Worker:
         origin = self.contention.origin
         # The previous iteration's communication (the current one's is not known before the push).
         prev = Telemetry(prev_wait_s=res.wait_s, prev_pull_s=res.pull_s)
+        cpu_at_report: float | None = None  # process CPU clock when the previous report left
         while not res.stop and res.assignment is not None:
             if max_iterations is not None and self.iterations_done >= max_iterations:
                 return "leave"
             t0 = time.perf_counter()
+            cpu0 = time.process_time()
             if res.assignment.chunked:
                 a, loss, data_s, t1, emulated = self._chunked_gradient(res.assignment, origin)
                 mem = Telemetry()
@@ -266,9 +269,13 @@ class Worker:
                 emulated = self.slowdown.after_compute(self.iterations_done, time.monotonic() - origin,
                                                        time.perf_counter() - t1)
             t2 = time.perf_counter()
+            cpu2 = time.process_time()
+            cpu_s = None if cpu_at_report is None else cpu2 - cpu_at_report
+            cpu_at_report = cpu2
             quota, throttled = self.quota_probe.read()
             tel = dataclasses.replace(
                 self.probe.sample(), data_s=data_s, compute_s=t2 - t1, cpu_quota=quota, throttled_s=throttled,
+                cpu_s=cpu_s, compute_cpu_s=cpu2 - cpu0,
                 iteration_s=prev.iteration_s, prev_push_s=prev.prev_push_s, prev_wait_s=prev.prev_wait_s,
                 prev_pull_s=prev.prev_pull_s, emulated_s=emulated, slowdown=self.slowdown.last_factor,
                 burners=self.contention.target, mem_headroom_mb=mem.mem_headroom_mb,

@@ -62,6 +62,7 @@ from batchsize_manager.allocation import CapsArg
 from batchsize_manager.manager import BatchSizeManager
 from batchsize_manager.policies import BatchPolicy, get_policy
 from batchsize_manager.reports import WorkerReport
+from ps_common.cgroup_cpu import CpuQuotaProbe
 from ps_common.report import Telemetry
 
 __all__ = [
@@ -478,6 +479,10 @@ class DDPBatchBalancer:
         if self.fused:
             self.hook_state.report_slot = (self.rank, self.world_size, self._row_at_last_bucket)
         self._prev_iteration_s = 0.0  # none before the first
+        # What a CPU quota rations, measured by this rank (see _mine): its CPU cgroup's quota and
+        # the process CPU clock when its previous report left (None: no report yet).
+        self._quota_probe = CpuQuotaProbe()
+        self._cpu_at_report: float | None = None
         #: Every rank's reports of the last finished iteration (the same on all ranks).
         self.last_reports: list[WorkerReport] = []
 
@@ -562,6 +567,8 @@ class DDPBatchBalancer:
         self._telemetry = Telemetry()
         self._ready_s = math.nan  # when this rank's last gradient bucket was ready (CPU clock)
         self._span_start = math.nan  # the open timed_compute block's start
+        self._work_cpu_s = 0.0  # process CPU seconds in timed_data and closed timed_compute blocks
+        self._span_cpu_start = math.nan  # the process CPU clock when the open block began
         self._sent = False  # this iteration's report left with the last bucket (fused)
 
     @contextmanager
@@ -578,11 +585,14 @@ class DDPBatchBalancer:
             start_event = torch.cuda.Event(enable_timing=True)
             start_event.record()
         t0 = self._span_start = time.perf_counter()
+        self._span_cpu_start = time.process_time()
         try:
             yield
         finally:
             t1 = time.perf_counter()
-            self._span_start = math.nan
+            if math.isfinite(self._span_cpu_start):  # not when the report left inside the block
+                self._work_cpu_s += time.process_time() - self._span_cpu_start
+            self._span_start = self._span_cpu_start = math.nan
             fired = self.hook_state.hook_calls != calls
             if start_event is not None:
                 end_event = self.hook_state.last_ready_event if fired else None
@@ -598,11 +608,12 @@ class DDPBatchBalancer:
     @contextmanager
     def timed_data(self) -> Iterator[None]:
         """Time this rank's data loading (reported as ``Telemetry.data_s``)."""
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         try:
             yield
         finally:
             self._data_s += time.perf_counter() - t0
+            self._work_cpu_s += time.process_time() - cpu0
 
     def report(self, compute_s: float | None = None, data_s: float | None = None,
                telemetry: Telemetry | None = None) -> None:
@@ -629,9 +640,23 @@ class DDPBatchBalancer:
             self._reported_data = float(data_s)
 
     def _mine(self, compute_s: float, iteration_s: float, finish_s: float) -> Telemetry:
+        """This rank's report (once per iteration): its timings, and what a CPU quota rations:
+        the quota in force, the process CPU since the previous report, and the part of it in
+        data loading, forward and backward (an open compute block counts up to now)."""
         data_s = self._reported_data if self._reported_data is not None else self._data_s
+        cpu = time.process_time()
+        work_cpu = self._work_cpu_s
+        if math.isfinite(self._span_cpu_start):
+            work_cpu += cpu - self._span_cpu_start
+            self._span_cpu_start = math.nan
+        self._work_cpu_s = 0.0
+        cpu_s = None if self._cpu_at_report is None else cpu - self._cpu_at_report
+        self._cpu_at_report = cpu
+        quota, throttled = self._quota_probe.read()
         return dataclasses.replace(self._telemetry, compute_s=compute_s, iteration_s=iteration_s,
-                                   data_s=data_s, finish_s=finish_s if finish_s > 0 else None)
+                                   data_s=data_s, finish_s=finish_s if finish_s > 0 else None,
+                                   cpu_quota=quota, throttled_s=throttled, cpu_s=cpu_s,
+                                   compute_cpu_s=work_cpu)
 
     def _row_at_last_bucket(self) -> list[float]:
         """This rank's report at the moment its last gradient bucket is ready (fused exchange):

@@ -224,6 +224,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
             bal.step()
         out["separate_params"] = flat_parameters(ddp.module)
         out["separate_reports"] = [(r.worker_id, r.telemetry.compute_s) for r in bal.last_reports]
+        out["separate_cpu"] = [(r.telemetry.cpu_s, r.telemetry.compute_cpu_s) for r in bal.last_reports]
         if rank == 0:
             out["sgd_reference"] = train_reference("mlp", MODEL_SEED, data, DATA_SEED, X, SGD_STEPS,
                                                    lr=LR, momentum=MOMENTUM)
@@ -335,6 +336,8 @@ def test_sgd_with_changing_sizes_matches_single_process(ranks):
         assert all(c > 0 and f is not None and f >= c * (1 - 1e-6) for _, c, f in res[r]["fused_reports"])
         assert res[r]["fused_reports"] == res[0]["fused_reports"]
         assert all(c > 0 for _, c in res[r]["separate_reports"])
+        # every rank's CPU since its previous report, and the part in forward and backward
+        assert all(cpu > 0 and 0 < work < cpu for cpu, work in res[r]["separate_cpu"]), res[r]["separate_cpu"]
         np.testing.assert_allclose(res[r]["separate_params"], res[r]["sgd_params"], rtol=1e-5, atol=1e-7)
 
 

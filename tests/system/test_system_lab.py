@@ -52,6 +52,10 @@ def test_cpu_quota_slows_one_worker_and_lbbsp_gives_it_less(tmp_path):
     assert sorted(map(frozenset, quotas.values()), key=len) == [{None}, {0.2}], quotas
     slow = next(rows for name, rows in reports.items() if quotas[name] == {0.2})
     assert sum(r.get("throttled_s") or 0.0 for r in slow) > 0.1, "no throttled time reported"
+    # ... and the CPU its iterations cost, which the quota model divides by the quota.
+    for rows in reports.values():
+        assert all(r["cpu_s"] > 0 and r["compute_cpu_s"] > 0 for r in rows[1:]), rows[1]
+        assert sum(r["compute_cpu_s"] for r in rows[1:]) < sum(r["cpu_s"] for r in rows[1:])
     assert not leftovers()
 
 

@@ -132,7 +132,8 @@ def test_cpu_a_worker_under_a_cpu_quota_pays_its_stalls_per_sample():
     worth the threshold and the split stays uniform: what a CI run showed for 785 iterations.
     Charged per sample, the split moves work away until the stalls shrink."""
     def run(stalls: str):
-        m = BatchSizeManager("lbbsp-cpu", 256, policy_args={"stalls": stalls})
+        # the clocks' stall models: the quota the simulated workers report is not used here
+        m = BatchSizeManager("lbbsp-cpu", 256, policy_args={"stalls": stalls, "use_quota": False})
         workers = [SimulatedWorker(67000.0, overhead=0.004),
                    SimulatedWorker(67000.0, overhead=0.004, cpu_quota=0.2)]
         recs = simulate(m, workers, 300)
@@ -523,3 +524,119 @@ def test_gpu_never_picks_a_leader_without_memory_headroom(full):
         assert sizes == {0: 100, 1: 100} and m.memory_caps == {0: 100}
     else:
         assert sizes[0] > 100
+
+
+# ------------------------------------------------------------------ lbbsp-cpu under CPU quotas
+QUOTAS = [0.7, 0.7, 0.2, 0.2]
+
+
+def quota_workers(move_at: int = 0) -> list[SimulatedWorker]:
+    """4 one-thread workers of 12,800 samples/s and 2.5 ms of fixed CPU per iteration, held to
+    ``QUOTAS`` of a core; ``move_at``: every ``move_at`` iterations each takes the quota of the
+    worker before it (the lab's rotation)."""
+    return [SimulatedWorker(12800.0, overhead=0.0025, cpu_quota=QUOTAS[r],
+                            quota_schedule=[(move_at * k, QUOTAS[(r - k) % 4]) for k in range(1, 4)]
+                            if move_at else [])
+            for r in range(4)]
+
+
+def test_quota_speed_is_what_the_quota_sustains():
+    """An iteration of x samples costs a + s x CPU seconds; a quota of q cores sustains one per
+    L + (a + s x) / q seconds, L being the wait outside CPU (low quantile of finish - cpu: the
+    kernel runs the worker at full speed until the period's share is spent)."""
+    import numpy as np
+
+    from batchsize_manager.lbbsp import quota_speed
+
+    x = np.array([[100.0, 120.0, 80.0, 100.0, 90.0], [50.0, 50.0, 50.0, np.nan, np.nan]])
+    s, a, wait = 1e-4, 0.002, 0.004
+    work = s * x
+    cpu = a + work
+    # at full speed until the quota is spent (the clocks see cpu + wait), one stall of 30 ms
+    finish = wait + cpu + np.array([[0.0, 0.03, 0.0, 0.0, 0.0], [0.0] * 5])
+    finish[1, 3:] = np.nan                                         # 3 iterations so far
+    v, c = quota_speed(finish, cpu, work, np.nan_to_num(x), np.array([0.5, 0.5]))
+    assert v[0] == pytest.approx(0.5 / s) and c[0] == pytest.approx(wait + a / 0.5)
+    assert np.isnan(v[1]) and np.isnan(c[1])                       # too few entries: the clocks stand
+
+
+def test_cpu_quota_model_splits_by_what_each_quota_sustains():
+    """Workers that report their quota and CPU times are split by what the quota sustains:
+    the split settles where every worker uses its quota alike, and the mean iteration comes
+    within 10% of the throughput bound (sum of CPU / sum of quotas). From their clocks alone
+    the 0.2-core workers end up with almost nothing, and the iteration is slower."""
+    def run(use_quota: bool):
+        m = BatchSizeManager("lbbsp-cpu", 512, policy_args={"use_quota": use_quota})
+        recs = simulate(m, quota_workers(), 300)
+        return recs[-1].sizes, mean_iteration_s(recs[100:])
+
+    sizes, quota_s = run(True)
+    clock_sizes, clock_s = run(False)
+    bound = (512 / 12800.0 + 4 * 0.0025) / sum(QUOTAS)
+    assert sizes[0] == sizes[1] and sizes[2] == sizes[3] and 20 <= sizes[2] <= 45
+    assert quota_s < 1.1 * bound
+    assert clock_sizes[2] < 10 and quota_s < 0.95 * clock_s
+
+
+def test_cpu_quota_model_follows_a_moved_quota_at_once():
+    """The quotas move one worker along at iteration 100: the next report carries the new
+    quota, and within 3 decisions the worker that lost its share gives up most of its samples
+    (trust region: half per decision); from the clocks alone it keeps them for longer."""
+    def run(use_quota: bool):
+        m = BatchSizeManager("lbbsp-cpu", 512, policy_args={"use_quota": use_quota})
+        return simulate(m, quota_workers(move_at=100), 300)
+
+    recs, clock = run(True), run(False)
+    assert recs[99].sizes[0] > 200                                # worker 0 had 0.7 of a core
+    assert recs[103].sizes[0] <= 64 and recs[103].sizes[2] >= 150  # 0 now has 0.2, 2 has 0.7
+    assert clock[103].sizes[0] > 200
+    assert mean_iteration_s(recs[100:]) < 0.8 * mean_iteration_s(clock[100:])
+    with pytest.raises(ValueError, match="quota_schedule needs cpu_quota"):
+        SimulatedWorker(1000.0, quota_schedule=[(5, 0.5)])
+
+
+def test_cpu_restarts_a_worker_that_slows_down_sharply():
+    """Worker 0 becomes 4x slower at iteration 100 (no quota: a co-tenant, say). Three
+    iterations in a row at over twice its plan restart its forecast and its window from those
+    iterations; its share then holds at the new speed's, where the old window's stalls would
+    have pushed it below for a window's length."""
+    def run(**args):
+        m = BatchSizeManager("lbbsp-cpu", 512, policy_args=args)
+        ws = [SimulatedWorker(2000.0 * f, overhead=0.005, noise=0.05, seed=i,
+                              schedule=[(100, 500.0)] if i == 0 else [])
+              for i, f in enumerate([1.0, 1.0, 0.5, 0.25])]
+        return m, simulate(m, ws, 140)
+
+    m, recs = run()
+    target = 512 * 500 / (500 + 2000 + 1000 + 500)
+    assert m.policy.restarts == 1
+    assert all(abs(r.sizes[0] - target) / target < 0.1 for r in recs[104:])
+    m, recs = run(regime_factor=None)
+    assert m.policy.restarts == 0
+    assert any(abs(r.sizes[0] - target) / target > 0.1 for r in recs[104:])
+    with pytest.raises(ValueError, match="regime_factor"):
+        get_policy("lbbsp-cpu", regime_factor=1.0)
+    with pytest.raises(ValueError, match="regime_run"):
+        get_policy("lbbsp-cpu", regime_run=0)
+    with pytest.raises(ValueError, match="regime_run"):
+        get_policy("lbbsp-cpu", regime_run=17, finish_window=16)
+
+
+def test_cpu_quota_windows_survive_a_checkpoint():
+    """The CPU times of each worker's window are saved with its finish times: a restored policy
+    decides exactly as the original."""
+    m = BatchSizeManager("lbbsp-cpu", 512, policy_args={"refit": "sync"})
+    recs = simulate(m, quota_workers(), 60)
+    state = m.policy.state_dict()
+    assert len(state["finish"]["2"][-1]) == 6 and all(v == v for v in state["finish"]["2"][-1])
+    q = get_policy("lbbsp-cpu", refit="sync")
+    q.load_state_dict(state)
+    # The quota is the newest report's (not saved): one more iteration's reports to both.
+    for w, x in recs[-1].sizes.items():
+        tel = Telemetry(compute_s=x / 12800.0, finish_s=0.03, cpu_quota=QUOTAS[w],
+                        cpu_s=0.0025 + x / 12800.0, compute_cpu_s=0.0005 + x / 12800.0)
+        r = WorkerReport(worker_id=w, iteration=60, batch_size=x, telemetry=tel)
+        m.policy.observe(r)
+        q.observe(r)
+    ws = sorted(recs[-1].sizes)
+    assert m.policy.assign(ws, 512) == q.assign(ws, 512)

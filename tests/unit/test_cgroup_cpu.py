@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ps_common.cgroup_cpu import own_cpu_group, read_quota_cores, read_throttling
-from ps_worker.telemetry import CpuQuotaProbe
+from ps_common.cgroup_cpu import CpuQuotaProbe, own_cpu_group, read_quota_cores, read_throttling
 
 
 def v1_group(root: Path, quota_us: int, throttled_ns: int) -> Path:
