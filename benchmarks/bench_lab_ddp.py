@@ -38,6 +38,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import psutil
 
@@ -49,7 +50,10 @@ from ps_launcher.summary import percentile  # noqa: E402
 
 #: A line printed when an iteration ends: a row, or plain DDP's "tick N".
 PROGRESS = re.compile(r"(?:it|tick)\s+(\d+)\s")
-LINE = re.compile(r"it\s+(\d+)\s+sizes \[([^\]]*)\]\s+compute ms \[([^\]]*)\]\s+iteration ([\d.]+) ms")
+LINE = re.compile(r"it\s+(\d+)\s+sizes \[([^\]]*)\]\s+compute ms \[([^\]]*)\]\s+iteration ([\d.]+) ms"
+                  r"[^\n]*?(?:finish ms \[([^\]]*)\])?\n")
+#: rank 0's row: (iteration, sizes, each rank's compute s, iteration s, each rank's finish s or None)
+Row = tuple[int, list[int], list[float], float, list[float | None]]
 
 
 def rank_processes(parent: psutil.Process, n: int, timeout_s: float) -> list[psutil.Process]:
@@ -73,7 +77,9 @@ def cpu_seconds(procs: list[psutil.Process]) -> list[float]:
 
 
 def run(policy: str, exchange: str, args: argparse.Namespace,
-        quotas: list[float]) -> tuple[list[tuple[int, list[int], list[float], float]], list[float]]:
+        quotas: list[float]) -> tuple[list[Row], list[float], list[int]]:
+    """Rank 0's rows, each rank's CPU seconds per measured iteration, and the iterations at
+    which the quotas moved (``--rotate-s``)."""
     cmd = [sys.executable, str(ROOT / "examples" / "ddp_lbbsp.py"), "--nproc", str(len(quotas)),
            "--policy", policy, "--exchange", exchange, "--iterations", str(args.iterations), "--print-every", "1",
            "--global-batch", str(args.global_batch), "--model", args.model, "--dataset", "mnist"]
@@ -83,6 +89,8 @@ def run(policy: str, exchange: str, args: argparse.Namespace,
                             start_new_session=True)
     groups: list[CpuQuotaGroup] = []
     stop_rotating = threading.Event()
+    progress = [0]                       # the newest iteration printed, for the moves' places
+    moves: list[int] = []
     try:
         ranks = rank_processes(psutil.Process(proc.pid), len(quotas), 60)
         for r, (p, q) in enumerate(zip(ranks, quotas)):
@@ -90,7 +98,8 @@ def run(policy: str, exchange: str, args: argparse.Namespace,
             groups.append(g)
             g.add(p.pid)
         if args.rotate_s:
-            threading.Thread(target=rotate, args=(groups, quotas, args.rotate_s, stop_rotating), daemon=True).start()
+            threading.Thread(target=rotate, args=(groups, quotas, args.rotate_s, stop_rotating,
+                                                  lambda: moves.append(progress[0])), daemon=True).start()
         # CPU per iteration over the measured iterations only (start-up ran outside the quota):
         # under a quota a rank can spend at most quota x wall time, so this against that budget
         # shows which ranks the quota binds and how much CPU they spend per iteration.
@@ -101,6 +110,8 @@ def run(policy: str, exchange: str, args: argparse.Namespace,
         for line in proc.stdout:
             lines.append(line)
             m = PROGRESS.match(line)  # as it happens (plain DDP prints its rows at the end)
+            if m:
+                progress[0] = int(m.group(1))
             if m and int(m.group(1)) == args.skip and first is None:
                 first = (args.skip, cpu_seconds(ranks))
             if m and int(m.group(1)) == args.iterations - 1 and last is None:
@@ -122,16 +133,17 @@ def run(policy: str, exchange: str, args: argparse.Namespace,
             g.remove()
     if proc.returncode != 0:
         raise RuntimeError(f"ddp_lbbsp.py exited {proc.returncode}:\n{out[-3000:]}")
-    return parse_rows(out), cpu_s
+    return parse_rows(out), cpu_s, moves
 
 
-def parse_rows(out: str) -> list[tuple[int, list[int], list[float], float]]:
-    """Rank 0's per-iteration lines: (iteration, sizes, each rank's compute s, iteration s)."""
+def parse_rows(out: str) -> list[Row]:
+    """Rank 0's per-iteration lines (plain DDP's have no finish times: empty)."""
     rows = []
     for m in LINE.finditer(out):
         sizes = [int(x) for x in m.group(2).split(",")]
         compute = [float(x) / 1e3 for x in m.group(3).split(",")]
-        rows.append((int(m.group(1)), sizes, compute, float(m.group(4)) / 1e3))
+        finish = [None if x.strip() == "-" else float(x) / 1e3 for x in (m.group(5) or "").split(",") if x.strip()]
+        rows.append((int(m.group(1)), sizes, compute, float(m.group(4)) / 1e3, finish))
     return rows
 
 
@@ -144,7 +156,8 @@ def variant_labels(policies: str, exchanges: str) -> dict[tuple[str, str], str]:
             for v in variants}
 
 
-def rotate(groups: list[CpuQuotaGroup], quotas: list[float], period_s: float, stop: threading.Event) -> None:
+def rotate(groups: list[CpuQuotaGroup], quotas: list[float], period_s: float, stop: threading.Event,
+           moved: Callable[[], None] = lambda: None) -> None:
     """Every ``period_s``, each rank takes the quota of the rank before it."""
     shift = 0
     while not stop.wait(period_s):
@@ -154,6 +167,37 @@ def rotate(groups: list[CpuQuotaGroup], quotas: list[float], period_s: float, st
                 g.set_fraction(quotas[(r - shift) % len(quotas)])
             except Exception:  # noqa: BLE001 - the run is ending and the group is gone
                 return
+        moved()
+
+
+def plot(runs: dict[str, tuple[list[Row], list[int]]], out: Path) -> None:
+    """Each rank's finish time per iteration in each run that has them, then the last run's
+    split; the quota moves dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = {k: v for k, v in runs.items() if any(r[4] for r in v[0])}
+    fig, axes = plt.subplots(len(runs) + 1, 1, figsize=(9, 2.4 * (len(runs) + 1)), sharex=True)
+    for k, (name, (rows, moves)) in enumerate(runs.items()):
+        panels = [(axes[k], name, lambda r, w: r[4][w] * 1e3 if r[4][w] is not None else None, "finish (ms)")]
+        if k == len(runs) - 1:
+            panels.append((axes[-1], f"{name}: split", lambda r, w: r[1][w], "batch size"))
+        for ax, title, get, label in panels:
+            for w in range(len(rows[0][1])):
+                pts = [(r[0], y) for r in rows if (y := get(r, w)) is not None]
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=0.8, label=f"rank {w}")
+            for it in moves:
+                ax.axvline(it, color="k", ls="--", lw=0.6)
+            ax.set_ylabel(label)
+            ax.set_title(title, fontsize=9)
+            ax.set_ylim(bottom=0)
+    axes[0].legend(fontsize=7, ncol=4)
+    axes[-1].set_xlabel("iteration (dashed: the quotas moved)")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
 
 
 def describe(xs: list[float]) -> str:
@@ -175,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout-s", type=float, default=500)
     ap.add_argument("--rotate-s", type=float, default=0.0, help="move the quotas one rank along every S s")
     ap.add_argument("--policy-args", default=None, help="JSON object of policy arguments (every policy run)")
+    ap.add_argument("--plot", type=Path, default=None,
+                    help="each rank's finish time and the split over the last repeat")
     args = ap.parse_args(argv)
     if why := cpu_quota_available():
         print(f"bench_lab_ddp: CPU quotas unavailable: {why}", file=sys.stderr)
@@ -186,10 +232,12 @@ def main(argv: list[str] | None = None) -> int:
     variants = list(label)
     results: dict[str, list] = {label[v]: [] for v in variants}
     cpu: dict[str, list[list[float]]] = {p: [] for p in results}
+    last: dict[str, tuple[list[Row], list[int]]] = {}
     for r in range(args.repeats):
         for (policy_name, exchange) in variants:
             policy = label[(policy_name, exchange)]
-            all_rows, cpu_s = run(policy_name, exchange, args, quotas)
+            all_rows, cpu_s, moves = run(policy_name, exchange, args, quotas)
+            last[policy] = (all_rows, moves)
             rows = all_rows[args.skip:]
             results[policy] += rows
             cpu[policy].append(cpu_s)
@@ -216,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{statistics.median(rest) / statistics.median(it):.2f} | "
               f"{', '.join(f'{c:.1f}' for c in per_rank)} | "
               f"{', '.join(f'{c:.1f} ({b:.0f})' for c, b in zip(cpu_ms, budget))} | {rows[-1][1]} |")
+    if args.plot:
+        plot(last, args.plot)
+        print(f"\neach rank's finish time: {args.plot}")
     return 0
 
 

@@ -19,7 +19,7 @@ gradient to the next iteration's start. It is what a perfect split
 would give with those measured costs; on 2 shared cores the speeds move with the load.
 
     python benchmarks/bench_lab_link.py [--rate-mbit 100] [--delay-ms 5] [--at-s 15]
-        [--seconds 40] [--repeats 2] [--plot docs/results/lab_link/finish_times.png]
+        [--seconds 40] [--repeats 2] [--plot docs/results/lab_link/finish_times.png] [--variants 'NAME=ARGS;...']
 
 Needs root, network namespaces, tbf and /dev/net/tun (the lab's links).
 """
@@ -128,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--global-batch", type=int, default=512)
     ap.add_argument("--settle", type=int, default=20, help="first iterations left out")
     ap.add_argument("--plot", type=Path, default=None, help="per-worker finish times of the last repeat")
+    ap.add_argument("--variants", default="",
+                    help="more lbbsp-cpu runs side by side: 'NAME=ARGS;NAME=ARGS' with ARGS a "
+                         "mode.batch_policy_args mapping, e.g. 'no restart={predictor: ema, regime_factor: null}'")
     ap.add_argument("--from-dir", type=Path, default=None,
                     help="analyse the runs an earlier invocation left in this directory instead of running")
     args = ap.parse_args(argv)
@@ -145,12 +148,16 @@ def main(argv: list[str] | None = None) -> int:
             f"cluster.num_workers={n}", *scenario]
     work = args.from_dir or Path(tempfile.mkdtemp(prefix="lbps-bench-link-"))
     print(f"runs in {work}", flush=True)
-    stats: dict[str, dict[str, list]] = {m: {"before": [], "after": [], "recover": [], "split": []} for m in MODES}
+    modes = dict(MODES)
+    for item in filter(None, (v.strip() for v in args.variants.split(";"))):
+        vname, _, vargs = item.partition("=")
+        modes[f"LB-BSP {vname.strip()}"] = ["mode.batch_policy=lbbsp-cpu", f"mode.batch_policy_args={vargs.strip()}"]
+    stats: dict[str, dict[str, list]] = {m: {"before": [], "after": [], "recover": [], "split": []} for m in modes}
     bounds: list[tuple[float, float]] = []
     last: dict[str, Path] = {}
     for r in range(args.repeats):
         bound_after = None
-        for name, sets in MODES.items():
+        for name, sets in modes.items():
             run = work / f"{r}-{'-'.join(name.replace('(', '').replace(')', '').split())}"
             if args.from_dir is None:
                 cfg = load_config(None, [*base, f"run.seed={r}", *sets], env={})

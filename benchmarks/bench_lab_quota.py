@@ -10,6 +10,11 @@ alternating. Prints median / mean / p95 time per iteration and the ratio to the 
 
     python benchmarks/bench_lab_quota.py [--quotas 0.7,0.7,0.2,0.2] [--rotate-s 0] [--repeats 3]
         [--seconds 30] [--model lenet] [--global-batch 512] [--variants 'NAME=ARGS;...']
+        [--plot docs/results/lab_quota/finish_times_rotating.png]
+
+``--plot``: every worker's finish time (from the answer that starts its iteration to its
+gradient being whole on the shards) and LB-BSP's split over the last repeat, the quota moves
+dashed.
 
 Needs root and the cgroup cpu controller (the lab's CPU quotas).
 """
@@ -21,6 +26,7 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -65,6 +71,39 @@ def alone_speed(args: argparse.Namespace, quota: float, work: Path, tag: str) ->
     return batch * len(d) / sum(d)
 
 
+def plot(runs: dict[str, Path], out: Path) -> None:
+    """Per-worker finish times of each run, then the batch sizes of the last one."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(runs) + 1, 1, figsize=(9, 2.6 * (len(runs) + 1)), sharex=True)
+    for k, (name, run) in enumerate(runs.items()):
+        rows = [r for r in read_jsonl(run / "metrics" / "coordinator.jsonl") if "event" not in r]
+        moves = sorted({r["wall_time"] for r in read_jsonl(run / "metrics" / "lab.jsonl")
+                        if "cpu_quota" in r and r.get("t", 0.0) > 0})
+        t0 = rows[0]["wall_time"]
+        panels: list[tuple[Any, str | None, float, str]] = [(axes[k], "finish_s", 1e3, "finish (ms)")]
+        if k == len(runs) - 1:
+            panels.append((axes[-1], None, 1.0, "batch size"))
+        for ax, field, scale, label in panels:
+            for w in sorted(rows[-1]["workers"], key=int):
+                pts = [(r["wall_time"] - t0, r["workers"][w][field] * scale if field else r["batch_sizes"][w])
+                       for r in rows if w in r["workers"] and (field is None or field in r["workers"][w])]
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=0.8, label=f"worker {w}")
+            for t in moves:
+                ax.axvline(t - t0, color="k", ls="--", lw=0.6)
+            ax.set_ylabel(label)
+            ax.set_title(name if field else f"{name}: split", fontsize=9)
+            ax.set_ylim(bottom=0)
+    axes[0].legend(fontsize=7, ncol=4)
+    axes[-1].set_xlabel("seconds since the first iteration (dashed: the quotas moved)")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quotas", default="0.7,0.7,0.2,0.2", help="each worker's share of a core")
@@ -77,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shards", type=int, default=1)
     ap.add_argument("--skip", type=int, default=20, help="first iterations left out")
     ap.add_argument("--policy-args", default="{predictor: ema}")
+    ap.add_argument("--plot", type=Path, default=None, help="per-worker finish times of the last repeat")
     ap.add_argument("--variants", default="",
                     help="more LB-BSP runs side by side: 'NAME=ARGS;NAME=ARGS' with ARGS a "
                          "mode.batch_policy_args mapping, e.g. 'q0.5={predictor: ema, finish_quantile: 0.5}'")
@@ -94,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         modes[f"LB-BSP {vname.strip()}"] = ["mode.batch_policy=lbbsp-cpu", f"mode.batch_policy_args={vargs.strip()}"]
     samples: dict[str, list[float]] = {m: [] for m in modes}
     splits: dict[str, list] = {m: [] for m in modes}
+    last_runs: dict[str, Path] = {}
     for r in range(args.repeats):
         for q in alone:   # alone speeds in every repeat
             alone[q].append(alone_speed(args, q, work, f"{q:g}-{r}"))
@@ -104,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                                      *scenario_sets(args.quotas, args.rotate_s), *sets], env={})
             run = work / f"{r}-{'-'.join(name.replace('(', '').replace(')', '').split())}"
             LocalCluster(cfg, run, progress=False).run()
+            last_runs[name] = run
             d = durations(run, args.skip)
             samples[name] += d
             last = [x for x in read_jsonl(run / "metrics" / "coordinator.jsonl") if "event" not in x][-1]
@@ -124,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
         med, mean, p95 = statistics.median(xs), statistics.fmean(xs), percentile(xs, 0.95)
         print(f"| {name} | {med * 1e3:.1f} | {mean * 1e3:.1f} | {p95 * 1e3:.1f} | {med / bound:.2f} | "
               f"{mean / bound:.2f} | {splits[name][-1]} |")
+    if args.plot:
+        plot(last_runs, args.plot)
+        print(f"\nper-worker finish times: {args.plot}")
     return 0
 
 

@@ -181,10 +181,13 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
         iteration_s.append(now - t_prev)
         t_prev = now
         if rank == 0 and ((it + 1) % args.print_every == 0 or it == 0):
-            compute_ms = ", ".join(f"{r.telemetry.compute_s * 1e3:.1f}" for r in balancer.last_reports)
+            reports = balancer.last_reports
+            compute_ms = ", ".join(f"{r.telemetry.compute_s * 1e3:.1f}" for r in reports)
+            finish_ms = ", ".join("-" if r.telemetry.finish_s is None else f"{r.telemetry.finish_s * 1e3:.1f}"
+                                  for r in reports)
             print(f"it {it + 1:4d}  sizes {[sizes[r] for r in range(world_size)]}  "
                   f"compute ms [{compute_ms}]  iteration {iteration_s[-1] * 1e3:.1f} ms  "
-                  f"loss(rank 0) {loss.item():.4f}", flush=True)
+                  f"loss(rank 0) {loss.item():.4f}  finish ms [{finish_ms}]", flush=True)
 
     if rank == 0:
         half = iteration_s[len(iteration_s) // 2:]
