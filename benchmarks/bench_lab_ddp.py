@@ -170,15 +170,16 @@ def rotate(groups: list[CpuQuotaGroup], quotas: list[float], period_s: float, st
         moved()
 
 
-def plot(runs: dict[str, tuple[list[Row], list[int]]], out: Path) -> None:
+def plot(runs: dict[str, tuple[list[Row], list[int]]], out: Path, skip: int = 0) -> None:
     """Each rank's finish time per iteration in each run that has them, then the last run's
-    split; the quota moves dashed."""
+    split; the quota moves dashed; the first ``skip`` iterations (start-up) left out."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = {k: v for k, v in runs.items() if any(r[4] for r in v[0])}
+    runs = {k: ([r for r in rows if r[0] > skip], [m for m in moves if m > skip])
+            for k, (rows, moves) in runs.items() if any(r[4] for r in rows)}
     fig, axes = plt.subplots(len(runs) + 1, 1, figsize=(9, 2.4 * (len(runs) + 1)), sharex=True)
     for k, (name, (rows, moves)) in enumerate(runs.items()):
         panels = [(axes[k], name, lambda r, w: r[4][w] * 1e3 if r[4][w] is not None else None, "finish (ms)")]
@@ -265,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{', '.join(f'{c:.1f}' for c in per_rank)} | "
               f"{', '.join(f'{c:.1f} ({b:.0f})' for c, b in zip(cpu_ms, budget))} | {rows[-1][1]} |")
     if args.plot:
-        plot(last, args.plot)
+        plot(last, args.plot, args.skip)
         print(f"\neach rank's finish time: {args.plot}")
     return 0
 

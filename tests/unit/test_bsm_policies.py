@@ -596,10 +596,10 @@ def test_cpu_quota_model_follows_a_moved_quota_at_once():
 
 
 def test_cpu_restarts_a_worker_that_slows_down_sharply():
-    """Worker 0 becomes 4x slower at iteration 100 (no quota: a co-tenant, say). Three
-    iterations in a row at over twice its plan restart its forecast and its window from those
-    iterations; its share then holds at the new speed's, where the old window's stalls would
-    have pushed it below for a window's length."""
+    """Worker 0 becomes 4x slower at iteration 100 (no quota: a co-tenant, say). With
+    ``regime_factor: 2``, three iterations in a row at over twice its plan restart its forecast
+    and its window from those iterations; its share then holds at the new speed's, where the old
+    window's stalls push it below for a window's length (the default: no restart)."""
     def run(**args):
         m = BatchSizeManager("lbbsp-cpu", 512, policy_args=args)
         ws = [SimulatedWorker(2000.0 * f, overhead=0.005, noise=0.05, seed=i,
@@ -607,11 +607,11 @@ def test_cpu_restarts_a_worker_that_slows_down_sharply():
               for i, f in enumerate([1.0, 1.0, 0.5, 0.25])]
         return m, simulate(m, ws, 140)
 
-    m, recs = run()
+    m, recs = run(regime_factor=2.0)
     target = 512 * 500 / (500 + 2000 + 1000 + 500)
     assert m.policy.restarts == 1
     assert all(abs(r.sizes[0] - target) / target < 0.1 for r in recs[104:])
-    m, recs = run(regime_factor=None)
+    m, recs = run()
     assert m.policy.restarts == 0
     assert any(abs(r.sizes[0] - target) / target > 0.1 for r in recs[104:])
     with pytest.raises(ValueError, match="regime_factor"):
@@ -640,3 +640,28 @@ def test_cpu_quota_windows_survive_a_checkpoint():
         q.observe(r)
     ws = sorted(recs[-1].sizes)
     assert m.policy.assign(ws, 512) == q.assign(ws, 512)
+
+
+def test_cpu_quota_model_takes_extreme_but_well_formed_reports():
+    """A worker's quota and CPU times are its own claims, checked only for range on decode. At
+    the ends of those ranges the split still sums to X within the bounds: a claim moves that
+    worker's own share, and CPU times that explain nothing leave it to its clocks."""
+    def run(claims: dict[int, dict[str, float]]) -> dict[int, int]:
+        p = get_policy("lbbsp-cpu", warmup=0)
+        ws = [0, 1, 2]
+        sizes = p.assign(ws, 300, min_batch=4)
+        for it in range(12):
+            for w in ws:
+                tel = Telemetry(compute_s=sizes[w] / 1000.0, finish_s=sizes[w] / 1000.0 + 0.002,
+                                **claims.get(w, {}))
+                p.observe(WorkerReport(worker_id=w, iteration=it, batch_size=sizes[w], telemetry=tel))
+            sizes = p.assign(ws, 300, min_batch=4)
+            assert sum(sizes.values()) == 300 and min(sizes.values()) >= 4
+        return sizes
+
+    sizes = run({0: dict(cpu_quota=1e-3, cpu_s=0.1, compute_cpu_s=0.1),     # a thousandth of a core
+                 1: dict(cpu_quota=0.5, cpu_s=1e-3, compute_cpu_s=0.0)})    # no CPU in compute
+    assert sizes[0] == 4 and sizes[1] == sizes[2] == 148
+    # a day of CPU per iteration, and less CPU in all than in compute: sums and bounds hold
+    run({0: dict(cpu_quota=0.5, cpu_s=86400.0, compute_cpu_s=1.0),
+         1: dict(cpu_quota=0.5, cpu_s=0.0, compute_cpu_s=1.0)})
