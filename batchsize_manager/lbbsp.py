@@ -156,9 +156,10 @@ def quota_speed(finish: np.ndarray, cpu: np.ndarray, work_cpu: np.ndarray, x: np
     Why: under a quota the worker runs at full speed until the period's share is spent, then not
     at all, so its clocks swing with where the stall fell, while its CPU per iteration does not.
     Equal finish times with these speeds are the split where every worker uses its quota
-    alike. Measured (DDP ranks through the servers, quotas 0.7/0.7/0.2/0.2, static): the split
-    the quotas imply, fixed by hand, ran at 31.6 / 31.9 ms (median / mean) where the clocks'
-    tail model settled at 35.3 / 38.4 ms with the 0.2-core ranks' share swinging from 14 to 64.
+    alike. Measured (DDP ranks through the servers, quotas 0.7/0.7/0.2/0.2, static, 2 repeats
+    each the same day): the split the quotas imply, fixed by hand, ran at 31.6 / 31.9 ms
+    (median / mean) where the clocks' tail model settled at 35.3 / 38.4 ms with the 0.2-core
+    ranks' share swinging from 14 to 64; this model gave 30.9 / 32.2 ms.
     """
     with np.errstate(invalid="ignore", divide="ignore"):
         full = np.isfinite(finish) & np.isfinite(cpu) & np.isfinite(work_cpu)
@@ -449,12 +450,12 @@ class LBBSPCpuPolicy(SlotPolicy):
     iteration of x samples costs a_i + s_i x CPU seconds, so it takes L_i + (a_i + s_i x) /
     quota_i. The clocks cannot show that: the kernel runs the worker at full speed until the
     period's share is spent and then not at all, so they swing with where the stall fell, and
-    the tail model above kept the 0.2-core ranks of the lab between 14 and 64 samples (DDP
-    through the servers, quotas 0.7/0.7/0.2/0.2: 35.3 / 38.4 ms median / mean per iteration).
-    With the quota model the same run settles at the split the quotas imply, 30.9 / 32.2 ms,
-    and a quota that moves is followed from the next report on (rotating every 5 s: 32.5 /
-    33.6 ms, against 36.0 / 41.1). Above one core a quota rarely binds a one-thread worker and
-    the clocks stand.
+    the tail model above kept the 0.2-core ranks of the lab between 14 and 64 samples. DDP
+    ranks through the servers, quotas 0.7/0.7/0.2/0.2 (``docs/results/lab_ddp/``, 3 repeats):
+    34.7 / 39.2 ms median / mean per iteration static and 39.8 / 47.2 ms rotating every 5 s
+    with the clocks, 33.2 / 34.1 and 35.2 / 37.5 ms with the quota model, which settles at the
+    split the quotas imply and follows a moved quota from the next report. Above one core a
+    quota rarely binds a one-thread worker and the clocks stand.
 
     With ``regime_factor`` set (e.g. 2; default None: off), a worker whose ``regime_run`` (3)
     newest iterations all took more than ``regime_factor`` x what its plan predicted is
