@@ -457,16 +457,6 @@ class LBBSPCpuPolicy(SlotPolicy):
     split the quotas imply and follows a moved quota from the next report. Above one core a
     quota rarely binds a one-thread worker and the clocks stand.
 
-    With ``regime_factor`` set (e.g. 2; default None: off), a worker whose ``regime_run`` (3)
-    newest iterations all took more than ``regime_factor`` x what its plan predicted is
-    restarted (:meth:`_watch_regime`): its forecast and finish window keep only those
-    iterations, as for a worker that just joined, instead of closing the gap a fraction per
-    iteration over a window's length. Off by default: it helps in the simulation (a 4x step:
-    the share holds within 10% instead of drifting 16% below for a window), but made no
-    measurable difference in the lab: a downgraded link (``bench_lab_link.py``, 3 repeats side
-    by side) gave 68.5 against 68.8 ms mean after the downgrade, and under quotas the quota
-    model follows a moved quota from the next report anyway.
-
     Cost: every worker's state (predictor, overhead, history) is a row of numpy arrays and one
     iteration's reports are applied together (:mod:`predictors.batch`), so a decision costs a few
     µs per worker. NARX and ARIMA refits are batched, staggered over the refit period by worker id
@@ -484,7 +474,6 @@ class LBBSPCpuPolicy(SlotPolicy):
                  predictor_factory: Callable[[], Any] | None = None, refit: str = "background",
                  stagger: bool = True, finish_quantile: float | None = 0.9, finish_window: int = 32,
                  finish_tail: str = "finish", stalls: str = "per_sample",
-                 regime_factor: float | None = None, regime_run: int = 3,
                  use_quota: bool = True) -> None:
         if finish_tail not in ("finish", "overhead"):
             raise ValueError(f"finish_tail must be 'finish' or 'overhead', got {finish_tail!r}")
@@ -498,17 +487,6 @@ class LBBSPCpuPolicy(SlotPolicy):
             raise ValueError(f"finish_window must be >= 2, got {finish_window}")
         self.finish_quantile = None if finish_quantile is None else float(finish_quantile)
         self.finish_window = int(finish_window)
-        if regime_factor is not None and not regime_factor > 1.0:
-            raise ValueError(f"regime_factor must be > 1 (or None), got {regime_factor}")
-        if not 1 <= regime_run <= min(history, finish_window):
-            raise ValueError(f"regime_run must be in [1, min(history, finish_window)] = "
-                             f"[1, {min(history, finish_window)}], got {regime_run}")
-        self.regime_factor = None if regime_factor is None else float(regime_factor)
-        self.regime_run = int(regime_run)
-        self._cplan = np.zeros(0)                     # overhead of the last decision, nan: none
-        self._veff = np.zeros(0)                      # speed the last decision used, nan: none
-        self._slow = np.zeros(0, dtype=np.int64)      # iterations in a row far slower than planned
-        self.restarts = 0                             #: workers restarted on a regime change
         self.use_quota = bool(use_quota)
         self._fcpu = np.full((0, self.finish_window), math.nan)   # cpu_s of the window's iterations
         self._fwork = np.full((0, self.finish_window), math.nan)  # compute_cpu_s of the same
@@ -583,12 +561,9 @@ class LBBSPCpuPolicy(SlotPolicy):
         self._fv = grown(self._fv, capacity, math.nan)
         self._vplan = grown(self._vplan, capacity, math.nan)
         self._fn = grown(self._fn, capacity, 0)
-        self._cplan = grown(self._cplan, capacity, math.nan)
         self._fcpu = grown(self._fcpu, capacity, math.nan)
         self._fwork = grown(self._fwork, capacity, math.nan)
         self._quota = grown(self._quota, capacity, math.nan)
-        self._veff = grown(self._veff, capacity, math.nan)
-        self._slow = grown(self._slow, capacity, 0)
         self._pred.resize(capacity)
 
     def _init_slots(self, slots: np.ndarray, ids: np.ndarray) -> None:
@@ -598,9 +573,6 @@ class LBBSPCpuPolicy(SlotPolicy):
         self._fv[slots] = math.nan
         self._vplan[slots] = math.nan
         self._fn[slots] = 0
-        self._cplan[slots] = math.nan
-        self._veff[slots] = math.nan
-        self._slow[slots] = 0
         self._fcpu[slots] = math.nan
         self._fwork[slots] = math.nan
         self._quota[slots] = math.nan
@@ -639,8 +611,10 @@ class LBBSPCpuPolicy(SlotPolicy):
         if self.use_exog:
             exog = batch.exog() if rows is None else batch.exog()[rows]
         self._feed(slots, v, exog)
-        o_seen = batch.overhead() if rows is None else batch.overhead()[rows]
-        o = o_seen if self.use_overhead else np.zeros(slots.size)
+        if self.use_overhead:
+            o = batch.overhead() if rows is None else batch.overhead()[rows]
+        else:
+            o = np.zeros(slots.size)
         prev = self._overhead[slots]
         a = self.overhead_alpha
         self._overhead[slots] = np.where(np.isnan(prev), o, a * o + (1 - a) * prev)
@@ -657,73 +631,13 @@ class LBBSPCpuPolicy(SlotPolicy):
                 self._fc[fs, pos] = np.nan_to_num(comp[has])
                 self._fv[fs, pos] = self._vplan[fs]
                 if self.use_quota:
-                    def seen(name: str) -> np.ndarray:
+                    for arr, name in ((self._fcpu, "cpu_s"), (self._fwork, "compute_cpu_s")):
                         col = batch.measured(name)
-                        return (col if rows is None else col[rows])[has]
-                    self._fcpu[fs, pos] = seen("cpu_s")
-                    self._fwork[fs, pos] = seen("compute_cpu_s")
+                        arr[fs, pos] = (col if rows is None else col[rows])[has]
                 self._fn[fs] += 1
         if self.use_quota:
             q = batch.measured("cpu_quota")
             self._quota[slots] = q if rows is None else q[rows]
-        if self.regime_factor is not None:
-            x_seen = batch.batch if rows is None else batch.batch[rows]
-            self._watch_regime(slots, o_seen + x_seen / v, x_seen)
-
-    def _watch_regime(self, slots: np.ndarray, took: np.ndarray, x: np.ndarray) -> None:
-        """Restart the workers whose last ``regime_run`` iterations all took more than
-        ``regime_factor`` x what the decision planned for their batch (``took``: overhead +
-        compute, i.e. the finish time where the servers measured one).
-
-        Why: when a worker loses most of its CPU (a quota moved to it, a co-tenant arrived), its
-        predictor closes a fraction of the gap per iteration and its window of finish times
-        keeps the old regime for ``finish_window`` iterations, so its big batch stalls every
-        iteration for a dozen of them (lab, DDP ranks under quotas moving every 5 s: 80-100 ms
-        iterations against 35 ms). A plan is pessimistic already (a high quantile of the finish
-        times), so several iterations in a row at twice it are not noise; a single stall is
-        not enough. Only slowdowns restart: a worker that got faster is under-used for a while,
-        which costs less than a straggler, and a throttled worker's unstalled iterations would
-        look like one."""
-        with np.errstate(invalid="ignore", divide="ignore"):
-            planned = self._cplan[slots] + x / self._veff[slots]
-        assert self.regime_factor is not None
-        slow = took > self.regime_factor * planned          # nan plan: False
-        run = np.where(slow, self._slow[slots] + 1, 0)
-        self._slow[slots] = run
-        hit = run >= self.regime_run
-        if hit.any():
-            self._restart(slots[hit])
-
-    def _restart(self, slots: np.ndarray) -> None:
-        """Keep only the newest ``regime_run`` observations of ``slots``: the predictor starts
-        again from them (as for a worker that just joined) and so does the finish window."""
-        k = self.regime_run
-        n = self._pred.n_updates(slots)                     # >= k: each slow iteration fed it
-        newest = [(n - k + j) % self.history for j in range(k)]  # ring positions, oldest first
-        speeds = [self._hv[slots, pos] for pos in newest]
-        exogs = [self._hx[slots, pos] for pos in newest]     # fancy indexing: copies
-        self._pred.reset(slots, self._slots.ids_of(slots))
-        for v, exog in zip(speeds, exogs):
-            self._feed(slots, v, exog if self.use_exog else None)
-        full = slots[self._fn[slots] > k]                    # windows of <= k are kept whole
-        if full.size:
-            fn = self._fn[full]
-            src = [(fn - k + j) % self.finish_window for j in range(k)]
-            for arr, fill in ((self._fx, 0.0), (self._ff, math.nan), (self._fc, 0.0),
-                              (self._fcpu, math.nan), (self._fwork, math.nan)):
-                kept = [arr[full, pos] for pos in src]
-                arr[full] = fill
-                for j, col in enumerate(kept):
-                    arr[full, j] = col
-            self._fn[full] = k
-        # The kept batches were planned with the old speed: against it their time would read as
-        # stalls (stall_share) on top of the new, lower forecast. Their compute stands in.
-        self._fv[slots] = math.nan
-        self._slow[slots] = 0
-        self.restarts += int(slots.size)
-        log.info("lbbsp-cpu: worker(s) %s ran over %gx their plan %d iterations in a row: "
-                 "forecast restarted from the newest iterations", self._slots.ids_of(slots).tolist(),
-                 self.regime_factor, k)
 
     def _feed(self, slots: np.ndarray, v: np.ndarray, exog: np.ndarray | None) -> None:
         self._pred.update(slots, v, exog)
@@ -841,8 +755,6 @@ class LBBSPCpuPolicy(SlotPolicy):
         if est is None:
             out = bounded_split_arrays(np.ones(ids.size), total, min_batch, caps)
             self.predicted_s = math.nan
-            self._cplan[slots] = math.nan
-            self._veff[slots] = math.nan
         else:
             v, c = est
             if not _within_arrays(prev, ids, total, min_batch, caps):
@@ -867,8 +779,6 @@ class LBBSPCpuPolicy(SlotPolicy):
                     out = px
                     t_new = t_prev
                 self.predicted_s = t_new
-            self._cplan[slots] = c
-            self._veff[slots] = v
         if prev is None or prev[0].size != ids.size or not (prev[0] == ids).all() \
                 or not (prev[1] == out).all():
             if prev is not None:

@@ -150,10 +150,6 @@ class SlotTable:
         """Ids that hold a slot (in slot order)."""
         return self._ids[: self._next][self._used[: self._next]]
 
-    def ids_of(self, slots: np.ndarray) -> np.ndarray:
-        """The worker ids holding ``slots``."""
-        return self._ids[slots]
-
     def items(self) -> list[tuple[int, int]]:
         """(worker id, slot) pairs, by id."""
         used = np.flatnonzero(self._used[: self._next])

@@ -46,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ps_launcher.lab import CpuQuotaGroup, cpu_quota_available  # noqa: E402
+from ps_launcher.plots import Panel, plot_panels  # noqa: E402
 from ps_launcher.summary import percentile  # noqa: E402
 
 #: A line printed when an iteration ends: a row, or plain DDP's "tick N".
@@ -173,32 +174,23 @@ def rotate(groups: list[CpuQuotaGroup], quotas: list[float], period_s: float, st
 def plot(runs: dict[str, tuple[list[Row], list[int]]], out: Path, skip: int = 0) -> None:
     """Each rank's finish time per iteration in each run that has them, then the last run's
     split; the quota moves dashed; the first ``skip`` iterations (start-up) left out."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    runs = {k: ([r for r in rows if r[0] > skip], [m for m in moves if m > skip])
-            for k, (rows, moves) in runs.items() if any(r[4] for r in rows)}
-    fig, axes = plt.subplots(len(runs) + 1, 1, figsize=(9, 2.4 * (len(runs) + 1)), sharex=True)
-    for k, (name, (rows, moves)) in enumerate(runs.items()):
-        panels = [(axes[k], name, lambda r, w: r[4][w] * 1e3 if r[4][w] is not None else None, "finish (ms)")]
-        if k == len(runs) - 1:
-            panels.append((axes[-1], f"{name}: split", lambda r, w: r[1][w], "batch size"))
-        for ax, title, get, label in panels:
-            for w in range(len(rows[0][1])):
-                pts = [(r[0], y) for r in rows if (y := get(r, w)) is not None]
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=0.8, label=f"rank {w}")
-            for it in moves:
-                ax.axvline(it, color="k", ls="--", lw=0.6)
-            ax.set_ylabel(label)
-            ax.set_title(title, fontsize=9)
-            ax.set_ylim(bottom=0)
-    axes[0].legend(fontsize=7, ncol=4)
-    axes[-1].set_xlabel("iteration (dashed: the quotas moved)")
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    panels: list[Panel] = []
+    split: Panel | None = None
+    for name, (all_rows, all_moves) in runs.items():
+        rows = [r for r in all_rows if r[0] > skip]
+        if not any(r[4] for r in rows):
+            continue                                      # plain DDP: no finish times
+        moves = [float(m) for m in all_moves if m > skip]
+        finish: dict[str, tuple[list[float], list[float]]] = {}
+        sizes: dict[str, tuple[list[float], list[float]]] = {}
+        for w in range(len(rows[0][1])):
+            timed = [(r[0], f * 1e3) for r in rows if (f := r[4][w]) is not None]
+            finish[f"rank {w}"] = ([float(t[0]) for t in timed], [t[1] for t in timed])
+            sizes[f"rank {w}"] = ([float(r[0]) for r in rows], [float(r[1][w]) for r in rows])
+        panels.append(Panel(name, "finish (ms)", finish, moves))
+        split = Panel(f"{name}: split", "batch size", sizes, moves)
+    if split is not None:
+        plot_panels(out, [*panels, split], "iteration (dashed: the quotas moved)")
 
 
 def describe(xs: list[float]) -> str:

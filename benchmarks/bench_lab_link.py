@@ -41,6 +41,7 @@ from ps_common.config import load_config  # noqa: E402
 from ps_common.metrics import read_jsonl  # noqa: E402
 from ps_launcher.lab import delay_available, netns_available  # noqa: E402
 from ps_launcher.launcher import LocalCluster  # noqa: E402
+from ps_launcher.plots import Panel, plot_panels  # noqa: E402
 from ps_launcher.summary import percentile  # noqa: E402
 
 MODES = {
@@ -92,28 +93,17 @@ def recovery(after: list[dict], bound: float, window: int = 10) -> int | None:
 
 
 def plot(runs: dict[str, Path], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(len(runs), 1, figsize=(9, 2.6 * len(runs)), sharex=True)
-    for ax, (name, run) in zip(axes, runs.items()):
+    panels = []
+    for name, run in runs.items():
         rows, t_change = rows_of(run)
         t0 = rows[0]["wall_time"]
+        series = {}
         for w in sorted(rows[-1]["workers"], key=int):
             pts = [(r["wall_time"] - t0, r["workers"][w]["finish_s"] * 1e3) for r in rows
                    if w in r["workers"] and "finish_s" in r["workers"][w]]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=0.8, label=f"worker {w}")
-        ax.axvline(t_change - t0, color="k", ls="--", lw=0.8)
-        ax.set_ylabel("finish (ms)")
-        ax.set_title(name, fontsize=9)
-        ax.set_ylim(bottom=0)
-    axes[0].legend(fontsize=7, ncol=4)
-    axes[-1].set_xlabel("seconds since the first iteration (dashed: link downgraded)")
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+            series[f"worker {w}"] = ([p[0] for p in pts], [p[1] for p in pts])
+        panels.append(Panel(name, "finish (ms)", series, [t_change - t0]))
+    plot_panels(out, panels, "seconds since the first iteration (dashed: link downgraded)")
 
 
 def main(argv: list[str] | None = None) -> int:

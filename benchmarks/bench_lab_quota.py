@@ -26,7 +26,6 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -35,6 +34,7 @@ from ps_common.config import load_config  # noqa: E402
 from ps_common.metrics import read_jsonl  # noqa: E402
 from ps_launcher.lab import cpu_quota_available  # noqa: E402
 from ps_launcher.launcher import LocalCluster  # noqa: E402
+from ps_launcher.plots import Panel, plot_panels  # noqa: E402
 from ps_launcher.summary import percentile  # noqa: E402
 
 
@@ -73,35 +73,22 @@ def alone_speed(args: argparse.Namespace, quota: float, work: Path, tag: str) ->
 
 def plot(runs: dict[str, Path], out: Path) -> None:
     """Per-worker finish times of each run, then the batch sizes of the last one."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(len(runs) + 1, 1, figsize=(9, 2.6 * (len(runs) + 1)), sharex=True)
-    for k, (name, run) in enumerate(runs.items()):
+    panels = []
+    for name, run in runs.items():
         rows = [r for r in read_jsonl(run / "metrics" / "coordinator.jsonl") if "event" not in r]
-        moves = sorted({r["wall_time"] for r in read_jsonl(run / "metrics" / "lab.jsonl")
-                        if "cpu_quota" in r and r.get("t", 0.0) > 0})
         t0 = rows[0]["wall_time"]
-        panels: list[tuple[Any, str | None, float, str]] = [(axes[k], "finish_s", 1e3, "finish (ms)")]
-        if k == len(runs) - 1:
-            panels.append((axes[-1], None, 1.0, "batch size"))
-        for ax, field, scale, label in panels:
-            for w in sorted(rows[-1]["workers"], key=int):
-                pts = [(r["wall_time"] - t0, r["workers"][w][field] * scale if field else r["batch_sizes"][w])
-                       for r in rows if w in r["workers"] and (field is None or field in r["workers"][w])]
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=0.8, label=f"worker {w}")
-            for t in moves:
-                ax.axvline(t - t0, color="k", ls="--", lw=0.6)
-            ax.set_ylabel(label)
-            ax.set_title(name if field else f"{name}: split", fontsize=9)
-            ax.set_ylim(bottom=0)
-    axes[0].legend(fontsize=7, ncol=4)
-    axes[-1].set_xlabel("seconds since the first iteration (dashed: the quotas moved)")
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+        moves = sorted({r["wall_time"] - t0 for r in read_jsonl(run / "metrics" / "lab.jsonl")
+                        if "cpu_quota" in r and r.get("t", 0.0) > 0})
+        finish, split = {}, {}
+        for w in sorted(rows[-1]["workers"], key=int):
+            seen = [r for r in rows if w in r["workers"]]
+            timed = [r for r in seen if "finish_s" in r["workers"][w]]
+            finish[f"worker {w}"] = ([r["wall_time"] - t0 for r in timed],
+                                     [r["workers"][w]["finish_s"] * 1e3 for r in timed])
+            split[f"worker {w}"] = ([r["wall_time"] - t0 for r in seen], [r["batch_sizes"][w] for r in seen])
+        panels.append(Panel(name, "finish (ms)", finish, moves))
+    panels.append(Panel(f"{name}: split", "batch size", split, moves))
+    plot_panels(out, panels, "seconds since the first iteration (dashed: the quotas moved)")
 
 
 def main(argv: list[str] | None = None) -> int:

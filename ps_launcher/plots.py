@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,37 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from ps_common.metrics import read_jsonl  # noqa: E402
+
+
+@dataclass
+class Panel:
+    """One panel of :func:`plot_panels`: a line per series, each ``(xs, ys)``, and dashed
+    vertical marks (a link downgraded, quotas moved)."""
+
+    title: str
+    ylabel: str
+    series: dict[str, tuple[list[float], list[float]]]
+    marks: list[float] = field(default_factory=list)
+
+
+def plot_panels(out: Path, panels: list[Panel], xlabel: str) -> None:
+    """Panels stacked on one shared x axis (the lab benchmarks' per-worker finish times and
+    splits), the legend on the first, saved to ``out``."""
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.5 * len(panels)), sharex=True, squeeze=False)
+    for ax, panel in zip(axes[:, 0], panels):
+        for label, (xs, ys) in panel.series.items():
+            ax.plot(xs, ys, lw=0.8, label=label)
+        for x in panel.marks:
+            ax.axvline(x, color="k", ls="--", lw=0.6)
+        ax.set_ylabel(panel.ylabel)
+        ax.set_title(panel.title, fontsize=9)
+        ax.set_ylim(bottom=0)
+    axes[0, 0].legend(fontsize=7, ncol=4)
+    axes[-1, 0].set_xlabel(xlabel)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
 
 
 def plot_run(run_dir: str | Path, summary: dict[str, Any]) -> list[Path]:

@@ -595,33 +595,6 @@ def test_cpu_quota_model_follows_a_moved_quota_at_once():
         SimulatedWorker(1000.0, quota_schedule=[(5, 0.5)])
 
 
-def test_cpu_restarts_a_worker_that_slows_down_sharply():
-    """Worker 0 becomes 4x slower at iteration 100 (no quota: a co-tenant, say). With
-    ``regime_factor: 2``, three iterations in a row at over twice its plan restart its forecast
-    and its window from those iterations; its share then holds at the new speed's, where the old
-    window's stalls push it below for a window's length (the default: no restart)."""
-    def run(**args):
-        m = BatchSizeManager("lbbsp-cpu", 512, policy_args=args)
-        ws = [SimulatedWorker(2000.0 * f, overhead=0.005, noise=0.05, seed=i,
-                              schedule=[(100, 500.0)] if i == 0 else [])
-              for i, f in enumerate([1.0, 1.0, 0.5, 0.25])]
-        return m, simulate(m, ws, 140)
-
-    m, recs = run(regime_factor=2.0)
-    target = 512 * 500 / (500 + 2000 + 1000 + 500)
-    assert m.policy.restarts == 1
-    assert all(abs(r.sizes[0] - target) / target < 0.1 for r in recs[104:])
-    m, recs = run()
-    assert m.policy.restarts == 0
-    assert any(abs(r.sizes[0] - target) / target > 0.1 for r in recs[104:])
-    with pytest.raises(ValueError, match="regime_factor"):
-        get_policy("lbbsp-cpu", regime_factor=1.0)
-    with pytest.raises(ValueError, match="regime_run"):
-        get_policy("lbbsp-cpu", regime_run=0)
-    with pytest.raises(ValueError, match="regime_run"):
-        get_policy("lbbsp-cpu", regime_run=17, finish_window=16)
-
-
 def test_cpu_quota_windows_survive_a_checkpoint():
     """The CPU times of each worker's window are saved with its finish times: a restored policy
     decides exactly as the original."""
