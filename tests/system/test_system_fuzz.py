@@ -123,7 +123,8 @@ KINDS = ["shutdown", "eval_report", "claim_shard", "register_shard", "have", "sh
 #: Report fields a forged push gets wrong: not finite, negative, out of range, wrong type, unknown.
 BAD_REPORT_FIELDS = [("compute_s", float("nan")), ("data_s", -1.0), ("finish_s", float("inf")),
                      ("host_cpu", 1e9), ("mem_headroom_mb", -0.5), ("burners", 0.5), ("oom", 1),
-                     ("prev_wait_s", "slow"), ("samples_per_s", 1.0)]
+                     ("prev_wait_s", "slow"), ("samples_per_s", 1.0), ("cpu_s", -1.0),
+                     ("compute_cpu_s", float("nan")), ("cpu_quota", 1e9)]
 
 
 def _dealer(ctx, endpoint: str, security: SecurityConfig | None, role: str = "worker") -> zmq.Socket:
