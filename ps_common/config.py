@@ -139,7 +139,10 @@ class EvaluatorConfig(StrictModel):
     enabled: bool = True
     every_iterations: int = Field(50, gt=0)
     test_samples: Optional[int] = Field(None, gt=0)
-    batch: int = Field(1000, gt=0)
+    batch: int = Field(64, gt=0, description=(
+        "test samples per forward pass; larger is slower on a CPU once the activations leave the "
+        "cache (one thread, 10,000 MNIST test samples: LeNet 0.21 s at 64, 0.28 s at 1000; the "
+        "1.2M-parameter CNN 1.5 s at 64, 3.6 s at 1000)"))
     nice: int = Field(19, ge=0, le=19, description=(
         "CPU niceness of the evaluator process. 19 (default) also makes it SCHED_IDLE: it never slows "
         "training, and on a saturated host it measures in the gaps, so a target_accuracy stop comes "

@@ -8,10 +8,13 @@ stop the run at a target accuracy). A final measurement is taken when the run st
 
 from __future__ import annotations
 
+import copy
+import ctypes
 import logging
 import os
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -30,35 +33,85 @@ log = logging.getLogger(__name__)
 
 
 def lower_priority(nice: int) -> None:
-    """Run at CPU niceness ``nice``. Linux puts every session in an autogroup and shares the CPU
-    between autogroups first, so a process that is alone in its session (as ps-launch starts
-    its children) must set its autogroup's nice too, or its own nice changes nothing."""
+    """Run at CPU niceness ``nice``, and at 19 also SCHED_IDLE: preempted at once by any
+    training process that wakes, so the evaluator takes only what training leaves.
+
+    Linux shares the CPU between sessions (autogroups) first, and under EEVDF a SCHED_IDLE task
+    is preempted at once only by tasks of its own group: the launcher therefore keeps the
+    evaluator in the training processes' session. An evaluator that leads a session of its own
+    (started by hand with ``setsid``) also lowers its autogroup's nice, the most it can do; one in
+    a shared session leaves it alone, as that would lower everything the session runs."""
     try:
         os.nice(nice)
     except OSError as exc:
         log.warning("could not lower the evaluator's priority: %s", exc)
-    try:
-        with open("/proc/self/autogroup", "w") as fh:
-            fh.write(str(nice))
-    except OSError:
-        pass  # no autogroups here (or not allowed): the plain nice is what counts then
-    if nice >= 19 and hasattr(os, "SCHED_IDLE"):  # the lowest there is: preempted at every wakeup
+    if os.getsid(0) == os.getpid():
+        try:
+            with open("/proc/self/autogroup", "w") as fh:
+                fh.write(str(nice))
+        except OSError:
+            pass  # no autogroups here (or not allowed): the plain nice is what counts then
+    if nice >= 19 and hasattr(os, "SCHED_IDLE"):
         try:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         except OSError:
             pass
 
 
+def keep_freed_memory(limit_bytes: int = 32 << 20) -> bool:
+    """Have glibc keep freed blocks up to ``limit_bytes`` for reuse instead of returning them
+    to the kernel (``mallopt`` M_MMAP_THRESHOLD and M_TRIM_THRESHOLD); False where that is not
+    glibc.
+
+    Why: a forward pass frees its activations (1-2 MB each at 64 samples), glibc unmaps blocks
+    over 128 KB on free unless a larger block was freed before, so each pass faulted its pages
+    in again: LeNet over 10,000 test samples took 0.55 s in a fresh process and 0.16 s once
+    the threshold had risen, 0.2 s from the start with this."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(-3, limit_bytes)) and bool(libc.mallopt(-1, 2 * limit_bytes))
+    except (OSError, AttributeError):
+        return False
+
+
+def channels_last_forward(model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``model``'s forward on a copy whose 4-d weights, like its image inputs, are laid out
+    channels-last (NHWC), the layout oneDNN's CPU convolutions run natively.
+
+    Why: the evaluator runs as many forward passes as training does on a CPU, and every cycle
+    it spends is taken from the gaps training leaves. One thread, 10,000 MNIST test samples at 64
+    per pass: LeNet 0.20 s instead of 0.34 s, the 1.2M-parameter CNN 1.3 s instead of 2.4 s;
+    outputs within float rounding of the plain forward's. (Weights prepacked for oneDNN with
+    ``torch.utils.mkldnn`` were 20-30% faster again, but that module is built on the deprecated
+    TorchScript.) The copy keeps the caller's parameters, and views of them, as they were."""
+    packed = copy.deepcopy(model).to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # documented, not in the stubs
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return packed(x.contiguous(memory_format=torch.channels_last) if x.dim() == 4 else x)
+
+    return forward
+
+
 def evaluate(model: torch.nn.Module, data: ArrayDataset, *, limit: int | None = None,
-             batch: int = 1000) -> tuple[float, float]:
-    """(accuracy, mean loss) on the first ``limit`` test samples (all when None)."""
+             batch: int = 64, channels_last: bool = True) -> tuple[float, float]:
+    """(accuracy, mean loss) on the first ``limit`` test samples (all when None), with
+    :func:`channels_last_forward` when ``channels_last`` (a layer that fails on its tensors
+    falls back to the plain forward for the rest)."""
     n = data.num_test if limit is None else min(limit, data.num_test)
+    forward = channels_last_forward(model) if channels_last else model
     correct, loss_sum = 0, 0.0
     model.eval()
-    with torch.no_grad():
+    with torch.inference_mode():
         for a in range(0, n, batch):
             x, y = data.test_batch(a, min(a + batch, n))
-            out = model(x)
+            try:
+                out = forward(x)
+            except RuntimeError as exc:
+                if forward is model:
+                    raise
+                log.info("evaluating with the model's own layout: %s", exc)
+                forward = model
+                out = model(x)
             loss_sum += float(F.cross_entropy(out, y, reduction="sum"))
             correct += int((out.argmax(1) == y).sum())
     model.train()
@@ -71,6 +124,7 @@ class Evaluator:
                  poll_s: float = 0.2, overwrite: bool = False) -> None:
         self.cfg = cfg
         torch.set_num_threads(1)
+        keep_freed_memory()
         if cfg.evaluator.nice:  # take what training leaves, never slow it
             lower_priority(cfg.evaluator.nice)
         self.ctx = ctx or zmq.Context.instance()
