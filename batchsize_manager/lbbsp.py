@@ -143,7 +143,8 @@ QUOTA_MIN_ENTRIES = 4
 
 
 def quota_speed(finish: np.ndarray, cpu: np.ndarray, work_cpu: np.ndarray, x: np.ndarray,
-                quota: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                quota: np.ndarray, scratch: tuple[np.ndarray, np.ndarray] | None = None
+                ) -> tuple[np.ndarray, np.ndarray]:
     """Per worker (row): the speed and fixed time a CPU quota of ``quota`` cores lets it sustain,
     from the CPU its iterations cost. An iteration of x samples costs a + s x CPU seconds (s:
     CPU per sample of data loading, forward and backward, sum(work_cpu) / sum(x); a: the mean
@@ -160,14 +161,37 @@ def quota_speed(finish: np.ndarray, cpu: np.ndarray, work_cpu: np.ndarray, x: np
     each the same day): the split the quotas imply, fixed by hand, ran at 31.6 / 31.9 ms
     (median / mean) where the clocks' tail model settled at 35.3 / 38.4 ms with the 0.2-core
     ranks' share swinging from 14 to 64; this model gave 30.9 / 32.2 ms.
+
+    ``scratch``: two buffers of ``finish``'s shape for the temporaries (:class:`Workspace`).
+    Complete windows (the steady state) take row sums as products and no masking.
     """
+    a, b = scratch if scratch is not None else (np.empty_like(finish), np.empty_like(finish))
+    ones = np.ones(finish.shape[1])
     with np.errstate(invalid="ignore", divide="ignore"):
-        full = np.isfinite(finish) & np.isfinite(cpu) & np.isfinite(work_cpu)
-        n = np.count_nonzero(full, axis=1)
-        per_sample = np.where(full, work_cpu, 0.0).sum(axis=1) / np.where(full, x, 0.0).sum(axis=1)
-        fixed = np.maximum(0.0, np.where(full, cpu - work_cpu, 0.0).sum(axis=1) / n)
-        waits = np.maximum(0.0, _row_quantile(np.where(full, finish - cpu, math.nan),
-                                              STALL_BASE_QUANTILE))
+        np.add(finish, cpu, out=a)
+        a += work_cpu                                    # nan wherever one of the three is
+        full = np.isfinite(a)
+        if full.all():                                   # every window complete: no masking
+            n = np.full(finish.shape[0], finish.shape[1])
+            work_sum = work_cpu @ ones
+            per_sample = work_sum / (x @ ones)
+            fixed = np.maximum(0.0, (cpu @ ones - work_sum) / n)
+            np.subtract(finish, cpu, out=b)
+        else:
+            n = np.count_nonzero(full, axis=1)
+            missing = ~full
+
+            def row_sums(col: np.ndarray) -> np.ndarray:
+                np.copyto(a, col)
+                a[missing] = 0.0
+                return a @ ones
+
+            work_sum = row_sums(work_cpu)
+            per_sample = work_sum / row_sums(x)
+            fixed = np.maximum(0.0, (row_sums(cpu) - work_sum) / n)
+            np.subtract(finish, cpu, out=b)
+            b[missing] = math.nan
+        waits = np.maximum(0.0, _row_quantile(b, STALL_BASE_QUANTILE, inplace=True))
         speed = quota / per_sample
         overhead = waits + fixed / quota
     bad = (n < QUOTA_MIN_ENTRIES) | ~(per_sample > 0)
@@ -681,22 +705,22 @@ class LBBSPCpuPolicy(SlotPolicy):
         speed (the others keep ``v`` and ``oh``): c_i is the quantile of finish_j - x_j / v_i over
         the last iterations; with ``stalls="per_sample"`` v_i is first lowered by
         :func:`stall_share`, so that stalls which come from the worker's own work are charged to
-        its samples rather than fixed."""
+        its samples rather than fixed. Workers the quota model plans (``use_quota``) skip all
+        that: their clocks are not what it reads."""
         ready = (self._fn[slots] >= 4) & (v > 0)
         if not ready.any():
             return v, oh
         assert self.finish_quantile is not None  # the caller asks only when it is set
+        out, v_out = oh.copy(), v.copy()
+        if self.use_quota:
+            ready = self._quota_model(slots, ready, v_out, out)
+            if not ready.any():
+                return v_out, out
         s = slots[ready]
         vr = v[ready]
-        ws, k, w = self._workspace, s.size, self.finish_window
-        # Every (workers x window) array is a view of the state (slots in one run, the usual
-        # case) or lives in a reused buffer (see Workspace); none is written but ``rest``.
-        run = bool(s[-1] - s[0] == k - 1 and (np.diff(s) == 1).all())
-
-        def rows(a: np.ndarray, name: str) -> np.ndarray:
-            return a[s[0]:s[0] + k] if run else np.take(a, s, axis=0, out=ws.get(name, k, w))
-
+        rows = self._window_rows(s)
         finish = rows(self._ff, "finish")
+        ws, k, w = self._workspace, s.size, self.finish_window
         rest = ws.get("rest", k, w)
         if self.finish_tail == "finish":
             x = rows(self._fx, "x")
@@ -709,30 +733,44 @@ class LBBSPCpuPolicy(SlotPolicy):
         else:
             np.subtract(finish, rows(self._fc, "compute"), out=rest)
         q = _row_quantile(rest, self.finish_quantile, inplace=True)
-        out, v_out = oh.copy(), v.copy()
         out[ready] = np.maximum(0.0, q)
         v_out[ready] = vr
-        if self.use_quota:
-            self._quota_model(s, ready, v_out, out)
         return v_out, out
 
-    def _quota_model(self, s: np.ndarray, ready: np.ndarray, v: np.ndarray, c: np.ndarray) -> None:
-        """For the workers of ``s`` held to less than a core (their reports' ``cpu_quota``) whose
-        reports carry CPU times, replace (v, c) in place (positions ``ready``) by
-        :func:`quota_speed`'s: what the quota lets them sustain, not what their clocks showed
-        between its stalls."""
-        quota = self._quota[s]
-        held = quota < 1.0                                   # nan: False
+    def _window_rows(self, s: np.ndarray) -> Callable[[np.ndarray, str], np.ndarray]:
+        """Rows ``s`` of a (slots x window) state array: a view when the slots run in one block
+        (the usual case), else a copy into the reused buffer ``name`` (see Workspace). Only the
+        buffers are ever written."""
+        ws, k, w = self._workspace, s.size, self.finish_window
+        if bool(s[-1] - s[0] == k - 1 and (np.diff(s) == 1).all()):
+            lo = int(s[0])
+            return lambda a, name: a[lo:lo + k]
+        return lambda a, name: np.take(a, s, axis=0, out=ws.get(name, k, w))
+
+    def _quota_model(self, slots: np.ndarray, ready: np.ndarray, v: np.ndarray, c: np.ndarray) -> np.ndarray:
+        """For the ``ready`` workers held to less than a core (their reports' ``cpu_quota``) whose
+        reports carry CPU times, set (v, c) in place to :func:`quota_speed`'s: what the quota
+        lets them sustain, not what their clocks showed between its stalls. Returns ``ready``
+        without the workers it planned."""
+        held = ready & (self._quota[slots] < 1.0)           # nan: False
         if not held.any():
-            return
-        hs = s[held]
-        vq, cq = quota_speed(self._ff[hs], self._fcpu[hs], self._fwork[hs], self._fx[hs], quota[held])
+            return ready
+        pos = np.flatnonzero(held)
+        hs = slots[pos]
+        rows = self._window_rows(hs)
+        ws, k, w = self._workspace, hs.size, self.finish_window
+        vq, cq = quota_speed(rows(self._ff, "finish"), rows(self._fcpu, "cpu"), rows(self._fwork, "work_cpu"),
+                             rows(self._fx, "x"), self._quota[hs],
+                             scratch=(ws.get("rest", k, w), ws.get("work", k, w)))
         ok = np.isfinite(vq) & (vq > 0) & np.isfinite(cq)
         if not ok.any():
-            return
-        pos = np.flatnonzero(ready)[np.flatnonzero(held)[ok]]
-        v[pos] = vq[ok]
-        c[pos] = cq[ok]
+            return ready
+        planned = pos[ok]
+        v[planned] = vq[ok]
+        c[planned] = cq[ok]
+        left = ready.copy()
+        left[planned] = False
+        return left
 
     def estimates(self, workers: Sequence[int]) -> tuple[dict[int, float], dict[int, float]]:
         """Predicted speed and overhead per worker (unmeasured ones get the measured means)."""

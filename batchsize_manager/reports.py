@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from itertools import repeat
 from operator import attrgetter, is_not
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -95,23 +95,32 @@ def floats(values: Sequence[Any]) -> np.ndarray:
         return np.fromiter((_float_or_nan(v) for v in values), dtype=np.float64, count=len(values))
 
 
+def _column(items: Sequence[Any], get: Callable[[Any], Any]) -> np.ndarray:
+    """float64 column of ``get(item)`` (None and unconvertible values: nan), read without an
+    intermediate list when every value is a number (the usual case)."""
+    try:
+        return np.fromiter(map(get, items), dtype=np.float64, count=len(items))
+    except (TypeError, ValueError, OverflowError):
+        return floats([get(t) for t in items])
+
+
 def _tel_column(tels: list[Telemetry], name: str) -> np.ndarray:
     """float64 column of field ``name`` (None and unconvertible values: nan)."""
-    get = attrgetter(name)
-    try:    # numbers (the usual case): no intermediate list
-        return np.fromiter(map(get, tels), dtype=np.float64, count=len(tels))
-    except (TypeError, ValueError, OverflowError):
-        return floats([get(t) for t in tels])
+    return _column(tels, attrgetter(name))
 
 
-def ints(values: Sequence[Any]) -> np.ndarray:
-    """int64 column of worker ids (ids outside int64 raise ``ValueError``)."""
+def ints(items: Sequence[Any], get: Callable[[Any], Any] | None = None) -> np.ndarray:
+    """int64 column of worker ids, ``get(item)`` per item if given (ids outside int64 raise
+    ``ValueError``)."""
     try:
-        return np.fromiter(values, dtype=np.int64, count=len(values))
+        values = items if get is None else map(get, items)
+        return np.fromiter(values, dtype=np.int64, count=len(items))
     except (TypeError, OverflowError) as exc:
         raise ValueError(f"worker ids must be integers within int64: {exc}") from None
 
 
+_WORKER_ID = attrgetter("worker_id")
+_BATCH_SIZE = attrgetter("batch_size")
 _OOM = attrgetter("oom")
 _HEADROOM = attrgetter("mem_headroom_mb")
 
@@ -154,14 +163,14 @@ class ReportBatch:
     @property
     def worker(self) -> np.ndarray:
         if self._worker is None:
-            self._worker = ints([r.worker_id for r in self.reports])
+            self._worker = ints(self.reports, _WORKER_ID)
         return self._worker
 
     @property
     def batch(self) -> np.ndarray:
         """Batch sizes as float64 (exact for any realistic size)."""
         if self._batch is None:
-            self._batch = floats([r.batch_size for r in self.reports])
+            self._batch = _column(self.reports, _BATCH_SIZE)
         return self._batch
 
     @property
@@ -173,7 +182,7 @@ class ReportBatch:
     @property
     def compute(self) -> np.ndarray:
         if self._compute is None:
-            self._compute = floats([t.compute_s for t in self.tels])
+            self._compute = _tel_column(self.tels, "compute_s")
         return self._compute
 
     def _durations(self, name: str) -> np.ndarray:
@@ -253,11 +262,15 @@ class ReportBatch:
             if self.small:
                 self._overhead = np.array([overhead_one(t) for t in self.tels], dtype=np.float64)
             else:
-                own = self._durations("data_s") + self._durations("prev_push_s") + self._durations("prev_pull_s")
-                fin = _tel_column(self.tels, "finish_s")
-                seen = np.isfinite(fin) & (fin > 0)
+                fin = self.finish                           # 0 where not seen
                 comp = np.where(np.isfinite(self.compute), self.compute, 0.0)
-                self._overhead = np.where(seen, np.maximum(0.0, np.where(seen, fin, 0.0) - comp), own)
+                seen_rest = np.maximum(0.0, fin - comp)
+                seen = fin > 0
+                if seen.all():   # the coordinator's reports: the three own columns are not read
+                    self._overhead = seen_rest
+                else:
+                    own = self._durations("data_s") + self._durations("prev_push_s") + self._durations("prev_pull_s")
+                    self._overhead = np.where(seen, seen_rest, own)
         return self._overhead
 
     def exog(self) -> np.ndarray:

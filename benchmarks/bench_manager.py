@@ -4,7 +4,8 @@
     manager itself with ``time.perf_counter``, for 10 to 10,000 simulated workers, in a tight loop
     (the CPU cost of a decision). Reports carry finish times, as the coordinator's do; timed
     after lbbsp-cpu's 32-iteration window of them has filled (the steady state). Target: <= 10
-    ms at 10,000 workers for lbbsp-cpu (EMA, last), lbbsp-gpu and uniform.
+    ms at 10,000 workers for lbbsp-cpu (EMA, last), lbbsp-gpu and uniform. One row has every
+    worker under a CPU quota, so lbbsp-cpu's quota model (``quota_speed``) runs for all of them.
 (b) Iteration time of uniform (BSP), static, lbbsp-cpu and lbbsp-gpu on 4 CPU-like workers with
     speeds 1, 1, 1/2, 1/4 (slowdowns 1, 1, 2, 4), against the ideal balanced bound
     c + X / Σ v_i, scaled so that the ideal iteration takes 50 ms. A second scenario adds a 2x
@@ -128,32 +129,37 @@ def finish_window() -> int:
     param = inspect.signature(LBBSPCpuPolicy).parameters.get("finish_window")
     return int(param.default) if param is not None else 0
 
-SCALING = [
-    ("lbbsp-cpu (ema)", "lbbsp-cpu", {"predictor": "ema"}),
-    ("lbbsp-cpu (last)", "lbbsp-cpu", {"predictor": "last"}),
-    ("lbbsp-gpu", "lbbsp-gpu", {}),
-    ("uniform (reference)", "uniform", {}),
-    ("lbbsp-cpu (narx, background)", "lbbsp-cpu", {"predictor": "narx", "refit": "background"}),
-    ("lbbsp-cpu (arima, background)", "lbbsp-cpu", {"predictor": "arima", "refit": "background"}),
-    ("lbbsp-cpu (narx, sync)", "lbbsp-cpu", {"predictor": "narx", "refit": "sync"}),
+#: (label, policy, policy args, CPU quota of every simulated worker or None)
+SCALING: list[tuple[str, str, dict[str, Any], float | None]] = [
+    ("lbbsp-cpu (ema)", "lbbsp-cpu", {"predictor": "ema"}, None),
+    ("lbbsp-cpu (ema), every worker under a 0.5-core quota", "lbbsp-cpu", {"predictor": "ema"}, 0.5),
+    ("lbbsp-cpu (last)", "lbbsp-cpu", {"predictor": "last"}, None),
+    ("lbbsp-gpu", "lbbsp-gpu", {}, None),
+    ("uniform (reference)", "uniform", {}, None),
+    ("lbbsp-cpu (narx, background)", "lbbsp-cpu", {"predictor": "narx", "refit": "background"}, None),
+    ("lbbsp-cpu (arima, background)", "lbbsp-cpu", {"predictor": "arima", "refit": "background"}, None),
+    ("lbbsp-cpu (narx, sync)", "lbbsp-cpu", {"predictor": "narx", "refit": "sync"}, None),
 ]
 
 
-def scaling_workers(n: int) -> list[Any]:
+def scaling_workers(n: int, quota: float | None = None) -> list[Any]:
+    """Mixed speeds, 3% noise; with ``quota``, each held to that share of a core (the reports
+    then carry the quota and CPU times, and lbbsp-cpu plans by them)."""
     from batchsize_manager.simulation import SimulatedWorker
 
+    kw = {} if quota is None else {"cpu_quota": quota}
     return [SimulatedWorker(1000.0 * (1 + i % 4), overhead=0.005, saturation_batch=0, noise=0.03,
-                            seed=i) for i in range(n)]
+                            seed=i, **kw) for i in range(n)]
 
 
-def measure_decisions(policy: str, args: dict[str, Any], n: int, warmup: int, iters: int
-                      ) -> tuple[list[float], float, str]:
+def measure_decisions(policy: str, args: dict[str, Any], n: int, warmup: int, iters: int,
+                      quota: float | None = None) -> tuple[list[float], float, str]:
     """Per-iteration decision seconds for ``n`` workers with mixed speeds and 3% noise, the mean
     simulated iteration, and a refit note."""
     from batchsize_manager.simulation import Simulation
 
     m = make_manager(policy, PER_SAMPLE_X * n, args)
-    sim = Simulation(m, scaling_workers(n))
+    sim = Simulation(m, scaling_workers(n, quota))
     sim.run(warmup)
     warm_refits(m)
     gc.collect()                      # earlier rows' garbage is not this row's pause
@@ -169,7 +175,7 @@ def measure_decisions(policy: str, args: dict[str, Any], n: int, warmup: int, it
 
 def scaling_table(sizes: list[int], budget_s: float, refit_ok: bool) -> str:
     rows = []
-    for label, policy, args in SCALING:
+    for label, policy, args, quota in SCALING:
         if "refit" in args and not refit_ok:
             if args["refit"] != "sync":
                 continue
@@ -190,7 +196,7 @@ def scaling_table(sizes: list[int], budget_s: float, refit_ok: bool) -> str:
             warmup = finish_window() + 2
             iters = 20 if model or n <= 1000 else 10
             t0 = time.perf_counter()
-            ds, it_s, note = measure_decisions(policy, args, n, warmup, iters)
+            ds, it_s, note = measure_decisions(policy, args, n, warmup, iters, quota)
             wall = time.perf_counter() - t0
             per_worker_s = statistics.fmean(ds) / n
             rows.append([label, f"{n:,}", *stats_ms(ds), f"{per_worker_s * 1e6:.2f}",
@@ -213,8 +219,8 @@ def compare_table(sizes: list[int], other: Path) -> str:
     """(a) for this checkout and ``other`` side by side: each row measured in two fresh processes
     started one after the other (alternating which goes first), so both see the same machine."""
     rows = []
-    pairs = [(label, policy, args) for label, policy, args in SCALING
-             if args.get("refit") in (None, "sync")]
+    pairs = [(label, policy, args) for label, policy, args, quota in SCALING
+             if args.get("refit") in (None, "sync") and quota is None]
     flip = False
     for label, policy, args in pairs:
         old_args = {k: v for k, v in args.items() if k != "refit"}

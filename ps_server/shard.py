@@ -20,7 +20,7 @@ import numpy as np
 
 from ps_common.config import OptimizerConfig
 from ps_common.errors import PsError
-from ps_server.optimizer import SGD
+from ps_server.optimizer import SGD, all_finite
 
 GENESIS_HASH = "0" * 16
 
@@ -99,7 +99,7 @@ class ShardState:
         if grad.dtype != np.float32 or grad.shape != (self.size,):
             raise GradientRejected("bad_shape", f"shard {self.shard} expects float32[{self.size}], got "
                                                 f"{grad.dtype}{list(grad.shape)}")
-        if self.reject_nonfinite and not np.isfinite(grad.sum()):  # a NaN or Inf anywhere (or an overflow)
+        if self.reject_nonfinite and not all_finite(grad):  # a NaN or Inf anywhere (or an overflow)
             raise GradientRejected("nonfinite", f"gradient from worker {worker} has NaN or Inf")
         key = (worker, iteration)
         if key in self.held:

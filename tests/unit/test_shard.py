@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ps_common.config import OptimizerConfig
-from ps_server.optimizer import SGD
+from ps_server.optimizer import SGD, all_finite
 from ps_server.shard import GENESIS_HASH, GradientRejected, MissingGradient, ShardState, next_log_hash
 from ps_server.sync import SYNC_POLICIES
 
@@ -179,3 +179,17 @@ def test_parameter_buffers_are_reused_only_when_nothing_holds_them():
         s.receive(0, it, 1, g([1, 1, 1, 1]))
         s.apply(it, [[0, 1]], 1.0)
     assert len({id(b) for b in s._pool}) == before, "released buffers are reused, not reallocated"
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_all_finite_finds_one_bad_value_anywhere(dtype) -> None:
+    a = np.random.default_rng(0).standard_normal(100_003).astype(dtype)
+    assert all_finite(a)
+    for bad in (np.nan, np.inf, -np.inf):
+        for pos in (0, 50_000, a.size - 1):
+            b = a.copy()
+            b[pos] = bad
+            assert not all_finite(b), (bad, pos)
+    big = np.full(8, np.finfo(dtype).max, dtype=dtype)   # finite terms whose sum overflows: refused
+    assert not all_finite(big)
+    assert all_finite(np.zeros(0, dtype=dtype))
