@@ -30,6 +30,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 import argparse  # noqa: E402
+import gc  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
@@ -244,67 +245,80 @@ def _ddp_rank(rank: int, spec: DDPSpec) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=spec.world_size,
                             timeout=timedelta(minutes=10))
     try:
-        data = load_dataset(spec.dataset, cache_dir=spec.cache_dir, seed=spec.seed,
-                            synthetic_train=spec.synthetic_train, synthetic_test=spec.synthetic_test)
-        model = build_model(spec.model, seed=spec.seed, num_classes=data.num_classes)
-        ddp = DistributedDataParallel(model)
-        opt = torch.optim.SGD(ddp.parameters(), lr=spec.lr, momentum=spec.momentum,
-                              weight_decay=spec.weight_decay, nesterov=spec.nesterov)
-        n, X, world = data.num_train, spec.global_batch, spec.world_size
-        iteration_s: list[float] = []
-        curve: list[dict[str, Any]] = []
-        hit: dict[str, Any] | None = None
-        train_s = 0.0
-        version = 0
-        stop = False
-        stop_reason = f"reached max_iterations={spec.max_iterations}"
-        dist.barrier()  # start the clock together, after all setup
-        segment_start = time.perf_counter()
-        while version < spec.max_iterations and not stop:
-            t0 = time.perf_counter()
-            idx = global_batch_indices(spec.seed, n, X, version)
-            part = np.array_split(idx, world)[rank]
-            x, y = data.train_batch(part)
-            opt.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(ddp(x), y)
-            scale = len(part) * world / X
-            if scale != 1.0:
-                loss = loss * scale
-            loss.backward()
-            opt.step()
-            version += 1
-            iteration_s.append(time.perf_counter() - t0)
-            if version % spec.eval_every == 0 or version == spec.max_iterations:
-                dist.barrier()
-                train_s += time.perf_counter() - segment_start
-                flag = torch.zeros(1)
-                if rank == 0:
-                    acc, _ = evaluate(model, data)
-                    curve.append({"version": version, "elapsed": train_s, "accuracy": acc})
-                    if hit is None and acc >= spec.target:
-                        hit = {"iterations": version, "seconds": train_s}
-                    flag[0] = 1.0 if acc >= spec.target else 0.0
-                dist.broadcast(flag, src=0)
-                stop = bool(flag.item() > 0)
-                if stop:
-                    stop_reason = f"reached target_accuracy={spec.target}"
-                segment_start = time.perf_counter()
-        if rank == 0:
-            result = {
-                "median_iteration_s": statistics.median(iteration_s) if iteration_s else None,
-                "mean_iteration_s": statistics.fmean(iteration_s) if iteration_s else None,
-                "p95_iteration_s": percentile(iteration_s, 0.95) if iteration_s else None,
-                "iterations_to_target": None if hit is None else hit["iterations"],
-                "time_to_target_s": None if hit is None else hit["seconds"],
-                "final_accuracy": curve[-1]["accuracy"] if curve else None,
-                "iterations": version,
-                "stop_reason": stop_reason,
-                "curve": curve,
-            }
-            Path(spec.result_path).write_text(json.dumps(result))
-        dist.barrier()
+        _ddp_train(rank, spec)
     finally:
+        gc.collect()  # DDP's reducer holds the group: freed with _ddp_train's frame, before it
         dist.destroy_process_group()
+    # Leave without the interpreter's teardown, where gloo's threads can outlive what they use
+    # and abort the process (a rank died of "terminate called without an active exception",
+    # SIGABRT, once in about 30 runs; pytorch/pytorch#179291 describes the teardown case). An
+    # error above still propagates to mp.spawn.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _ddp_train(rank: int, spec: DDPSpec) -> None:
+    """Training and evaluation of one rank (see :func:`_ddp_rank`); rank 0 writes the result."""
+    data = load_dataset(spec.dataset, cache_dir=spec.cache_dir, seed=spec.seed,
+                        synthetic_train=spec.synthetic_train, synthetic_test=spec.synthetic_test)
+    model = build_model(spec.model, seed=spec.seed, num_classes=data.num_classes)
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=spec.lr, momentum=spec.momentum,
+                          weight_decay=spec.weight_decay, nesterov=spec.nesterov)
+    n, X, world = data.num_train, spec.global_batch, spec.world_size
+    iteration_s: list[float] = []
+    curve: list[dict[str, Any]] = []
+    hit: dict[str, Any] | None = None
+    train_s = 0.0
+    version = 0
+    stop = False
+    stop_reason = f"reached max_iterations={spec.max_iterations}"
+    dist.barrier()  # start the clock together, after all setup
+    segment_start = time.perf_counter()
+    while version < spec.max_iterations and not stop:
+        t0 = time.perf_counter()
+        idx = global_batch_indices(spec.seed, n, X, version)
+        part = np.array_split(idx, world)[rank]
+        x, y = data.train_batch(part)
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(ddp(x), y)
+        scale = len(part) * world / X
+        if scale != 1.0:
+            loss = loss * scale
+        loss.backward()
+        opt.step()
+        version += 1
+        iteration_s.append(time.perf_counter() - t0)
+        if version % spec.eval_every == 0 or version == spec.max_iterations:
+            dist.barrier()
+            train_s += time.perf_counter() - segment_start
+            flag = torch.zeros(1)
+            if rank == 0:
+                acc, _ = evaluate(model, data)
+                curve.append({"version": version, "elapsed": train_s, "accuracy": acc})
+                if hit is None and acc >= spec.target:
+                    hit = {"iterations": version, "seconds": train_s}
+                flag[0] = 1.0 if acc >= spec.target else 0.0
+            dist.broadcast(flag, src=0)
+            stop = bool(flag.item() > 0)
+            if stop:
+                stop_reason = f"reached target_accuracy={spec.target}"
+            segment_start = time.perf_counter()
+    if rank == 0:
+        result = {
+            "median_iteration_s": statistics.median(iteration_s) if iteration_s else None,
+            "mean_iteration_s": statistics.fmean(iteration_s) if iteration_s else None,
+            "p95_iteration_s": percentile(iteration_s, 0.95) if iteration_s else None,
+            "iterations_to_target": None if hit is None else hit["iterations"],
+            "time_to_target_s": None if hit is None else hit["seconds"],
+            "final_accuracy": curve[-1]["accuracy"] if curve else None,
+            "iterations": version,
+            "stop_reason": stop_reason,
+            "curve": curve,
+        }
+        Path(spec.result_path).write_text(json.dumps(result))
+    dist.barrier()
 
 
 def run_ddp(cfg: JobConfig, work_dir: Path, repeat: int) -> RunResult:
@@ -537,6 +551,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ps_runs: list[RunResult] = []
     ddp_runs: list[RunResult] = []
     quiet_runs: list[RunResult] = []
+    ddp_aborts: list[str] = []
     try:
         for i in range(args.repeats):
             tag = f"[{i + 1}/{args.repeats}]"
@@ -552,7 +567,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 quiet_runs.append(run_ps_quiet(quiet_cfg, work_dir / f"ps-quiet-{i}"))
                 print(f"{tag} {_describe(quiet_runs[-1])}", file=sys.stderr, flush=True)
             print(f"{tag} DDP-gloo ...", file=sys.stderr, flush=True)
-            ddp_runs.append(run_ddp(cfg, work_dir, i))
+            try:
+                ddp_runs.append(run_ddp(cfg, work_dir, i))
+            except mp.ProcessExitedException as exc:  # the baseline crashed: say so, run it again
+                ddp_aborts.append(f"{tag} {exc}")
+                print(f"{tag} DDP-gloo aborted ({exc}); running it again with a fresh port",
+                      file=sys.stderr, flush=True)
+                ddp_runs.append(run_ddp(cfg, work_dir, i))
             print(f"{tag} {_describe(ddp_runs[-1])}", file=sys.stderr, flush=True)
     finally:
         if args.keep_runs is None:
@@ -562,6 +583,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 {"ps": [asdict(r) for r in ps_runs], "ddp": [asdict(r) for r in ddp_runs]},
                 indent=2))
     report = render(cfg, args, ps_runs, ddp_runs, num_train, num_params, quiet_runs)
+    if ddp_aborts:
+        report += "- DDP runs that aborted and were run again: " + "; ".join(ddp_aborts) + "\n"
     report += render_profile([r.profile for r in ps_runs])
     print(report, end="")
     if args.out is not None:
