@@ -41,10 +41,10 @@ class ProcessGroup:
         exec NS``, runs it elsewhere; it must exec the command, not fork it).
 
         Children stay in this session: Linux schedules each session (autogroup) as one entity
-        first, so an evaluator in a session of its own would compete with training as an equal,
-        whatever its nice or SCHED_IDLE; in the same session its SCHED_IDLE holds against
-        every training process (measured: a SCHED_IDLE spinner in its own session made BSP
-        iterations 1.5x slower, in the workers' session 1.05-1.1x)."""
+        first, and SCHED_IDLE is honoured only among the tasks of one group, so an evaluator in
+        a session of its own competes with training as a group, whatever its nice. Measured
+        (bench_ddp_vs_ps, LeNet, 5 repeats each, back to back): the evaluator made BSP
+        iterations 1.39x slower with every child in a session of its own, 1.22x in this one."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{role}.log"
         fh = open(log_path, "w")
