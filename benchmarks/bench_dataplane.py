@@ -9,7 +9,7 @@ many ROUTER echo processes as there are shards; each client sends every echo its
 same 40 MB and receives as much back (copy=False on both sides), so PS and raw use the same
 number of connections. Throughput counts the bytes each client moves up and down.
 
-    python benchmarks/bench_dataplane.py [--iters 15] [--warmup 3]
+    python benchmarks/bench_dataplane.py [--iters 15] [--warmup 3] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -169,30 +169,45 @@ def run_raw(nbytes: int, num_clients: int, num_servers: int, iters: int, warmup:
     return [max(ts) for ts in zip(*per)]
 
 
+def _range(xs: list[float], fmt: str) -> str:
+    """median (min-max), or the value alone for one repeat."""
+    med = statistics.median(xs)
+    return fmt.format(med) if len(xs) == 1 else f"{fmt.format(med)} ({fmt.format(min(xs))}-{fmt.format(max(xs))})"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="raw and PS runs per row, alternating (raw, PS, raw, PS, ...), so that the "
+                         "machine's drift hits both alike; the table shows median (min-max)")
     args = ap.parse_args(argv)
     n = count_parameters(build_model(MODEL, seed=0))
     nbytes = n * 4
     print(f"model {MODEL}: {n:,} float32 parameters = {nbytes / 1e6:.1f} MB; "
-          f"{args.iters} timed iterations after {args.warmup} warm-up; loopback TCP\n")
+          f"{args.iters} timed iterations after {args.warmup} warm-up, median per run; "
+          f"{args.repeats} alternating repeats; loopback TCP\n")
     rows = []
     for workers in (1, 2):
         for shards in (1, 2):
-            raw = statistics.median(run_raw(nbytes, workers, shards, args.iters, args.warmup))
-            ps = statistics.median(run_ps(shards, workers, args.iters, args.warmup))
+            raw, ps = [], []
+            for _ in range(args.repeats):
+                raw.append(statistics.median(run_raw(nbytes, workers, shards, args.iters, args.warmup)))
+                ps.append(statistics.median(run_ps(shards, workers, args.iters, args.warmup)))
             moved = 2 * nbytes * workers  # push + pull, per client
             rows.append((workers, shards, ps, raw, moved))
     print("| workers | shards = raw connections | PS push+pull (ms) | raw pyzmq round trip (ms) | PS GB/s "
           "| raw GB/s | PS / raw throughput |")
     print("|---|---|---|---|---|---|---|")
     for workers, shards, ps, raw, moved in rows:
-        print(f"| {workers} | {shards} | {ps * 1e3:.1f} | {raw * 1e3:.1f} | {moved / ps / 1e9:.2f} | "
-              f"{moved / raw / 1e9:.2f} | {raw / ps:.2f} |")
+        ratios = [r / p for r, p in zip(raw, ps)]        # each repeat's pair, run back to back
+        print(f"| {workers} | {shards} | {_range([p * 1e3 for p in ps], '{:.1f}')} | "
+              f"{_range([r * 1e3 for r in raw], '{:.1f}')} | {moved / statistics.median(ps) / 1e9:.2f} | "
+              f"{moved / statistics.median(raw) / 1e9:.2f} | {_range(ratios, '{:.2f}')} |")
     print("\nPS time includes the shard's weighted aggregation and the SGD-with-momentum update of "
-          "10M parameters per iteration; raw is the same bytes echoed with no work.")
+          "10M parameters per iteration; raw is the same bytes echoed with no work. The ratio is "
+          "each repeat's raw / PS pair, median (min-max).")
     return 0
 
 
