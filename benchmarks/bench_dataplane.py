@@ -9,7 +9,7 @@ many ROUTER echo processes as there are shards; each client sends every echo its
 same 40 MB and receives as much back (copy=False on both sides), so PS and raw use the same
 number of connections. Throughput counts the bytes each client moves up and down.
 
-    python benchmarks/bench_dataplane.py [--iters 15] [--warmup 3] [--repeats 3]
+    python benchmarks/bench_dataplane.py [--iters 15] [--warmup 3] [--repeats 3] [--no-update]
 """
 
 from __future__ import annotations
@@ -52,10 +52,16 @@ def job(num_shards: int, num_workers: int, iterations: int):
 
 
 # ----- parameter server ------------------------------------------------------------------------
-def _serve(cfg, shard: int, coordinator: str | None, q) -> None:
+def _serve(cfg, shard: int, coordinator: str | None, q, no_update: bool = False) -> None:
     from ps_server.server import ShardServer
 
     srv = ShardServer(cfg, shard, port=0, coordinator=coordinator)
+    if no_update:  # diagnostic (--no-update): what the protocol and the barrier cost alone
+        import ps_server.shard
+
+        ps_server.shard.all_finite = lambda a: True  # type: ignore[assignment]
+        srv.state.optimizer.step_weighted = (  # type: ignore[method-assign]
+            lambda params, grads, lr_scale=1.0, out=None: params)
     q.put(srv.endpoint)
     srv.run()
 
@@ -80,15 +86,15 @@ def _ps_client(cfg, endpoint: str, iters: int, warmup: int, q) -> None:
     q.put(times[warmup:iters + warmup])
 
 
-def run_ps(num_shards: int, num_workers: int, iters: int, warmup: int) -> list[float]:
+def run_ps(num_shards: int, num_workers: int, iters: int, warmup: int, no_update: bool = False) -> list[float]:
     ctx = mp.get_context("spawn")
     cfg = job(num_shards, num_workers, iters + warmup)
     q = ctx.Queue()
-    servers = [ctx.Process(target=_serve, args=(cfg, 0, None, q))]
+    servers = [ctx.Process(target=_serve, args=(cfg, 0, None, q, no_update))]
     servers[0].start()
     ep0 = q.get(timeout=120)
     for k in range(1, num_shards):
-        p = ctx.Process(target=_serve, args=(cfg, k, ep0, q))
+        p = ctx.Process(target=_serve, args=(cfg, k, ep0, q, no_update))
         p.start()
         q.get(timeout=120)
         servers.append(p)
@@ -182,19 +188,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3,
                     help="raw and PS runs per row, alternating (raw, PS, raw, PS, ...), so that the "
                          "machine's drift hits both alike; the table shows median (min-max)")
+    ap.add_argument("--no-update", action="store_true",
+                    help="diagnostic: shards skip the finiteness check and the update, so the PS time "
+                         "is the protocol's and the barrier's alone")
     args = ap.parse_args(argv)
     n = count_parameters(build_model(MODEL, seed=0))
     nbytes = n * 4
     print(f"model {MODEL}: {n:,} float32 parameters = {nbytes / 1e6:.1f} MB; "
           f"{args.iters} timed iterations after {args.warmup} warm-up, median per run; "
-          f"{args.repeats} alternating repeats; loopback TCP\n")
+          f"{args.repeats} alternating repeats; loopback TCP"
+          + ("; DIAGNOSTIC --no-update: shards skip the finiteness check and the update" if args.no_update else "")
+          + "\n")
     rows = []
     for workers in (1, 2):
         for shards in (1, 2):
             raw, ps = [], []
             for _ in range(args.repeats):
                 raw.append(statistics.median(run_raw(nbytes, workers, shards, args.iters, args.warmup)))
-                ps.append(statistics.median(run_ps(shards, workers, args.iters, args.warmup)))
+                ps.append(statistics.median(run_ps(shards, workers, args.iters, args.warmup, args.no_update)))
             moved = 2 * nbytes * workers  # push + pull, per client
             rows.append((workers, shards, ps, raw, moved))
     print("| workers | shards = raw connections | PS push+pull (ms) | raw pyzmq round trip (ms) | PS GB/s "
@@ -205,9 +216,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {workers} | {shards} | {_range([p * 1e3 for p in ps], '{:.1f}')} | "
               f"{_range([r * 1e3 for r in raw], '{:.1f}')} | {moved / statistics.median(ps) / 1e9:.2f} | "
               f"{moved / statistics.median(raw) / 1e9:.2f} | {_range(ratios, '{:.2f}')} |")
-    print("\nPS time includes the shard's weighted aggregation and the SGD-with-momentum update of "
-          "10M parameters per iteration; raw is the same bytes echoed with no work. The ratio is "
-          "each repeat's raw / PS pair, median (min-max).")
+    work = ("the shards skipped the finiteness check and the update (--no-update)" if args.no_update else
+            "PS time includes the shard's finiteness check, weighted aggregation and SGD-with-momentum "
+            "update of 10M parameters per iteration")
+    print(f"\n{work}; raw is the same bytes echoed with no work. The ratio is each repeat's raw / PS "
+          "pair, median (min-max).")
     return 0
 
 
