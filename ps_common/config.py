@@ -144,10 +144,11 @@ class EvaluatorConfig(StrictModel):
         "cache (one thread, 10,000 MNIST test samples: LeNet 0.21 s at 64, 0.28 s at 1000; the "
         "1.2M-parameter CNN 1.5 s at 64, 3.6 s at 1000)"))
     nice: int = Field(19, ge=0, le=19, description=(
-        "CPU niceness of the evaluator process. 19 (default) also makes it SCHED_IDLE: it never slows "
-        "training, and on a saturated host it measures in the gaps, so a target_accuracy stop comes "
-        "when its measurement does, after training moved on (time to accuracy is unaffected: it is "
-        "the measured version's time). 0: as training (prompt stop, slower training)."))
+        "CPU niceness of the evaluator process. 19 (default) also makes it SCHED_IDLE: it yields to "
+        "training (which still loses some speed to it), and on a saturated host it measures in "
+        "the gaps, so a target_accuracy stop comes when its measurement does, after training "
+        "moved on (time to accuracy is unaffected: it is the measured version's time). 0: as "
+        "training (prompt stop, slower training)."))
     snapshots: int = Field(32, ge=1, le=1024, description="parameter snapshots each shard keeps for it")
 
 

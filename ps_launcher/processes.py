@@ -10,8 +10,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ENDPOINT_RE = re.compile(r"listening on ((?:tcp|ipc)://\S+)")
+
+#: Popen arguments that make the child lead a new process group in this session
+#: (``process_group`` exists from Python 3.11; before it, setpgid in the child).
+_OWN_PROCESS_GROUP: dict[str, Any] = (
+    {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp})
 
 
 @dataclass
@@ -51,7 +57,7 @@ class ProcessGroup:
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         proc = subprocess.Popen([*(prefix or []), sys.executable, "-m", module, *args], stdout=fh,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env,
-                                process_group=0, cwd=cwd)
+                                cwd=cwd, **_OWN_PROCESS_GROUP)
         fh.close()
         child = Child(role, proc, log_path)
         self.children.append(child)

@@ -32,15 +32,11 @@ def _new(result: torch.Tensor, out: np.ndarray | None) -> np.ndarray:
 
 
 def all_finite(a: np.ndarray) -> bool:
-    """No NaN or Inf in the float array ``a``, in one read pass: a sum is finite only if every
-    term is (a sum that overflows is refused too, as no update could use it). torch sums 10M
-    float32 in 1.2 ms here, numpy in 2.0 ms; ``np.isfinite(a).all()`` writes a mask and takes
-    12.6 ms."""
-    if a.dtype in (np.float32, np.float64):
-        return bool(np.isfinite(float(_t(a).sum())))
-    if a.dtype == np.float16:  # summed in float32: legitimate half gradients add up past 65504
-        return bool(np.isfinite(float(_t(a).sum(dtype=torch.float32))))
-    return bool(np.isfinite(a.sum()))
+    """No NaN or Inf in the float32/float64 array ``a``, in one read pass: a sum is finite only
+    if every term is (a sum that overflows is refused too, as no update could use it). torch
+    sums 10M float32 in 1.2 ms here, numpy in 2.0 ms; ``np.isfinite(a).all()`` writes a mask and
+    takes 12.6 ms."""
+    return bool(np.isfinite(float(_t(a).sum())))
 
 
 class SGD:

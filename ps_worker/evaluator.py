@@ -33,8 +33,9 @@ log = logging.getLogger(__name__)
 
 
 def lower_priority(nice: int) -> None:
-    """Run at CPU niceness ``nice``, and at 19 also SCHED_IDLE: preempted at once by any
-    training process that wakes, so the evaluator takes only what training leaves.
+    """Run at CPU niceness ``nice``, and at 19 also SCHED_IDLE, so that the evaluator yields to
+    every training process that wakes (it still costs training its share of the caches and of
+    the gaps: 6-22% on LeNet on 2 cores, README).
 
     Linux shares the CPU between sessions (autogroups) first, and under EEVDF a SCHED_IDLE task
     is preempted at once only by tasks of its own group: the launcher therefore keeps the
@@ -98,23 +99,26 @@ def evaluate(model: torch.nn.Module, data: ArrayDataset, *, limit: int | None = 
     :func:`channels_last_forward` when ``channels_last`` (a layer that fails on its tensors
     falls back to the plain forward for the rest)."""
     n = data.num_test if limit is None else min(limit, data.num_test)
+    was_training = model.training
+    model.eval()  # before the copy: dropout and the like must be off in it too
     forward = channels_last_forward(model) if channels_last else model
     correct, loss_sum = 0, 0.0
-    model.eval()
-    with torch.inference_mode():
-        for a in range(0, n, batch):
-            x, y = data.test_batch(a, min(a + batch, n))
-            try:
-                out = forward(x)
-            except RuntimeError as exc:
-                if forward is model:
-                    raise
-                log.info("evaluating with the model's own layout: %s", exc)
-                forward = model
-                out = model(x)
-            loss_sum += float(F.cross_entropy(out, y, reduction="sum"))
-            correct += int((out.argmax(1) == y).sum())
-    model.train()
+    try:
+        with torch.inference_mode():
+            for a in range(0, n, batch):
+                x, y = data.test_batch(a, min(a + batch, n))
+                try:
+                    out = forward(x)
+                except RuntimeError as exc:
+                    if forward is model:
+                        raise
+                    log.info("evaluating with the model's own layout: %s", exc)
+                    forward = model
+                    out = model(x)
+                loss_sum += float(F.cross_entropy(out, y, reduction="sum"))
+                correct += int((out.argmax(1) == y).sum())
+    finally:
+        model.train(was_training)
     return correct / n, loss_sum / n
 
 
@@ -125,7 +129,7 @@ class Evaluator:
         self.cfg = cfg
         torch.set_num_threads(1)
         keep_freed_memory()
-        if cfg.evaluator.nice:  # take what training leaves, never slow it
+        if cfg.evaluator.nice:  # yield to training
             lower_priority(cfg.evaluator.nice)
         self.ctx = ctx or zmq.Context.instance()
         self.client = ShardClients(self.ctx, server, timeout_s=cfg.transport.timeout_s,

@@ -185,6 +185,20 @@ def _random_telemetry(rng: random.Random, compute_s: Any) -> Telemetry:
     return Telemetry(**tel)
 
 
+@pytest.mark.parametrize("n", [SMALL_BATCH + 1, 300])
+def test_overhead_when_every_report_has_a_finish_time(n):
+    """The coordinator's case (every report carries the servers' finish time), where the
+    workers' own times are not read: still the per-report rule, junk in those fields too."""
+    rng = random.Random(n)
+    reps = []
+    for i in range(n):
+        tel = _random_telemetry(rng, rng.choice([0.01, float("nan"), 2.5, -1.0]))
+        tel = Telemetry(**{**tel.to_dict(), "finish_s": rng.uniform(1e-3, 2.0)})
+        reps.append(WorkerReport(worker_id=i, iteration=0, batch_size=64, telemetry=tel))
+    b = ReportBatch(reps)
+    assert np.allclose(b.overhead(), [overhead_one(r.telemetry) for r in reps], rtol=0, atol=1e-15)
+
+
 @pytest.mark.parametrize("n", [1, SMALL_BATCH, SMALL_BATCH + 1, 300])
 def test_report_columns_follow_the_per_report_rules(n):
     rng = random.Random(n)
@@ -201,6 +215,7 @@ def test_report_columns_follow_the_per_report_rules(n):
         assert b._durations(key).tolist() == [_num_one(getattr(r.telemetry, key)) for r in reps]
     assert b.finish.tolist() == [_num_one(r.telemetry.finish_s) for r in reps]
     assert np.allclose(b.overhead(), [overhead_one(r.telemetry) for r in reps], rtol=0, atol=1e-15)
+    assert b.batch.tolist() == [float(r.batch_size) for r in reps]
     exp_v = [r.speed() for r in reps]
     got_v = b.speed()
     for g, e in zip(got_v.tolist(), exp_v):

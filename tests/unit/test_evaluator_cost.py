@@ -48,6 +48,22 @@ def test_the_channels_last_forward_measures_what_the_plain_one_does(name: str, d
     assert model.training  # evaluate leaves the model as it found it (train mode)
 
 
+def test_evaluation_runs_in_eval_mode_and_restores_the_callers_mode(data) -> None:
+    """Dropout (or any layer with a training mode) must be off in the channels-last copy too: a
+    copy taken in train mode would drop half the activations at random."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Dropout(0.5), nn.Flatten(),
+                          nn.Linear(4 * 26 * 26, 10))
+    plain = evaluate(model, data, channels_last=False)
+    fast = evaluate(model, data, channels_last=True)
+    assert fast[0] == plain[0] and fast[1] == pytest.approx(plain[1], rel=1e-5)
+    assert evaluate(model, data) == fast                 # deterministic: no dropout anywhere
+    assert model.training
+    model.eval()
+    evaluate(model, data)
+    assert not model.training                            # the caller's mode, not train()
+
+
 class _PlainLayoutOnly(nn.Module):
     """A layer that refuses the channels-last tensors the fast forward hands it."""
 

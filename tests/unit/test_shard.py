@@ -181,7 +181,7 @@ def test_parameter_buffers_are_reused_only_when_nothing_holds_them():
     assert len({id(b) for b in s._pool}) == before, "released buffers are reused, not reallocated"
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_all_finite_finds_one_bad_value_anywhere(dtype) -> None:
     a = np.random.default_rng(0).standard_normal(100_003).astype(dtype)
     assert all_finite(a)
@@ -190,10 +190,6 @@ def test_all_finite_finds_one_bad_value_anywhere(dtype) -> None:
             b = a.copy()
             b[pos] = bad
             assert not all_finite(b), (bad, pos)
-    big = np.full(8, np.finfo(dtype).max, dtype=dtype)
-    if dtype == np.float16:   # summed in float32: past half's own range is still finite
-        assert all_finite(big)
-        assert all_finite(np.full(1_000_000, 0.1, dtype=dtype))
-    else:                     # finite terms whose sum overflows: refused, no update could use them
-        assert not all_finite(big)
+    big = np.full(8, np.finfo(dtype).max, dtype=dtype)   # finite terms whose sum overflows:
+    assert not all_finite(big)                            # refused, no update could use them
     assert all_finite(np.zeros(0, dtype=dtype))
