@@ -1,0 +1,66 @@
+"""A member's well-formed push with a NaN, an Inf, or finite values whose sum overflows, against
+real shards: refused on arrival (``nonfinite``), nothing held, and the run goes on exactly.
+
+The forger joins as a worker (a valid credential and membership token, a real assignment) and
+sends each shard its slice at the planned size, so every other check passes and only the
+finiteness check (``ps_server.optimizer.all_finite``) stands between the value and the update.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ps_common import protocol as P
+from ps_common.metrics import read_jsonl
+from ps_common.transport import RemoteError
+from tests.cluster_util import committed_batches, consistent_end, joined_member, start_servers, wait_exit, write_config
+from tests.system.test_system_memory import start_indexed_workers
+
+pytestmark = pytest.mark.system
+
+SEED = 9
+N_TRAIN = 400
+
+
+@pytest.mark.timeout(300)
+def test_a_members_nonfinite_pushes_are_refused_and_change_nothing(procs, tmp_path):
+    cfg_path, cfg = write_config(tmp_path, {
+        "run": {"name": "nonfinite", "seed": SEED},
+        "model": {"name": "lenet"},
+        "data": {"dataset": "synthetic", "synthetic_train": N_TRAIN, "synthetic_test": 100},
+        "training": {"global_batch": 64, "max_iterations": 6},
+        "optimizer": {"lr": 0.05, "momentum": 0.9},
+        "cluster": {"num_shards": 2, "num_workers": 2},
+        "evaluator": {"enabled": False},
+    })
+    run = tmp_path / "run"
+    eps = start_servers(procs, cfg_path, 2, run)
+    honest = start_indexed_workers(procs, cfg_path, eps[0], 1, run)
+    with joined_member(cfg, eps[0]) as m:
+        me, wid, token, a = m.client, m.worker_id, m.token, m.assignment
+        assert a is not None and a.batch_size > 0
+        big = np.finfo(np.float32).max
+        for k, (lo, hi) in enumerate(me.ranges):
+            for bad in (np.nan, np.inf, -np.inf, "overflow"):
+                grads = np.zeros(hi - lo, np.float32)
+                if bad == "overflow":
+                    grads[:4] = big                      # every value finite, their sum is not
+                else:
+                    grads[(hi - lo) // 2] = bad
+                with pytest.raises(RemoteError) as err:
+                    me.conns[k].request(P.Push(worker_id=wid, token=token, iteration=a.iteration,
+                                               batch_size=a.batch_size, pull=True, arrays=[grads]), P.Params)
+                assert err.value.code == "nonfinite", (k, bad, err.value)
+        # Nothing was held: the honest push of the same iteration is accepted and committed.
+        grads = np.zeros_like(m.params)
+        res = me.push_pull(grads, m.params, worker_id=wid, assignment=a, loss=0.0, telemetry={})
+        assert res.version == a.iteration + 1
+    wait_exit(honest, timeout_s=240)
+    wait_exit([c for c in procs.children if c.role.startswith("shard")], timeout_s=60)
+    params, version = consistent_end(run, 2)
+    assert np.isfinite(params).all()
+    recs = [r for r in read_jsonl(run / "metrics" / "coordinator.jsonl") if "event" not in r]
+    first = min(recs, key=lambda r: r["version"])
+    assert first["batch_sizes"][str(wid)] == a.batch_size and sum(first["batch_sizes"].values()) == 64
+    committed_batches(recs, SEED, N_TRAIN)
