@@ -302,6 +302,7 @@ class ShardServer:
         for p, reply in self.pulls.take_ready(self._pull_reply):
             self.router.reply(p.ident, reply)
             self.role.answered(p, reply)
+        self.state.prepare_next()  # the answers are queued: the next step's gradient-free part
 
     def _pull_reply(self, p: PendingPull) -> P.Message | None:
         st = self.state

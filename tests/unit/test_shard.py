@@ -193,3 +193,52 @@ def test_all_finite_finds_one_bad_value_anywhere(dtype) -> None:
     big = np.full(8, np.finfo(dtype).max, dtype=dtype)   # finite terms whose sum overflows:
     assert not all_finite(big)                            # refused, no update could use them
     assert all_finite(np.zeros(0, dtype=dtype))
+
+
+def _reference_momentum_step(params, buf, grads, lr):
+    """The plain momentum step as it was computed before: buf.mul_(m), add_ each w_i g_i in
+    place, then params - lr * buf."""
+    tb = torch.from_numpy(buf)
+    tb.mul_(0.9)
+    for grad, w in grads:
+        tb.add_(torch.from_numpy(grad), alpha=w)
+    return torch.add(torch.from_numpy(params), tb, alpha=-lr).numpy()
+
+
+def test_decaying_the_momentum_before_the_gradients_arrive_changes_no_bit():
+    rng = np.random.default_rng(3)
+    cfg = OptimizerConfig(lr=0.05, momentum=0.9)
+    early, late = SGD(cfg, 1000), SGD(cfg, 1000)
+    p_early = p_late = p_ref = rng.normal(size=1000).astype(np.float32)
+    ref_buf = None
+    for step in range(6):
+        grads = [(rng.normal(size=1000).astype(np.float32), w) for w in (0.25, 0.75)]
+        if step % 2:
+            early.prepare()
+            early.prepare()                               # idempotent
+        p_early = early.step_weighted(p_early, grads)
+        p_late = late.step_weighted(p_late, grads)
+        if ref_buf is None:
+            ref_buf = (grads[0][0] * np.float32(0.25)).astype(np.float32)
+            torch.from_numpy(ref_buf).add_(torch.from_numpy(grads[1][0]), alpha=0.75)
+            p_ref = torch.add(torch.from_numpy(p_ref), torch.from_numpy(ref_buf), alpha=-0.05).numpy()
+        else:
+            p_ref = _reference_momentum_step(p_ref, ref_buf, grads, 0.05)
+        np.testing.assert_array_equal(p_early, p_late)
+        np.testing.assert_array_equal(p_early, p_ref)
+        np.testing.assert_array_equal(early.state_arrays()["momentum_buffer"], ref_buf)
+
+
+def test_a_loaded_momentum_buffer_replaces_a_prepared_decay():
+    rng = np.random.default_rng(4)
+    cfg = OptimizerConfig(lr=0.05, momentum=0.9)
+    opt = SGD(cfg, 100)
+    p = rng.normal(size=100).astype(np.float32)
+    opt.step(p, rng.normal(size=100).astype(np.float32))
+    opt.prepare()                                          # decays the buffer about to be replaced
+    loaded = rng.normal(size=100).astype(np.float32)
+    opt.load_state_arrays({"momentum_buffer": loaded})
+    fresh = SGD(cfg, 100)
+    fresh.load_state_arrays({"momentum_buffer": loaded})
+    grad = rng.normal(size=100).astype(np.float32)
+    np.testing.assert_array_equal(opt.step(p, grad), fresh.step(p, grad))
