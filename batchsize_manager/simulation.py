@@ -159,12 +159,18 @@ class _Prev:
 
 
 class Simulation:
-    """Drive a manager over simulated workers; workers may be added or removed between steps."""
+    """Drive a manager over simulated workers; workers may be added or removed between steps.
+
+    ``plan_ahead`` models the coordinator's ``mode.plan_ahead``: the split of iteration t+1 is
+    decided while t computes, so it has seen the reports of t-1 and earlier, one iteration
+    older than when it is decided after t's last report (the default here)."""
 
     def __init__(self, manager: BatchSizeManager,
                  workers: Mapping[int, SimulatedWorker] | Sequence[SimulatedWorker],
-                 start_iteration: int = 0) -> None:
+                 start_iteration: int = 0, plan_ahead: bool = False) -> None:
         self.manager = manager
+        self.plan_ahead = plan_ahead
+        self._held: list[WorkerReport] = []   # plan_ahead: the reports the next split cannot know
         self.workers: dict[int, SimulatedWorker] = {}
         self._prev: dict[int, _Prev] = {}
         self.iteration = start_iteration
@@ -206,6 +212,7 @@ class Simulation:
             busy = data + compute + 2 * comm
             times[wid] = w.busy_until(self.clock_s, busy, t) - self.clock_s
         it_s = max(times.values())
+        reports: list[WorkerReport] = []
         for wid, x in sizes.items():
             w = self.workers[wid]
             data, compute, push, pull = parts[wid]
@@ -223,8 +230,12 @@ class Simulation:
                 cpu_quota=w.quota_at(t), cpu_s=None if w.cpu_quota is None else data + compute + push + pull,
                 compute_cpu_s=None if w.cpu_quota is None else data + compute,
             )
-            self.manager.observe(WorkerReport(worker_id=wid, iteration=t, batch_size=x, telemetry=tel))
+            reports.append(WorkerReport(worker_id=wid, iteration=t, batch_size=x, telemetry=tel))
             self._prev[wid] = _Prev(push_s=push, wait_s=it_s - times[wid], pull_s=pull, iteration_s=it_s)
+        if self.plan_ahead:
+            reports, self._held = self._held, reports
+        for r in reports:
+            self.manager.observe(r)
         self.iteration += 1
         self.clock_s += it_s
         return SimRecord(t, dict(sizes), times, it_s, oom, decision_s)

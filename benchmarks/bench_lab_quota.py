@@ -10,7 +10,11 @@ alternating. Prints median / mean / p95 time per iteration and the ratio to the 
 
     python benchmarks/bench_lab_quota.py [--quotas 0.7,0.7,0.2,0.2] [--rotate-s 0] [--repeats 3]
         [--seconds 30] [--model lenet] [--global-batch 512] [--variants 'NAME=ARGS;...']
+        [--plan-ahead-off]
         [--plot docs/results/lab_quota/finish_times_rotating.png]
+
+``--plan-ahead-off`` adds LB-BSP with ``mode.plan_ahead=false`` (the split decided after an
+iteration's last report rather than while it computes), to measure what planning ahead costs.
 
 ``--plot``: every worker's finish time (from the answer that starts its iteration to its
 gradient being whole on the shards) and LB-BSP's split over the last repeat, the quota moves
@@ -107,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default="",
                     help="more LB-BSP runs side by side: 'NAME=ARGS;NAME=ARGS' with ARGS a "
                          "mode.batch_policy_args mapping, e.g. 'q0.5={predictor: ema, finish_quantile: 0.5}'")
+    ap.add_argument("--plan-ahead-off", action="store_true",
+                    help="also run LB-BSP with mode.plan_ahead=false (decided after the last report)")
     args = ap.parse_args(argv)
     if why := cpu_quota_available():
         print(f"bench_lab_quota: CPU quotas unavailable: {why}", file=sys.stderr)
@@ -116,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     alone: dict[float, list[float]] = {q: [] for q in sorted(set(args.quotas))}
     modes = {"BSP (uniform)": ["mode.batch_policy=uniform"],
              "LB-BSP (lbbsp-cpu)": ["mode.batch_policy=lbbsp-cpu", f"mode.batch_policy_args={args.policy_args}"]}
+    if args.plan_ahead_off:
+        modes["LB-BSP, decided after the last report"] = [*modes["LB-BSP (lbbsp-cpu)"], "mode.plan_ahead=false"]
     for item in filter(None, (v.strip() for v in args.variants.split(";"))):
         vname, _, vargs = item.partition("=")
         modes[f"LB-BSP {vname.strip()}"] = ["mode.batch_policy=lbbsp-cpu", f"mode.batch_policy_args={vargs.strip()}"]

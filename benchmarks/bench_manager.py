@@ -25,12 +25,18 @@
     up from its sleep (a refit thread holding the GIL, or CPU contention, shows up there and not
     in the decision time); "lag" is the mean number of iterations between a refit's submission
     and its swap-in (the staleness background refits add).
+(d) What planning ahead costs in balance. With ``mode.plan_ahead`` (the default) the coordinator
+    decides the split of iteration t+1 while t computes, from the reports of t-1 and earlier;
+    without it, after t's last report, on the path to the answers. The (b) scenarios run both
+    ways (``Simulation(plan_ahead=...)``, same seeds): mean iteration against the ideal bound,
+    and the mean of the 10 iterations after each speed change (where a one-iteration-older
+    report shows).
 
 Simulated times are model seconds; decision times are real seconds on this machine (shared, so
 they drift from run to run: compare rows of one run, not runs). Every table gives the median,
 mean, p95 and max of the per-iteration decision time.
 
-    python benchmarks/bench_manager.py [--quick] [--tables abc] [--root DIR] [--compare DIR]
+    python benchmarks/bench_manager.py [--quick] [--tables abcd] [--root DIR] [--compare DIR]
 
 ``--root`` runs the same tables against another checkout (e.g. the previous implementation);
 features it lacks (refit modes) are skipped. ``--compare DIR`` prints (a) for DIR ("before") and
@@ -302,6 +308,35 @@ def scenario_table(iterations: int, noise: float, dynamic: bool, refit_ok: bool)
                   "p95 / 50 ms"], rows)
 
 
+# ----------------------------------------------------------------------------- (d) plan ahead
+def plan_ahead_table(iterations: int, noise: float, refit_ok: bool) -> str:
+    """Each (b) policy and scenario decided after the last report and planned ahead."""
+    from batchsize_manager.simulation import Simulation, ideal_iteration_time
+
+    changes = (100, 200)                            # cpu_workers(dynamic=True): slowed, restored
+    rows = []
+    for dynamic in (False, True):
+        ref = cpu_workers(4, 0.0, dynamic)
+        ideal = statistics.fmean(ideal_iteration_time(ref, X, it) for it in range(iterations))
+        for label, policy, args in POLICIES:
+            runs = {}
+            for ahead in (False, True):
+                m = make_manager(policy, X, _strip_refit(args, refit_ok))
+                gc.collect()
+                recs = Simulation(m, cpu_workers(4, noise, dynamic), plan_ahead=ahead).run(iterations)
+                close(m)
+                its = [r.iteration_s for r in recs]
+                after = [its[i] for c in changes for i in range(c, min(c + 10, len(its)))] if dynamic else []
+                runs[ahead] = (statistics.fmean(its) / ideal, statistics.fmean(after) * 1e3 if after else None)
+            (now, now_after), (ahead_r, ahead_after) = runs[False], runs[True]
+            rows.append([label, "speed change at 100, 200" if dynamic else "static", f"{now:.3f}",
+                         f"{ahead_r:.3f}", f"{ahead_r / now:.3f}",
+                         "" if now_after is None else f"{now_after:.1f}",
+                         "" if ahead_after is None else f"{ahead_after:.1f}"])
+    return table(["policy", "scenario", "/ ideal, decided after the last report", "/ ideal, planned ahead",
+                  "ahead / after", "10 it. after each change, after (ms)", "planned ahead (ms)"], rows)
+
+
 # ----------------------------------------------------------------------------- (c) overhead
 OVERHEAD_ROWS = [
     ("uniform", "uniform", {}),
@@ -384,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer workers and iterations (smoke run)")
     ap.add_argument("--root", type=Path, default=ROOT,
                     help="checkout whose batchsize_manager/predictors to measure (default: this one)")
-    ap.add_argument("--tables", default="abc", help="which tables to print (subset of 'abc')")
+    ap.add_argument("--tables", default="abcd", help="which tables to print (subset of 'abcd')")
     ap.add_argument("--model-budget-s", type=float, default=2.0,
                     help="(a): skip NARX/ARIMA sizes projected above this many seconds per iteration")
     ap.add_argument("--paced-budget-s", type=float, default=20.0,
@@ -438,6 +473,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n## (c) Decision time vs iteration time, tight loop and paced like a real run (the "
               f"(b) workers replicated, X = 64·N, ideal 50 ms), {citers} measured iterations each\n")
         print(overhead_table(csizes, citers, args.paced_budget_s, refit_ok))
+    if "d" in args.tables:
+        print(f"\n## (d) Planning ahead: the split of t+1 decided while t computes (reports up to t-1), "
+              f"against deciding it after t's last report; the (b) workers, 3% noise, {iterations} "
+              "iterations\n")
+        print(plan_ahead_table(iterations, 0.03, refit_ok))
     print(f"\n(total {time.perf_counter() - t0:.0f} s; the ideal bound is noise-free, so with 3% "
           "noise even a perfect split sits a few % above it: the barrier waits for the max of 4 "
           "noisy times)")

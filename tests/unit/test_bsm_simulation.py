@@ -100,3 +100,18 @@ def test_ideal_time_is_the_balanced_bound():
     assert ideal_iteration_time(flat, 100) == pytest.approx(5.0, rel=1e-9)     # slow one is flat
     with pytest.raises(ValueError, match="memory caps"):
         ideal_iteration_time([SimulatedWorker(1.0, memory_cap=5)], 10)
+
+
+def _first_reaction(plan_ahead: bool) -> int:
+    """The first iteration whose split gives worker 0 less, after it slows at iteration 10."""
+    m = BatchSizeManager("lbbsp-cpu", 200, policy_args={"predictor": "last"})
+    workers = [SimulatedWorker(1000.0, schedule=[(10, 250.0)]), SimulatedWorker(1000.0)]
+    recs = Simulation(m, workers, plan_ahead=plan_ahead).run(20)
+    return next(r.iteration for r in recs if r.iteration >= 10 and r.sizes[0] < 90)
+
+
+def test_planning_ahead_reacts_one_iteration_later():
+    """plan_ahead: the split of t+1 knows the reports of t-1 and earlier, as the coordinator's
+    does when it decides while t computes; otherwise t's as well."""
+    assert _first_reaction(False) == 11
+    assert _first_reaction(True) == 12
