@@ -9,7 +9,13 @@ many ROUTER echo processes as there are shards; each client sends every echo its
 same 40 MB and receives as much back (copy=False on both sides), so PS and raw use the same
 number of connections. Throughput counts the bytes each client moves up and down.
 
+``--compute-ms T``: every client first computes for T ms of CPU (a busy loop, as a worker's
+forward and backward) before each exchange, and only the exchange is timed: work a shard can do
+before the gradients arrive (the momentum's decay) then overlaps the workers' compute, as in
+training, instead of the next push as in the default back-to-back exchanges.
+
     python benchmarks/bench_dataplane.py [--iters 15] [--warmup 3] [--repeats 3] [--no-update]
+        [--compute-ms 0]
 """
 
 from __future__ import annotations
@@ -66,7 +72,14 @@ def _serve(cfg, shard: int, coordinator: str | None, q, no_update: bool = False)
     srv.run()
 
 
-def _ps_client(cfg, endpoint: str, iters: int, warmup: int, q) -> None:
+def _compute(seconds: float) -> None:
+    """Keep this process's CPU busy for ``seconds`` (a worker's forward and backward)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _ps_client(cfg, endpoint: str, iters: int, warmup: int, q, compute_s: float = 0.0) -> None:
     from ps_common.report import Telemetry
     from ps_worker.client import ShardClients
 
@@ -78,6 +91,7 @@ def _ps_client(cfg, endpoint: str, iters: int, warmup: int, q) -> None:
     res = c.pull(params, worker_id=w.worker_id, min_version=0)
     times = []
     while not res.stop:
+        _compute(compute_s)
         t0 = time.perf_counter()
         res = c.push_pull(grads, params, worker_id=w.worker_id, assignment=res.assignment, loss=0.0,
                           telemetry=Telemetry())
@@ -86,7 +100,8 @@ def _ps_client(cfg, endpoint: str, iters: int, warmup: int, q) -> None:
     q.put(times[warmup:iters + warmup])
 
 
-def run_ps(num_shards: int, num_workers: int, iters: int, warmup: int, no_update: bool = False) -> list[float]:
+def run_ps(num_shards: int, num_workers: int, iters: int, warmup: int, no_update: bool = False,
+           compute_s: float = 0.0) -> list[float]:
     ctx = mp.get_context("spawn")
     cfg = job(num_shards, num_workers, iters + warmup)
     q = ctx.Queue()
@@ -99,7 +114,8 @@ def run_ps(num_shards: int, num_workers: int, iters: int, warmup: int, no_update
         q.get(timeout=120)
         servers.append(p)
     rq = ctx.Queue()
-    clients = [ctx.Process(target=_ps_client, args=(cfg, ep0, iters, warmup, rq)) for _ in range(num_workers)]
+    clients = [ctx.Process(target=_ps_client, args=(cfg, ep0, iters, warmup, rq, compute_s))
+               for _ in range(num_workers)]
     for p in clients:
         p.start()
     per_client = [rq.get(timeout=600) for _ in clients]
@@ -127,7 +143,7 @@ def _echo(nbytes: int, clients: int, rounds: int, q) -> None:
     ctx.term()
 
 
-def _raw_client(endpoints: list[str], nbytes: int, iters: int, warmup: int, q) -> None:
+def _raw_client(endpoints: list[str], nbytes: int, iters: int, warmup: int, q, compute_s: float = 0.0) -> None:
     ctx = zmq.Context()
     socks = []
     for ep in endpoints:
@@ -140,6 +156,7 @@ def _raw_client(endpoints: list[str], nbytes: int, iters: int, warmup: int, q) -
     bounds = np.linspace(0, payload.size, len(socks) + 1).astype(int)
     times = []
     for _ in range(iters + warmup):
+        _compute(compute_s)
         t0 = time.perf_counter()
         for sock, a, b in zip(socks, bounds, bounds[1:]):
             sock.send(payload[a:b], copy=False)
@@ -153,7 +170,8 @@ def _raw_client(endpoints: list[str], nbytes: int, iters: int, warmup: int, q) -
     q.put(times[warmup:])
 
 
-def run_raw(nbytes: int, num_clients: int, num_servers: int, iters: int, warmup: int) -> list[float]:
+def run_raw(nbytes: int, num_clients: int, num_servers: int, iters: int, warmup: int,
+            compute_s: float = 0.0) -> list[float]:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     per_server = nbytes // num_servers // 4 * 4
@@ -163,7 +181,7 @@ def run_raw(nbytes: int, num_clients: int, num_servers: int, iters: int, warmup:
         srv.start()
     eps = [q.get(timeout=60) for _ in servers]
     rq = ctx.Queue()
-    cl = [ctx.Process(target=_raw_client, args=(eps, per_server * num_servers, iters, warmup, rq))
+    cl = [ctx.Process(target=_raw_client, args=(eps, per_server * num_servers, iters, warmup, rq, compute_s))
           for _ in range(num_clients)]
     for p in cl:
         p.start()
@@ -191,21 +209,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-update", action="store_true",
                     help="diagnostic: shards skip the finiteness check and the update, so the PS time "
                          "is the protocol's and the barrier's alone")
+    ap.add_argument("--compute-ms", type=float, default=0.0,
+                    help="CPU-busy milliseconds each client spends before every exchange (not timed)")
     args = ap.parse_args(argv)
+    compute_s = args.compute_ms / 1e3
     n = count_parameters(build_model(MODEL, seed=0))
     nbytes = n * 4
     print(f"model {MODEL}: {n:,} float32 parameters = {nbytes / 1e6:.1f} MB; "
           f"{args.iters} timed iterations after {args.warmup} warm-up, median per run; "
           f"{args.repeats} alternating repeats; loopback TCP"
           + ("; DIAGNOSTIC --no-update: shards skip the finiteness check and the update" if args.no_update else "")
+          + (f"; each client computes {args.compute_ms:g} ms before every exchange (not timed)"
+             if compute_s else "")
           + "\n")
     rows = []
     for workers in (1, 2):
         for shards in (1, 2):
             raw, ps = [], []
             for _ in range(args.repeats):
-                raw.append(statistics.median(run_raw(nbytes, workers, shards, args.iters, args.warmup)))
-                ps.append(statistics.median(run_ps(shards, workers, args.iters, args.warmup, args.no_update)))
+                raw.append(statistics.median(run_raw(nbytes, workers, shards, args.iters, args.warmup, compute_s)))
+                ps.append(statistics.median(run_ps(shards, workers, args.iters, args.warmup, args.no_update,
+                                                   compute_s)))
             moved = 2 * nbytes * workers  # push + pull, per client
             rows.append((workers, shards, ps, raw, moved))
     print("| workers | shards = raw connections | PS push+pull (ms) | raw pyzmq round trip (ms) | PS GB/s "

@@ -6,8 +6,9 @@ x_i / sum(x_i) and fuses the aggregation into the momentum buffer with torch's i
 ``add_(alpha=...)`` (one pass per gradient), so plain momentum SGD costs 2 + N passes instead of
 the 3N + 5 of aggregate-then-step. One of them, the momentum's decay ``m * buf``, does not need
 the gradients: :meth:`SGD.prepare` computes it into a second buffer while the workers compute
-(the shard calls it once the answers are sent), leaving 1 + N passes between the last gradient
-and the answers, with the same bits. Weight decay and Nesterov take the general path.
+(the shard calls it once ZeroMQ has handed the answers over), leaving 1 + N passes between the
+last gradient and the answers, with the same bits (10M parameters, one gradient: 4.1 ms on the
+path instead of 5.0). Weight decay and Nesterov take the general path.
 
 Parameters are never updated in place: the step returns a NEW array, because older ones may
 still be referenced by zero-copy sends in flight and must never change under them.
