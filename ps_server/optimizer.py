@@ -4,11 +4,7 @@ A shard's update is bandwidth-bound: every pass over the slice costs about a mil
 5M parameters. :meth:`SGD.step_weighted` takes the committed gradients with their weights
 x_i / sum(x_i) and fuses the aggregation into the momentum buffer with torch's in-place
 ``add_(alpha=...)`` (one pass per gradient), so plain momentum SGD costs 2 + N passes instead of
-the 3N + 5 of aggregate-then-step. One of them, the momentum's decay ``m * buf``, does not need
-the gradients: :meth:`SGD.prepare` computes it into a second buffer while the workers compute
-(the shard calls it once ZeroMQ has handed the answers over), leaving 1 + N passes between the
-last gradient and the answers, with the same bits (10M parameters, one gradient: 4.1 ms on the
-path instead of 5.0). Weight decay and Nesterov take the general path.
+the 3N + 5 of aggregate-then-step. Weight decay and Nesterov take the general path.
 
 Parameters are never updated in place: the step returns a NEW array, because older ones may
 still be referenced by zero-copy sends in flight and must never change under them.
@@ -54,7 +50,6 @@ class SGD:
         self.buf = np.zeros(size, dtype=np.float32) if cfg.momentum else None
         self._has_buf = False
         self._acc = np.empty(size, dtype=np.float32)
-        self._acc_is_decayed = False  # _acc holds momentum * buf, ready for the next step
 
     def step(self, params: np.ndarray, grad: np.ndarray, lr_scale: float = 1.0) -> np.ndarray:
         return self.step_weighted(params, [(grad, 1.0)], lr_scale)
@@ -65,22 +60,16 @@ class SGD:
         parameters, in ``out`` if given (a free buffer, never ``params``)."""
         target = None if out is None else _t(out)
         lr = self.lr * lr_scale
-        if self._plain_momentum():
-            assert self.buf is not None
-            if not self._has_buf:
-                buf = _t(self.buf)
+        if self.buf is not None and not self.weight_decay and not self.nesterov:
+            buf = _t(self.buf)
+            if self._has_buf:
+                buf.mul_(self.momentum)
+                for g, w in grads:
+                    buf.add_(_t(g), alpha=w)
+            else:
                 self._weighted_sum(grads, buf)
                 self._has_buf = True
-                return _new(torch.add(_t(params), buf, alpha=-lr, out=target), out)
-            self.prepare()
-            # _acc = momentum * buf, then + w_i g_i: the new buffer; the old one becomes the
-            # workspace (buf.mul_ and then add_ in place gave the same bits).
-            acc = _t(self._acc)
-            for g, w in grads:
-                acc.add_(_t(g), alpha=w)
-            self.buf, self._acc = self._acc, self.buf
-            self._acc_is_decayed = False
-            return _new(torch.add(_t(params), acc, alpha=-lr, out=target), out)
+            return _new(torch.add(_t(params), buf, alpha=-lr, out=target), out)
         d = _t(self._acc)
         self._weighted_sum(grads, d)
         if self.weight_decay:
@@ -94,18 +83,6 @@ class SGD:
                 self._has_buf = True
             d = d.add(buf, alpha=self.momentum) if self.nesterov else buf
         return _new(torch.add(_t(params), d, alpha=-lr, out=target), out)
-
-    def _plain_momentum(self) -> bool:
-        return self.buf is not None and not self.weight_decay and not self.nesterov
-
-    def prepare(self) -> None:
-        """Do the part of the next step that needs no gradient (``momentum * buf``), so that it
-        is not on the path between the last gradient and the answers. Idempotent and cheap
-        when there is nothing to do; the step does it itself if nobody called this."""
-        if self._plain_momentum() and self._has_buf and not self._acc_is_decayed:
-            assert self.buf is not None
-            torch.mul(_t(self.buf), self.momentum, out=_t(self._acc))
-            self._acc_is_decayed = True
 
     @staticmethod
     def _weighted_sum(grads: list[tuple[np.ndarray, float]], out: torch.Tensor) -> None:
@@ -127,4 +104,3 @@ class SGD:
         elif self.buf is not None:
             self.buf.fill(0.0)
             self._has_buf = False
-        self._acc_is_decayed = False

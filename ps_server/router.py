@@ -29,10 +29,6 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[bytes, str, Any], "P.Message | None"]
 
-#: replies carrying at least this many array bytes are tracked until ZeroMQ has handed them to
-#: the kernel (:meth:`RouterLoop.sending`), so that work which can wait does not compete with them
-TRACK_BYTES = 1 << 20
-
 
 class Refused(PsError):
     """A request answered with ``Error(code, message)``; state is left unchanged."""
@@ -64,7 +60,6 @@ class RouterLoop:
         self.counters: Counter[str] = Counter()
         self.timings = Timings()
         self._refusals_logged = 0
-        self._in_flight: list[zmq.MessageTracker] = []
 
     # ----- receive --------------------------------------------------------------------------
     def poll(self, timeout_ms: int, *, budget: int = 256) -> int:
@@ -154,24 +149,16 @@ class RouterLoop:
             frames = P.encode(P.error_for(exc, "internal"))
         if isinstance(msg, P.Error):
             self.counters["errors_sent"] += 1
-        track = sum(a.nbytes for a in getattr(msg, "arrays", None) or ()) >= TRACK_BYTES
         t0 = time.perf_counter()
         try:
-            tracker = self.sock.send_multipart([ident, *frames], zmq.NOBLOCK, copy=False, track=track)
+            self.sock.send_multipart([ident, *frames], zmq.NOBLOCK, copy=False)
             self.timings.since(f"send.{msg.TYPE}", t0)
-            if track and tracker is not None:
-                self._in_flight.append(tracker)
             return True
         except zmq.Again:
             self.counters["replies_dropped.hwm"] += 1
         except zmq.ZMQError:  # EHOSTUNREACH (ROUTER_MANDATORY): the peer vanished
             self.counters["replies_dropped.gone"] += 1
         return False
-
-    def sending(self) -> bool:
-        """Whether a large reply is still being handed to the kernel by ZeroMQ's I/O thread."""
-        self._in_flight = [t for t in self._in_flight if not t.done]
-        return bool(self._in_flight)
 
 
 def _role(frame: zmq.Frame) -> str:

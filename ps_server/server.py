@@ -63,10 +63,6 @@ from ps_server.sync import sync_policy_for
 log = logging.getLogger(__name__)
 
 HEADER_MARGIN = 1 << 20
-#: how long the next step's preparation waits for large answers to leave (prepare_when_sent)
-PREPARE_WAIT_S = 0.05
-#: the loop's poll while it waits for them
-PREPARE_POLL_MS = 1
 
 
 def initial_parameters(cfg: JobConfig) -> np.ndarray:
@@ -151,7 +147,6 @@ class ShardServer:
         self.finished = False
         self.resumed = False
         self._dirty = True  # pulls may be answerable
-        self._prepare_after: float | None = None  # prepare_when_sent is waiting, until then
         if self.checkpoint_dir is None and (ck.every_iterations or ck.every_seconds or resume):
             raise UsageError("checkpoints need checkpoint.dir or --run-dir")
         self.checkpointer = (CheckpointWriter(self.checkpoint_dir, shard, ck.keep)
@@ -190,8 +185,7 @@ class ShardServer:
                     if link is not None:
                         poller.register(link, zmq.POLLIN)
                     polled = link
-                waiting = self._prepare_after is not None
-                events = dict(poller.poll(PREPARE_POLL_MS if waiting else int(self.timeouts.loop_poll_s * 1000)))
+                events = dict(poller.poll(int(self.timeouts.loop_poll_s * 1000)))
                 if link is not None and link in events:
                     self.role.on_link_messages()  # type: ignore[union-attr]
                 if self.sock in events:
@@ -199,8 +193,6 @@ class ShardServer:
                 self.role.after_messages()
                 if self._dirty:
                     self.serve_pulls()
-                elif waiting:
-                    self.prepare_when_sent()
                 if time.monotonic() >= next_tick:
                     next_tick = time.monotonic() + self.timeouts.tick_s
                     self.role.tick(time.monotonic())
@@ -310,22 +302,6 @@ class ShardServer:
         for p, reply in self.pulls.take_ready(self._pull_reply):
             self.router.reply(p.ident, reply)
             self.role.answered(p, reply)
-        if self._prepare_after is None:
-            self._prepare_after = time.monotonic() + PREPARE_WAIT_S
-        self.prepare_when_sent()
-
-    def prepare_when_sent(self) -> bool:
-        """Do the next step's gradient-free part (the momentum's decay) once the answers have
-        left: on a busy host it would otherwise slow their sending, which the workers wait
-        for. Waits at most ``PREPARE_WAIT_S`` (a peer that does not read); the step does it
-        itself if it comes first. True while it is still waiting."""
-        if self._prepare_after is None:
-            return False
-        if self.router.sending() and time.monotonic() < self._prepare_after:
-            return True
-        self._prepare_after = None
-        self.state.prepare_next()
-        return False
 
     def _pull_reply(self, p: PendingPull) -> P.Message | None:
         st = self.state

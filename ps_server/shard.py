@@ -167,11 +167,6 @@ class ShardState:
         self._snapshot()
         return Applied(self.version, iteration, applied, total, self.log_hash)
 
-    def prepare_next(self) -> None:
-        """Work the next commit can do before its gradients exist (the momentum's decay); the
-        server calls it after the answers have left, so it overlaps the workers' compute."""
-        self.optimizer.prepare()
-
     def _free_buffer(self) -> np.ndarray:
         """A parameter buffer nothing else holds any more (no send in flight, no snapshot, not
         the current version), reused instead of a fresh allocation: a new 20 MB array costs its
