@@ -29,8 +29,9 @@
     decides the split of iteration t+1 while t computes, from the reports of t-1 and earlier;
     without it, after t's last report, on the path to the answers. The (b) scenarios run both
     ways (``Simulation(plan_ahead=...)``, same seeds): mean iteration against the ideal bound,
-    and the mean of the 10 iterations after each speed change (where a one-iteration-older
-    report shows).
+    the first 50 iterations (where a search converges), the 10 iterations after each speed
+    change (where a one-iteration-older report shows) and how often the split moved; then
+    lbbsp-gpu on GPU-like workers (flat below 32 samples), the kind its search is made for.
 
 Simulated times are model seconds; decision times are real seconds on this machine (shared, so
 they drift from run to run: compare rows of one run, not runs). Every table gives the median,
@@ -309,32 +310,56 @@ def scenario_table(iterations: int, noise: float, dynamic: bool, refit_ok: bool)
 
 
 # ----------------------------------------------------------------------------- (d) plan ahead
+GPU_X = 512
+
+
+def gpu_workers(noise: float, dynamic: bool) -> list[Any]:
+    """4 GPU-like workers (flat below 32 samples, memory cap 512) with the (b) slowdowns."""
+    from batchsize_manager.simulation import SimulatedWorker
+
+    out = []
+    for i, f in enumerate(SLOWDOWNS):
+        v = 4000.0 / f
+        sched = [(100, v / 2), (200, v)] if dynamic and i == 0 else []
+        out.append(SimulatedWorker(v, overhead=0.01, saturation_batch=32, memory_cap=512, noise=noise,
+                                   seed=5 + i, schedule=sched))
+    return out
+
+
 def plan_ahead_table(iterations: int, noise: float, refit_ok: bool) -> str:
-    """Each (b) policy and scenario decided after the last report and planned ahead."""
+    """Each (b) policy and scenario decided after the last report and planned ahead; then
+    lbbsp-gpu on GPU-like workers, the kind its search is made for."""
     from batchsize_manager.simulation import Simulation, ideal_iteration_time
 
-    changes = (100, 200)                            # cpu_workers(dynamic=True): slowed, restored
+    changes = (100, 200)                            # both kinds of workers: slowed, restored
+    cases = [(label, policy, args, dynamic, "CPU-like", lambda d: cpu_workers(4, noise, d), X,
+              lambda d: cpu_workers(4, 0.0, d))
+             for dynamic in (False, True) for label, policy, args in POLICIES]
+    cases += [(label, policy, {}, dynamic, "GPU-like", lambda d: gpu_workers(noise, d), GPU_X,
+               lambda d: gpu_workers(0.0, d))
+              for dynamic in (False, True) for label, policy in (("uniform (BSP)", "uniform"),
+                                                                  ("lbbsp-gpu", "lbbsp-gpu"))]
     rows = []
-    for dynamic in (False, True):
-        ref = cpu_workers(4, 0.0, dynamic)
-        ideal = statistics.fmean(ideal_iteration_time(ref, X, it) for it in range(iterations))
-        for label, policy, args in POLICIES:
-            runs = {}
-            for ahead in (False, True):
-                m = make_manager(policy, X, _strip_refit(args, refit_ok))
-                gc.collect()
-                recs = Simulation(m, cpu_workers(4, noise, dynamic), plan_ahead=ahead).run(iterations)
-                close(m)
-                its = [r.iteration_s for r in recs]
-                after = [its[i] for c in changes for i in range(c, min(c + 10, len(its)))] if dynamic else []
-                runs[ahead] = (statistics.fmean(its) / ideal, statistics.fmean(after) * 1e3 if after else None)
-            (now, now_after), (ahead_r, ahead_after) = runs[False], runs[True]
-            rows.append([label, "speed change at 100, 200" if dynamic else "static", f"{now:.3f}",
-                         f"{ahead_r:.3f}", f"{ahead_r / now:.3f}",
-                         "" if now_after is None else f"{now_after:.1f}",
-                         "" if ahead_after is None else f"{ahead_after:.1f}"])
-    return table(["policy", "scenario", "/ ideal, decided after the last report", "/ ideal, planned ahead",
-                  "ahead / after", "10 it. after each change, after (ms)", "planned ahead (ms)"], rows)
+    for label, policy, args, dynamic, kind, make, total, ref in cases:
+        ideal = statistics.fmean(ideal_iteration_time(ref(dynamic), total, it) for it in range(iterations))
+        runs = {}
+        for ahead in (False, True):
+            m = make_manager(policy, total, _strip_refit(args, refit_ok))
+            gc.collect()
+            recs = Simulation(m, make(dynamic), plan_ahead=ahead).run(iterations)
+            close(m)
+            its = [r.iteration_s * 1e3 for r in recs]
+            after = [its[i] for c in changes for i in range(c, min(c + 10, len(its)))] if dynamic else []
+            moves = sum(1 for a, b in zip(recs, recs[1:]) if a.sizes != b.sizes)
+            runs[ahead] = (statistics.fmean(its) / 1e3 / ideal, statistics.fmean(its[:50]),
+                           statistics.fmean(after) if after else None, moves)
+        now, ahead_r = runs[False], runs[True]
+        rows.append([label, kind, "speed change at 100, 200" if dynamic else "static", f"{now[0]:.3f}",
+                     f"{ahead_r[0]:.3f}", f"{ahead_r[0] / now[0]:.3f}", f"{now[1]:.1f} / {ahead_r[1]:.1f}",
+                     "" if now[2] is None else f"{now[2]:.1f} / {ahead_r[2]:.1f}", f"{now[3]} / {ahead_r[3]}"])
+    return table(["policy", "workers", "scenario", "/ ideal, decided after the last report",
+                  "/ ideal, planned ahead", "ahead / after", "first 50 it. ms (after / ahead)",
+                  "10 it. after each change ms (after / ahead)", "split changes (after / ahead)"], rows)
 
 
 # ----------------------------------------------------------------------------- (c) overhead
@@ -475,8 +500,8 @@ def main(argv: list[str] | None = None) -> int:
         print(overhead_table(csizes, citers, args.paced_budget_s, refit_ok))
     if "d" in args.tables:
         print(f"\n## (d) Planning ahead: the split of t+1 decided while t computes (reports up to t-1), "
-              f"against deciding it after t's last report; the (b) workers, 3% noise, {iterations} "
-              "iterations\n")
+              f"against deciding it after t's last report; the (b) workers, then 4 GPU-like ones (same "
+              f"slowdowns, flat below 32 samples, X = {GPU_X}); 3% noise, {iterations} iterations\n")
         print(plan_ahead_table(iterations, 0.03, refit_ok))
     print(f"\n(total {time.perf_counter() - t0:.0f} s; the ideal bound is noise-free, so with 3% "
           "noise even a perfect split sits a few % above it: the barrier waits for the max of 4 "
