@@ -62,7 +62,8 @@ class BatchSizeManager:
     def __init__(self, policy: BatchPolicy | str, global_batch: int, *, min_batch: int = 1,
                  max_batch: int | None = None, policy_args: Mapping[str, Any] | None = None,
                  memory_caps: Mapping[Any, int] | None = None, oom_margin: float = 0.05,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 cpu_clock: Callable[[], float] = time.thread_time) -> None:
         if isinstance(policy, str):
             pol = get_policy(policy, **dict(policy_args or {}))
         elif isinstance(policy, BatchPolicy):
@@ -83,6 +84,9 @@ class BatchSizeManager:
         self.min_batch = int(min_batch)
         self.max_batch = None if max_batch is None else int(max_batch)
         self.clock = clock
+        #: this thread's CPU seconds: a decision's cost to a busy host, where its wall time also
+        #: counts the time other processes (the workers) ran while it was preempted
+        self.cpu_clock = cpu_clock
         self.membership: Membership[Any] = Membership()  # live ids and names (caps are by name)
         self._owns_membership = True
         self._live = self.membership.records           # for the O(1) test on the hot path
@@ -93,10 +97,13 @@ class BatchSizeManager:
         self._last_dict: dict[int, int] | None = {}
         self.last_decision_s = 0.0
         self.total_decision_s = 0.0
+        self.last_decision_cpu_s = 0.0
+        self.total_decision_cpu_s = 0.0
         self.decisions = 0
         self.ignored_reports = 0
         self._pending: list[WorkerReport] = []
         self._pending_s = 0.0          # observe() time since the last assign()
+        self._pending_cpu_s = 0.0      # CPU of the flushes since the last assign() (not of queuing)
         self._caps_cache: tuple[Any, Any, np.ndarray] | None = None
         #: reports are applied in chunks of this size: a chunk is read while its reports are still
         #: in the CPU cache (10,000 freshly received reports read at once cost twice as much)
@@ -118,6 +125,7 @@ class BatchSizeManager:
         if not self._pending:
             return
         t0 = self.clock() if timed else 0.0
+        c0 = self.cpu_clock()
         batch = ReportBatch(self._pending)
         self._pending = []
         if batch.any_oom:
@@ -128,6 +136,7 @@ class BatchSizeManager:
             batch = batch.take(np.flatnonzero(~oom))   # no timing in them: the policy never sees them
         self._learn_memory(batch)
         self._policy.observe_batch(batch)
+        self._pending_cpu_s += self.cpu_clock() - c0
         if timed:
             self._pending_s += self.clock() - t0
 
@@ -287,6 +296,7 @@ class BatchSizeManager:
     def assign(self) -> dict[int, int]:
         """The next {worker: batch size} for the live workers: Σ = X, each within its bounds."""
         t0 = self.clock()
+        c0, flushed_cpu = self.cpu_clock(), self._pending_cpu_s  # flushes inside count once, below
         try:
             self._flush()
             ids, live = self.membership.sorted_ids()
@@ -309,6 +319,9 @@ class BatchSizeManager:
             self.last_decision_s = self._pending_s + (self.clock() - t0)
             self._pending_s = 0.0
             self.total_decision_s += self.last_decision_s
+            self.last_decision_cpu_s = flushed_cpu + (self.cpu_clock() - c0)
+            self._pending_cpu_s = 0.0
+            self.total_decision_cpu_s += self.last_decision_cpu_s
             self.decisions += 1
 
     @property
@@ -355,6 +368,11 @@ class BatchSizeManager:
         """Mean seconds per decision (observe of the reports + assign)."""
         return self.total_decision_s / self.decisions if self.decisions else math.nan
 
+    @property
+    def mean_decision_cpu_s(self) -> float:
+        """Mean CPU seconds per decision (this thread's: what the decisions cost the host)."""
+        return self.total_decision_cpu_s / self.decisions if self.decisions else math.nan
+
     # ----- checkpoints --------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Plain JSON-able state (str keys) for the coordinator's checkpoint."""
@@ -370,6 +388,7 @@ class BatchSizeManager:
             "last_assignment": {str(k): v for k, v in self.last_assignment.items()},
             "decisions": self.decisions,
             "total_decision_s": self.total_decision_s,
+            "total_decision_cpu_s": self.total_decision_cpu_s,
             "policy_state": policy.state_dict(),
         }
 
@@ -392,6 +411,7 @@ class BatchSizeManager:
         self.last_assignment = {int(k): int(v) for k, v in state.get("last_assignment", {}).items()}
         self.decisions = int(state.get("decisions", 0))
         self.total_decision_s = float(state.get("total_decision_s", 0.0))
+        self.total_decision_cpu_s = float(state.get("total_decision_cpu_s", 0.0))
         self._policy.load_state_dict(state.get("policy_state", {}))
         if not self._owns_membership:
             # The owner's membership is the live set: the checkpoint's members who are not

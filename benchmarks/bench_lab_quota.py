@@ -55,9 +55,18 @@ def base_sets(args: argparse.Namespace) -> list[str]:
             "evaluator.enabled=false", f"cluster.num_shards={args.shards}"]
 
 
+def _iteration_records(run_dir: Path, skip: int) -> list[dict]:
+    return [r for r in read_jsonl(run_dir / "metrics" / "coordinator.jsonl") if "event" not in r][skip:]
+
+
 def durations(run_dir: Path, skip: int) -> list[float]:
-    recs = [r for r in read_jsonl(run_dir / "metrics" / "coordinator.jsonl") if "event" not in r]
-    return [r["duration"] for r in recs][skip:]
+    return [r["duration"] for r in _iteration_records(run_dir, skip)]
+
+
+def decisions(run_dir: Path, skip: int) -> list[tuple[float, float]]:
+    """(wall, CPU) seconds of the batch policy's decision per iteration (shard 0's records)."""
+    return [(r["decision_s"], r["decision_cpu_s"]) for r in _iteration_records(run_dir, skip)
+            if r.get("decision_cpu_s") is not None]
 
 
 def alone_speed(args: argparse.Namespace, quota: float, work: Path, tag: str) -> float:
@@ -128,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         vname, _, vargs = item.partition("=")
         modes[f"LB-BSP {vname.strip()}"] = ["mode.batch_policy=lbbsp-cpu", f"mode.batch_policy_args={vargs.strip()}"]
     samples: dict[str, list[float]] = {m: [] for m in modes}
+    decided: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
     splits: dict[str, list] = {m: [] for m in modes}
     last_runs: dict[str, Path] = {}
     for r in range(args.repeats):
@@ -143,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             last_runs[name] = run
             d = durations(run, args.skip)
             samples[name] += d
+            decided[name] += decisions(run, args.skip)
             last = [x for x in read_jsonl(run / "metrics" / "coordinator.jsonl") if "event" not in x][-1]
             splits[name].append([last["batch_sizes"][k] for k in sorted(last["batch_sizes"], key=int)])
             print(f"repeat {r} {name}: median {statistics.median(d) * 1e3:.1f} ms", flush=True)
@@ -155,12 +166,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ideal balanced bound X / sum(v_i) = {bound * 1e3:.1f} ms (v_i alone under its quota, median "
           "of the repeats: " + ", ".join(f"{q:g} core {speeds[q]:.0f}/s (range {min(alone[q]):.0f}-"
                                          f"{max(alone[q]):.0f})" for q in sorted(speeds)) + ")\n")
-    print("| mode | median (ms) | mean (ms) | p95 (ms) | median / bound | mean / bound | last split |")
-    print("|---|---|---|---|---|---|---|")
+    print("| mode | median (ms) | mean (ms) | p95 (ms) | median / bound | mean / bound | last split "
+          "| decision wall ms: mean / p95 | decision CPU ms: mean / p95 | decision CPU / iteration |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, xs in samples.items():
         med, mean, p95 = statistics.median(xs), statistics.fmean(xs), percentile(xs, 0.95)
+        wall = [w for w, _ in decided[name]]
+        cpu = [c for _, c in decided[name]]
+        dec = (f"{statistics.fmean(wall) * 1e3:.3f} / {percentile(wall, 0.95) * 1e3:.3f} | "
+               f"{statistics.fmean(cpu) * 1e3:.3f} / {percentile(cpu, 0.95) * 1e3:.3f} | "
+               f"{statistics.fmean(cpu) / mean * 100:.2f}%") if cpu else "- | - | -"
         print(f"| {name} | {med * 1e3:.1f} | {mean * 1e3:.1f} | {p95 * 1e3:.1f} | {med / bound:.2f} | "
-              f"{mean / bound:.2f} | {splits[name][-1]} |")
+              f"{mean / bound:.2f} | {splits[name][-1]} | {dec} |")
+    print("\nThe decision's wall time also counts the time the coordinator was preempted (the workers "
+          "ran); its CPU time is what it cost the host. With mode.plan_ahead it is made while the "
+          "workers compute, off the path to the answers.")
     if args.plot:
         plot(last_runs, args.plot)
         print(f"\nper-worker finish times: {args.plot}")

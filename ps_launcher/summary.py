@@ -49,6 +49,23 @@ def normalized_durations(coord: list[dict[str, Any]], global_batch: int) -> list
     return out
 
 
+def decision_stats(coord: list[dict[str, Any]]) -> dict[str, float] | None:
+    """The batch policy's decision time per iteration (shard 0's records): median, mean and
+    p95 of its wall time and of its CPU time, and each mean as a share of the mean iteration.
+    With ``mode.plan_ahead`` the decision is off the path to the answers, so its CPU time is
+    what it costs; the wall time also counts the workers that ran while it was preempted."""
+    its = [r["duration"] for r in coord if r.get("duration")]
+    out: dict[str, float] = {}
+    for key, name in (("decision_s", ""), ("decision_cpu_s", "cpu_")):
+        xs = [float(r[key]) for r in coord if r.get(key) is not None]
+        if xs:
+            out.update({f"{name}median_s": statistics.median(xs), f"{name}mean_s": statistics.fmean(xs),
+                        f"{name}p95_s": percentile(xs, 0.95)})
+            if its:
+                out[f"{name}mean_share"] = statistics.fmean(xs) / statistics.fmean(its)
+    return out or None
+
+
 def final_versions(run_dir: Path) -> dict[str, Any]:
     """The version and history hash each shard saved at the end, and whether they all agree."""
     from ps_server.checkpoint import checkpoint_meta
@@ -109,6 +126,7 @@ def summarize(run_dir: str | Path, *, global_batch: int, target_accuracy: float 
         "median_iteration_s": statistics.median(durations) if durations else None,
         "mean_iteration_s": statistics.fmean(durations) if durations else None,
         "p95_iteration_s": percentile(durations, 0.95) if durations else None,
+        "decision": decision_stats(coord),
         "final_accuracy": curve[-1]["accuracy"] if curve else None,
         "final_accuracy_version": curve[-1]["version"] if curve else None,
         "best_accuracy": max((p["accuracy"] for p in curve), default=None),
@@ -178,6 +196,25 @@ def _final_line(final: dict[str, Any] | None) -> str:
     return "SHARDS DISAGREE: " + ", ".join(f"{s['shard']}: {s['version']}/{s['log_hash']}" for s in final["shards"])
 
 
+def _decision_lines(d: dict[str, float] | None) -> list[str]:
+    if not d:
+        return []
+
+    def scaled(key: str, factor: float) -> float | None:
+        v = d.get(key)
+        return None if v is None else v * factor
+
+    lines = []
+    for prefix, what in (("", "wall"), ("cpu_", "CPU")):
+        if d.get(f"{prefix}mean_s") is None:
+            continue                              # a run recorded before CPU times were
+        ms = " / ".join(_fmt(scaled(f"{prefix}{k}", 1e3), ".3f") for k in ("median_s", "mean_s", "p95_s"))
+        share = _fmt(scaled(f"{prefix}mean_share", 100.0), ".2f")
+        lines.append(f"| batch-size decision (ms): median / mean / p95, {what} | {ms} (mean: {share}% "
+                     "of an iteration) |")
+    return lines
+
+
 def summary_markdown(s: dict[str, Any]) -> str:
     lines = [
         f"# Run summary: {s['run_dir']}", "",
@@ -188,6 +225,7 @@ def summary_markdown(s: dict[str, Any]) -> str:
         f"| samples | {s['samples']} |",
         f"| time per global batch (s): median / mean / p95 | {_fmt(s['median_iteration_s'], '.4f')} / "
         f"{_fmt(s.get('mean_iteration_s'), '.4f')} / {_fmt(s.get('p95_iteration_s'), '.4f')} |",
+        *_decision_lines(s.get("decision")),
         f"| final test accuracy | {_fmt(s['final_accuracy'], '.4f')} |",
         f"| final version (every shard) | {_final_line(s.get('final'))} |",
         f"| final training loss | {_fmt(s['final_loss'], '.4f')} |",

@@ -389,7 +389,7 @@ class Lead:
             ranges={str(k): v for k, v in rec.ranges.items()},
             workers={str(r.worker_id): r.telemetry.to_dict() for r in rec.reports},
             dropped=server.state.dropped, drops=d.drops, stop=coord.stop, stop_reason=coord.stop_reason,
-            decision_s=coord.manager.last_decision_s,
+            decision_s=coord.manager.last_decision_s, decision_cpu_s=coord.manager.last_decision_cpu_s,
             **({} if rec.helped_samples is None else {"helped_samples": rec.helped_samples}))
 
     def _announce_plan(self, plan: P.Plan | None) -> None:

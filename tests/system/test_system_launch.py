@@ -35,6 +35,11 @@ def test_launch_mnist_lenet_reaches_accuracy(tmp_path):
     assert len(summary["workers"]) == 2
     hit = summary["time_to_accuracy"]["0.95"]
     assert hit is not None and 0 < hit["seconds"] < summary["training_s"] + 1
+    # The batch policy's decision time, wall and CPU (one thread's CPU never exceeds its wall).
+    dec = summary["decision"]
+    assert dec is not None and 0 < dec["cpu_mean_s"] <= dec["mean_s"] + 1e-4, dec
+    assert 0 < dec["mean_share"] < 1 and 0 < dec["cpu_mean_share"] <= dec["mean_share"] + 1e-3, dec
+    assert "batch-size decision (ms): median / mean / p95, CPU" in (run_dir / "summary.md").read_text()
 
 
 def test_a_run_directory_holds_one_run_unless_overwritten(tmp_path):

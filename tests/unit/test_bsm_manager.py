@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Sequence
 
 import pytest
@@ -47,6 +48,53 @@ def test_real_clock_decision_time_is_positive():
     m = BatchSizeManager("lbbsp-cpu", 256)
     Simulation(m, [SimulatedWorker(1000.0 * (i + 1), 0.01) for i in range(4)]).run(5)
     assert m.decisions == 5 and 0 < m.last_decision_s < 1.0 and 0 < m.mean_decision_s < 1.0
+
+
+class _TimedPolicy(BatchPolicy):
+    """Uniform, after ``seconds`` spent sleeping (``burn=False``) or computing (``burn=True``)
+    in observe_batch and again in assign."""
+
+    def __init__(self, seconds: float, burn: bool) -> None:
+        self.seconds, self.burn = seconds, burn
+
+    def _spend(self) -> None:
+        end = time.perf_counter() + self.seconds
+        if not self.burn:
+            time.sleep(self.seconds)
+        while self.burn and time.perf_counter() < end:
+            pass
+
+    def observe_batch(self, batch) -> None:
+        self._spend()
+
+    def assign(self, workers: Sequence[int], global_batch: int, min_batch: int = 1, *,
+               max_batch: CapsArg = None) -> dict[int, int]:
+        self._spend()
+        return get_policy("uniform").assign(workers, global_batch, min_batch, max_batch=max_batch)
+
+
+@pytest.mark.parametrize("burn", [True, False])
+def test_decision_cpu_time_counts_this_threads_cpu_and_each_flush_once(burn):
+    """A decision that waits (preempted, or blocked) costs the host no CPU; one that computes
+    does. The reports flushed inside assign() count once; a flush by an earlier read of the
+    policy counts into the next decision."""
+    m = BatchSizeManager(_TimedPolicy(0.05, burn), 64)
+    for w in range(2):
+        m.join(w)
+        m.observe(rep(w, 32))
+    m.assign()                                   # flush (0.05 s) + assign (0.05 s)
+    assert m.last_decision_s >= 0.1
+    if burn:
+        assert 0.08 <= m.last_decision_cpu_s <= m.last_decision_s + 0.01
+    else:
+        assert m.last_decision_cpu_s < 0.03
+    m.observe(rep(0, 32))
+    assert m.policy is not None                  # reading it flushes now (0.05 s), outside assign()
+    m.assign()
+    if burn:
+        assert 0.08 <= m.last_decision_cpu_s < 0.2, "the earlier flush counts, once"
+    assert m.decisions == 2
+    assert m.mean_decision_cpu_s == pytest.approx(m.total_decision_cpu_s / 2)
 
 
 def test_bounds_and_clear_errors():
