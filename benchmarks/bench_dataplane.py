@@ -24,6 +24,7 @@ import argparse
 import multiprocessing as mp
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -40,12 +41,10 @@ from ps_ml.models import build_model, count_parameters  # noqa: E402
 MODEL = "mlp10m"
 
 
-def job(num_shards: int, num_workers: int, iterations: int):
-    import tempfile
-
+def job(num_shards: int, num_workers: int, iterations: int, secret_dir: Path):
     from ps_common.security.credentials import generate_master
 
-    secret = Path(tempfile.mkdtemp(prefix="lbps-bench-")) / "job.secret"
+    secret = secret_dir / "job.secret"
     generate_master(secret)
     return validate({
         "security": {"secret_file": str(secret)},
@@ -102,8 +101,14 @@ def _ps_client(cfg, endpoint: str, iters: int, warmup: int, q, compute_s: float 
 
 def run_ps(num_shards: int, num_workers: int, iters: int, warmup: int, no_update: bool = False,
            compute_s: float = 0.0) -> list[float]:
+    with tempfile.TemporaryDirectory(prefix="lbps-bench-") as secret_dir:  # the job's secret, removed after
+        return _run_ps(job(num_shards, num_workers, iters + warmup, Path(secret_dir)), num_shards, num_workers,
+                       iters, warmup, no_update, compute_s)
+
+
+def _run_ps(cfg, num_shards: int, num_workers: int, iters: int, warmup: int, no_update: bool,
+            compute_s: float) -> list[float]:
     ctx = mp.get_context("spawn")
-    cfg = job(num_shards, num_workers, iters + warmup)
     q = ctx.Queue()
     servers = [ctx.Process(target=_serve, args=(cfg, 0, None, q, no_update))]
     servers[0].start()

@@ -26,6 +26,7 @@ Needs root and the cgroup cpu controller (the lab's CPU quotas).
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import sys
 import tempfile
@@ -120,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default="",
                     help="more LB-BSP runs side by side: 'NAME=ARGS;NAME=ARGS' with ARGS a "
                          "mode.batch_policy_args mapping, e.g. 'q0.5={predictor: ema, finish_quantile: 0.5}'")
+    ap.add_argument("--keep-runs", action="store_true",
+                    help="keep every run's directory (records, summaries) and print where; by default "
+                         "they are removed once the table and the plot are made")
     ap.add_argument("--plan-ahead-off", action="store_true",
                     help="also run LB-BSP with mode.plan_ahead=false (decided after the last report)")
     args = ap.parse_args(argv)
@@ -184,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         plot(last_runs, args.plot)
         print(f"\nper-worker finish times: {args.plot}")
+    if args.keep_runs:
+        print(f"\nrun directories: {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
