@@ -33,7 +33,7 @@ from ps_launcher.run_dir import RunDirInUse
 from ps_server.job_config import check_job_config
 
 COLUMNS = ["mode", "repeat", "seed", "median_iteration_s", "mean_iteration_s", "p95_iteration_s",
-           "iterations_to_target", "time_to_target_s",
+           "iterations_to_target", "time_to_target_s", "decision_cpu_ms", "decision_cpu_share",
            "final_accuracy", "training_s", "iterations", "samples", "stop_reason", "run_dir"]
 
 
@@ -132,12 +132,16 @@ def _row(mode: str, repeat: int, cfg: JobConfig, s: dict[str, Any], target: floa
     from ps_launcher.summary import time_to_accuracy
 
     hit = time_to_accuracy(s["accuracy_curve"], target)
+    dec = s.get("decision") or {}
     return {
         "mode": mode, "repeat": repeat, "seed": cfg.run.seed,
         "median_iteration_s": s["median_iteration_s"],
         "mean_iteration_s": s.get("mean_iteration_s"), "p95_iteration_s": s.get("p95_iteration_s"),
         "iterations_to_target": None if hit is None else hit["iterations"],
         "time_to_target_s": None if hit is None else hit["seconds"],
+        # the batch policy's CPU per decision (mean), and that as a share of the mean iteration
+        "decision_cpu_ms": None if dec.get("cpu_mean_s") is None else dec["cpu_mean_s"] * 1e3,
+        "decision_cpu_share": dec.get("cpu_mean_share"),
         "final_accuracy": s["final_accuracy"], "training_s": s["training_s"],
         "iterations": s["iterations"], "samples": s["samples"], "stop_reason": s["stop_reason"],
         "run_dir": str(run_dir),
@@ -165,11 +169,20 @@ def _spread(values: list[Any], fmt: str) -> str:
     return text
 
 
+def _decision_cell(rs: list[dict[str, Any]]) -> str:
+    cpu = [None if r.get("decision_cpu_ms") in (None, "") else float(r["decision_cpu_ms"]) for r in rs]
+    share = [None if r.get("decision_cpu_share") in (None, "") else float(r["decision_cpu_share"]) * 100
+             for r in rs]
+    if all(c is None for c in cpu):
+        return "-"
+    return f"{_spread(cpu, '.3f')} ({_spread(share, '.2f')}%)"
+
+
 def report_table(rows: list[dict[str, Any]], modes: list[str], target: float) -> str:
     lines = [
         f"| mode | time per iteration (ms): median | mean | p95 | iterations to {target:.0%} "
-        f"| time to {target:.0%} (s) | final accuracy |",
-        "|---|---|---|---|---|---|---|",
+        f"| time to {target:.0%} (s) | final accuracy | batch-size decision: CPU ms (% of an iteration) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
 
     def ms(rs: list[dict[str, Any]], key: str) -> str:
@@ -180,7 +193,7 @@ def report_table(rows: list[dict[str, Any]], modes: list[str], target: float) ->
         lines.append(f"| {m} | {ms(rs, 'median_iteration_s')} | {ms(rs, 'mean_iteration_s')} "
                      f"| {ms(rs, 'p95_iteration_s')} | {_spread([r['iterations_to_target'] for r in rs], '.0f')} "
                      f"| {_spread([r['time_to_target_s'] for r in rs], '.1f')} "
-                     f"| {_spread([r['final_accuracy'] for r in rs], '.4f')} |")
+                     f"| {_spread([r['final_accuracy'] for r in rs], '.4f')} | {_decision_cell(rs)} |")
     return "\n".join(lines)
 
 
@@ -201,6 +214,8 @@ def write_report(out_dir: Path, base: JobConfig, comp: CompareConfig, rows: list
         "- cells: median over repeats [min-max]; time per iteration = seconds per global batch of X "
         "samples (async modes: per-update time scaled to X samples), the median, mean and p95 of each run",
         "- iterations = global batches of samples applied; time = training time from the first iteration",
+        "- batch-size decision: the batch policy's CPU time per decision on shard 0 (mean of each run); "
+        "with mode.plan_ahead it is made while the workers compute, off the path to the answers",
     ]
     text = "\n".join([f"# ps-compare: {base.run.name}", "", *notes, "", table, ""])
     plots = plot_comparison(out_dir, rows, modes)

@@ -37,8 +37,10 @@ def test_ps_compare_writes_report(tmp_path):
     assert [(r["mode"], r["repeat"], r["seed"]) for r in rows] == [
         ("BSP", "0", "4"), ("backup b=1", "0", "4"), ("BSP", "1", "5"), ("backup b=1", "1", "5")]
     assert all(float(r["final_accuracy"]) > 0.5 for r in rows)
+    assert all(0 < float(r["decision_cpu_ms"]) < 1000 and 0 < float(r["decision_cpu_share"]) < 1 for r in rows)
     report = (out / "report.md").read_text()
     assert "EMULATED" in report and "static-1-3" in report
+    assert "batch-size decision: CPU ms (% of an iteration)" in report
     for png in ("accuracy_vs_time.png", "iteration_time.png", "batch_size.png"):
         data = (out / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, png
