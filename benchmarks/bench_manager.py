@@ -332,21 +332,23 @@ def plan_ahead_table(iterations: int, noise: float, refit_ok: bool) -> str:
     from batchsize_manager.simulation import Simulation, ideal_iteration_time
 
     changes = (100, 200)                            # both kinds of workers: slowed, restored
-    cases = [(label, policy, args, dynamic, "CPU-like", lambda d: cpu_workers(4, noise, d), X,
-              lambda d: cpu_workers(4, 0.0, d))
-             for dynamic in (False, True) for label, policy, args in POLICIES]
-    cases += [(label, policy, {}, dynamic, "GPU-like", lambda d: gpu_workers(noise, d), GPU_X,
-               lambda d: gpu_workers(0.0, d))
-              for dynamic in (False, True) for label, policy in (("uniform (BSP)", "uniform"),
-                                                                  ("lbbsp-gpu", "lbbsp-gpu"))]
+    gpu_rows = [("uniform (BSP)", "uniform", {}), ("lbbsp-gpu", "lbbsp-gpu", {})]
+    cases = [(row, kind, dynamic) for kind, rows_ in (("CPU-like", POLICIES), ("GPU-like", gpu_rows))
+             for dynamic in (False, True) for row in rows_]
+
+    def workers(kind: str, noise_: float, dynamic: bool) -> list[Any]:
+        return cpu_workers(4, noise_, dynamic) if kind == "CPU-like" else gpu_workers(noise_, dynamic)
+
     rows = []
-    for label, policy, args, dynamic, kind, make, total, ref in cases:
-        ideal = statistics.fmean(ideal_iteration_time(ref(dynamic), total, it) for it in range(iterations))
+    for (label, policy, args), kind, dynamic in cases:
+        total = X if kind == "CPU-like" else GPU_X
+        ideal = statistics.fmean(ideal_iteration_time(workers(kind, 0.0, dynamic), total, it)
+                                 for it in range(iterations))
         runs = {}
         for ahead in (False, True):
             m = make_manager(policy, total, _strip_refit(args, refit_ok))
             gc.collect()
-            recs = Simulation(m, make(dynamic), plan_ahead=ahead).run(iterations)
+            recs = Simulation(m, workers(kind, noise, dynamic), plan_ahead=ahead).run(iterations)
             close(m)
             its = [r.iteration_s * 1e3 for r in recs]
             after = [its[i] for c in changes for i in range(c, min(c + 10, len(its)))] if dynamic else []

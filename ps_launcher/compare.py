@@ -169,13 +169,16 @@ def _spread(values: list[Any], fmt: str) -> str:
     return text
 
 
+def _scaled(rs: list[dict[str, Any]], key: str, factor: float) -> list[float | None]:
+    """Column ``key`` of the rows times ``factor`` (None where a run has no value)."""
+    return [None if r.get(key) is None else float(r[key]) * factor for r in rs]
+
+
 def _decision_cell(rs: list[dict[str, Any]]) -> str:
-    cpu = [None if r.get("decision_cpu_ms") in (None, "") else float(r["decision_cpu_ms"]) for r in rs]
-    share = [None if r.get("decision_cpu_share") in (None, "") else float(r["decision_cpu_share"]) * 100
-             for r in rs]
+    cpu = _scaled(rs, "decision_cpu_ms", 1.0)
     if all(c is None for c in cpu):
         return "-"
-    return f"{_spread(cpu, '.3f')} ({_spread(share, '.2f')}%)"
+    return f"{_spread(cpu, '.3f')} ({_spread(_scaled(rs, 'decision_cpu_share', 100.0), '.2f')}%)"
 
 
 def report_table(rows: list[dict[str, Any]], modes: list[str], target: float) -> str:
@@ -186,7 +189,7 @@ def report_table(rows: list[dict[str, Any]], modes: list[str], target: float) ->
     ]
 
     def ms(rs: list[dict[str, Any]], key: str) -> str:
-        return _spread([None if r.get(key) is None else float(r[key]) * 1e3 for r in rs], ".1f")
+        return _spread(_scaled(rs, key, 1e3), ".1f")
 
     for m in modes:
         rs = [r for r in rows if r["mode"] == m]
