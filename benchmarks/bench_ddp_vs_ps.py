@@ -403,8 +403,12 @@ def _show_path(path: Path) -> str:
         return str(path)
 
 
+PAUSED = "PS-BSP, evaluator pauses training"
+
+
 def render(cfg: JobConfig, args: argparse.Namespace, ps: list[RunResult], ddp: list[RunResult],
-           num_train: int, num_params: int, quiet: list[RunResult] | None = None) -> str:
+           num_train: int, num_params: int, quiet: list[RunResult] | None = None,
+           paused: list[RunResult] | None = None) -> str:
     """The configuration, the table and the notes, as Markdown."""
     t, o, c = cfg.training, cfg.optimizer, cfg.cluster
     n_iter = max_iterations(cfg, num_train)
@@ -436,6 +440,8 @@ def render(cfg: JobConfig, args: argparse.Namespace, ps: list[RunResult], ddp: l
     rows = [("PS-BSP", ps), ("DDP-gloo", ddp)]
     if quiet:
         rows.insert(1, ("PS-BSP, no evaluator", quiet))
+    if paused:
+        rows.insert(1, (PAUSED, paused))
     for name, runs in rows:
         times = (f"{_agg([r.median_iteration_s for r in runs], ms)} | {_agg([r.mean_iteration_s for r in runs], ms)} "
                  f"| {_agg([r.p95_iteration_s for r in runs], ms)}")
@@ -452,6 +458,11 @@ def render(cfg: JobConfig, args: argparse.Namespace, ps: list[RunResult], ddp: l
     mean_ratio = _ratio([r.mean_iteration_s for r in ps], [r.mean_iteration_s for r in ddp])
     p95_ratio = _ratio([r.p95_iteration_s for r in ps], [r.p95_iteration_s for r in ddp])
     lines += [f"| PS / DDP | {it_ratio} | {mean_ratio} | {p95_ratio} | | {tt_ratio} | |"]
+    if paused:
+        lines += ["| PS, evaluator pauses training / DDP | "
+                  + " | ".join(_ratio([getattr(r, k) for r in paused], [getattr(r, k) for r in ddp])
+                               for k in ("median_iteration_s", "mean_iteration_s", "p95_iteration_s"))
+                  + f" | | {_ratio([r.time_to_target_s for r in paused], [r.time_to_target_s for r in ddp])} | |"]
     if quiet:
         q_ratio = _ratio([r.median_iteration_s for r in quiet], [r.median_iteration_s for r in ddp])
         e_ratio = _ratio([r.median_iteration_s for r in ps], [r.median_iteration_s for r in quiet])
@@ -483,6 +494,13 @@ def render(cfg: JobConfig, args: argparse.Namespace, ps: list[RunResult], ddp: l
         "target is reached (the evaluator's lag), which counts in its iterations but not in "
         "its time to target.",
     ]
+    if paused:
+        lines.append(
+            f"- {PAUSED} (`evaluator.pause_training=true`): the PS measures as DDP does. At every "
+            f"{EVAL_EVERY}th version shard 0 holds the workers' next assignments until the evaluator "
+            "has reported that version, and the PS clock (iteration times, time to target) leaves "
+            "the pause out; it stops at the version that reached the target. Its wall time "
+            "includes the pauses, as DDP's does its evaluations.")
     for i, r in enumerate(ps):
         versions = ", ".join(str(p["version"]) for p in r.curve)
         run = f" (repeat {i + 1})" if len(ps) > 1 else ""
@@ -520,6 +538,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--no-evaluator-run", action="store_true",
                    help="also run the PS without its evaluator (iteration time only), to measure what the "
                         "evaluator costs training")
+    p.add_argument("--paused-evaluator-run", action="store_true",
+                   help="also run the PS with evaluator.pause_training=true (training waits while the "
+                        "evaluator measures, and the clock stops, as in the DDP loop)")
     p.add_argument("--keep-runs", type=Path, default=None,
                    help="keep the PS run directories and DDP results here (default: a temp dir, removed)")
     args = p.parse_args(argv)
@@ -551,6 +572,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ps_runs: list[RunResult] = []
     ddp_runs: list[RunResult] = []
     quiet_runs: list[RunResult] = []
+    paused_runs: list[RunResult] = []
     ddp_aborts: list[str] = []
     try:
         for i in range(args.repeats):
@@ -559,6 +581,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             ps_runs.append(run_ps(cfg, work_dir / f"ps-{i}"))
             ps_runs[-1].profile = ps_profile(work_dir / f"ps-{i}")
             print(f"{tag} {_describe(ps_runs[-1])}", file=sys.stderr, flush=True)
+            if args.paused_evaluator_run:
+                print(f"{tag} {PAUSED} ...", file=sys.stderr, flush=True)
+                paused_runs.append(run_ps(cfg.with_overrides(["evaluator.pause_training=true"]),
+                                          work_dir / f"ps-paused-{i}", system=PAUSED))
+                print(f"{tag} {_describe(paused_runs[-1])}", file=sys.stderr, flush=True)
             if args.no_evaluator_run:
                 quiet_cfg = cfg.with_overrides(["evaluator.enabled=false", "training.target_accuracy=null"])
                 quiet_cfg = quiet_cfg.model_copy(update={"training": quiet_cfg.training.model_copy(
@@ -580,9 +607,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             shutil.rmtree(work_dir, ignore_errors=True)
         else:
             (work_dir / "results.json").write_text(json.dumps(
-                {"ps": [asdict(r) for r in ps_runs], "ddp": [asdict(r) for r in ddp_runs]},
+                {"ps": [asdict(r) for r in ps_runs], "ddp": [asdict(r) for r in ddp_runs],
+                 "ps_paused": [asdict(r) for r in paused_runs], "ps_quiet": [asdict(r) for r in quiet_runs]},
                 indent=2))
-    report = render(cfg, args, ps_runs, ddp_runs, num_train, num_params, quiet_runs)
+    report = render(cfg, args, ps_runs, ddp_runs, num_train, num_params, quiet_runs, paused_runs)
     if ddp_aborts:
         report += "- DDP runs that aborted and were run again: " + "; ".join(ddp_aborts) + "\n"
     report += render_profile([r.profile for r in ps_runs])

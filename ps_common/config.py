@@ -150,6 +150,17 @@ class EvaluatorConfig(StrictModel):
         "moved on (time to accuracy is unaffected: it is the measured version's time). 0: as "
         "training (prompt stop, slower training)."))
     snapshots: int = Field(32, ge=1, le=1024, description="parameter snapshots each shard keeps for it")
+    pause_training: bool = Field(False, description=(
+        "hold the workers at every measured version until the evaluator has reported it (the job "
+        "starts once the evaluator has joined: version 0 is measured first), and stop "
+        "the training clock meanwhile (as a training loop that evaluates between steps does): on a "
+        "host that training saturates, the evaluator then costs the workers nothing, a "
+        "target_accuracy stop comes at the measured version, and iteration times, elapsed and "
+        "time to accuracy leave the pauses out (the summary shows their total). Round and async "
+        "modes; work already assigned finishes during a pause."))
+    pause_timeout_s: float = Field(30.0, gt=0, description=(
+        "the longest pause: a measurement that has not arrived by then (the evaluator is gone or "
+        "stuck) lets training go on, and no pause is taken until a report arrives again"))
 
 
 class HeartbeatConfig(StrictModel):
@@ -274,6 +285,11 @@ class JobConfig(StrictModel):
         if self.cluster.transport == "ipc" and self.scenario.needs_hosts(self.cluster.num_workers):
             raise ValueError("cluster.transport=ipc cannot reach processes on lab hosts "
                              "(scenario links or hosts): use tcp")
+        if self.evaluator.pause_training and self.evaluator.pause_timeout_s >= self.transport.timeout_s:
+            raise ValueError(
+                f"evaluator.pause_timeout_s ({self.evaluator.pause_timeout_s}) must be below "
+                f"transport.timeout_s ({self.transport.timeout_s}): a worker whose pull waits that "
+                "long gives up")
         if self.training.global_batch < self.cluster.num_workers * self.training.min_batch:
             raise ValueError(
                 f"training.global_batch ({self.training.global_batch}) is below cluster.num_workers "

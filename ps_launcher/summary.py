@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import json
 import statistics
 from pathlib import Path
@@ -66,6 +67,37 @@ def decision_stats(coord: list[dict[str, Any]]) -> dict[str, float] | None:
     return out or None
 
 
+class PausedBefore:
+    """evaluator.pause_training: the seconds training was paused before each version (shard 0's
+    records carry the running total), which elapsed times leave out; 0 for runs without pauses."""
+
+    def __init__(self, coord: list[dict[str, Any]]) -> None:
+        pts = sorted((int(r["version"]), float(r["paused_total_s"])) for r in coord if "paused_total_s" in r)
+        self._versions = [v for v, _ in pts]
+        self._totals = [t for _, t in pts]
+        self._each = [float(r["paused_s"]) for r in coord if r.get("paused_s")]
+        self.recorded = bool(pts)
+
+    def at(self, version: int) -> float:
+        """Total pause before ``version`` was made (the pause that measures it comes after)."""
+        i = bisect.bisect_right(self._versions, version)
+        return self._totals[i - 1] if i else 0.0
+
+    def stats(self) -> dict[str, float] | None:
+        if not self.recorded:
+            return None
+        return {"total_s": self._totals[-1], "count": len(self._each),
+                "mean_s": statistics.fmean(self._each) if self._each else 0.0,
+                "max_s": max(self._each, default=0.0)}
+
+
+def _pause_lines(p: dict[str, float] | None) -> list[str]:
+    if not p:
+        return []
+    return [f"| training paused for the evaluator (s, left out of the times above) | {p['total_s']:.1f} "
+            f"in {p['count']:.0f} pauses (mean {p['mean_s']:.3f}, max {p['max_s']:.3f}) |"]
+
+
 def final_versions(run_dir: Path) -> dict[str, Any]:
     """The version and history hash each shard saved at the end, and whether they all agree."""
     from ps_server.checkpoint import checkpoint_meta
@@ -90,11 +122,13 @@ def summarize(run_dir: str | Path, *, global_batch: int, target_accuracy: float 
     coord = [r for r in all_coord if "event" not in r]
     events = [r for r in all_coord if "event" in r]
     evals = _records(m / "evaluator.jsonl")
-    start_wall = coord[0]["wall_time"] - coord[0]["elapsed"] if coord else None
+    # evaluator.pause_training: elapsed leaves out the pauses before a version
+    paused = PausedBefore(coord)
+    start_wall = coord[0]["wall_time"] - coord[0]["elapsed"] - paused.at(coord[0]["version"]) if coord else None
     durations = normalized_durations(coord, global_batch)
     curve = []
     for e in evals:
-        elapsed = e["version_time"] - start_wall if start_wall is not None else None
+        elapsed = e["version_time"] - start_wall - paused.at(e["version"]) if start_wall is not None else None
         curve.append({"version": e["version"], "samples": e["samples"],
                       "iterations": e["samples"] / global_batch,
                       "elapsed": None if elapsed is None else max(0.0, elapsed),
@@ -127,6 +161,7 @@ def summarize(run_dir: str | Path, *, global_batch: int, target_accuracy: float 
         "mean_iteration_s": statistics.fmean(durations) if durations else None,
         "p95_iteration_s": percentile(durations, 0.95) if durations else None,
         "decision": decision_stats(coord),
+        "evaluator_pauses": paused.stats(),
         "final_accuracy": curve[-1]["accuracy"] if curve else None,
         "final_accuracy_version": curve[-1]["version"] if curve else None,
         "best_accuracy": max((p["accuracy"] for p in curve), default=None),
@@ -226,6 +261,7 @@ def summary_markdown(s: dict[str, Any]) -> str:
         f"| time per global batch (s): median / mean / p95 | {_fmt(s['median_iteration_s'], '.4f')} / "
         f"{_fmt(s.get('mean_iteration_s'), '.4f')} / {_fmt(s.get('p95_iteration_s'), '.4f')} |",
         *_decision_lines(s.get("decision")),
+        *_pause_lines(s.get("evaluator_pauses")),
         f"| final test accuracy | {_fmt(s['final_accuracy'], '.4f')} |",
         f"| final version (every shard) | {_final_line(s.get('final'))} |",
         f"| final training loss | {_fmt(s['final_loss'], '.4f')} |",

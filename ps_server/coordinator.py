@@ -41,6 +41,7 @@ from ps_common.errors import PsError
 from ps_common.protocol import Assignment, Chunk, Plan
 from ps_server.chunks import ChunkPool
 from ps_server.data_cursor import DataCursor, ranges_size, split_ranges
+from ps_server.pause import EvaluatorPause
 from ps_server.sync import AsyncPolicy, RoundPolicy, SyncPolicy
 
 log = logging.getLogger(__name__)
@@ -117,6 +118,8 @@ class UpdateRecord:
     applied_samples: int
     reports: list[WorkerReport] = field(default_factory=list)
     helped_samples: int | None = None  # sync=flexrr: samples computed by a worker not planned them
+    paused_s: float = 0.0          # evaluator.pause_training: pauses since the previous commit
+    paused_total_s: float = 0.0    # ... and since the start (left out of elapsed and duration)
 
 
 class Coordinator:
@@ -173,6 +176,8 @@ class Coordinator:
         self._unobserved: dict[tuple[int, int], WorkerReport] = {}  # (worker, iteration), in arrival order
         self._sent: dict[int, tuple[int, float]] = {}  # worker -> (iteration, when it was answered)
         self._ahead: tuple[tuple[int, ...], tuple[dict[int, int], int]] | None = None
+        ev = cfg.evaluator
+        self.pause = EvaluatorPause(ev.every_iterations, ev.pause_timeout_s, ev.enabled and ev.pause_training)
 
     @property
     def global_batch(self) -> int:
@@ -279,6 +284,8 @@ class Coordinator:
             return self._plan_current_iteration()
         if self.started or len(self.members) < self.cfg.cluster.num_workers:
             return None
+        if self.pause.enabled and not self.pause.present:
+            return None  # pause_training: version 0 is measured before anyone trains
         self.started = True
         now = self.clock()
         if not self.resumed:
@@ -287,6 +294,7 @@ class Coordinator:
         else:  # keep the elapsed clock running across the restart
             self.start_time = now - self.elapsed_at_resume
         self.last_update_time = now
+        self.pause.hold(self.version, now)
         return self._plan_current_iteration()
 
     def _plan_current_iteration(self) -> Plan | None:
@@ -412,6 +420,8 @@ class Coordinator:
         the current iteration's plan) or the worker's next clock (async modes)."""
         if self.stop or worker_id not in self.members or not self.started:
             return None
+        if self.pause.held is not None:
+            return None  # the evaluator is measuring: nobody starts new work (pause_training)
         policy = self.policy
         if not isinstance(policy, AsyncPolicy):  # round modes: the current iteration's plan
             a = self.plan.get(worker_id) if key == self.iteration else None
@@ -444,7 +454,13 @@ class Coordinator:
         if worker_id not in self.members:
             return "not a member"
         if not self.started:
-            return f"the job has not started ({len(self.members)} of {self.cfg.cluster.num_workers} workers joined)"
+            evaluator = (", waiting for the evaluator (evaluator.pause_training)"
+                         if self.pause.enabled and not self.pause.present else "")
+            return (f"the job has not started ({len(self.members)} of {self.cfg.cluster.num_workers} "
+                    f"workers joined{evaluator})")
+        if self.pause.held is not None:
+            return (f"training is paused while the evaluator measures version {self.pause.held} "
+                    "(evaluator.pause_training)")
         if self.policy.plans_rounds:
             if key != self.iteration:
                 return f"shard version {version} is not the planned iteration {self.iteration}"
@@ -697,8 +713,10 @@ class Coordinator:
             ranges={w: a.ranges for w, a in plan.items()}, accepted=sorted(accepted), loss=loss,
             epoch=self.cursor.epoch, samples=self.cursor.state.samples_served,
             applied_samples=self.applied_samples,
-            reports=[self.reports[w] for w in accepted if w in self.reports])
+            reports=[self.reports[w] for w in accepted if w in self.reports],
+            paused_s=self.pause.take_since_commit(), paused_total_s=self.pause.total_s)
         self.last_update_time = now
+        self.pause.hold(self.version, now)  # a stop decided next ends it at once
         return record
 
     # ----- checkpoints ------------------------------------------------------------------------
@@ -723,6 +741,7 @@ class Coordinator:
         self.plan, self.outstanding, self.ledger, self.chunks = {}, {}, {}, None
         self._completed, self._pending_drops = [], []
         self._unobserved, self._ahead = {}, None
+        self.pause.clear()
         self.cursor.load_state_dict(d["cursor"])
         self.iteration = int(d["iteration"])
         self.version = int(d.get("version", d["updates"]))
@@ -756,7 +775,7 @@ class Coordinator:
             self.request_stop(f"reached max_iterations={t.max_iterations}")
         elif t.epochs is not None and self.applied_samples >= t.epochs * self.num_samples:
             self.request_stop(f"reached epochs={t.epochs}")
-        elif t.max_seconds is not None and now - self.start_time >= t.max_seconds:
+        elif t.max_seconds is not None and now - self.start_time - self.pause.ongoing(now) >= t.max_seconds:
             self.request_stop(f"reached max_seconds={t.max_seconds}")
         elif t.target_accuracy is not None and self.last_accuracy >= t.target_accuracy:
             self.request_stop(f"reached target_accuracy={t.target_accuracy}")
@@ -773,6 +792,8 @@ class Coordinator:
             return
         self.stop, self.stop_reason, self.stop_version = True, reason, self.version
         log.info("stopping at version %d: %s", self.version, reason)
+        if self.pause.held is not None:
+            self._resume(self.clock())
         if self.chunks is not None:
             self.cursor.give_back(self.chunks.everything())
         else:
@@ -786,10 +807,50 @@ class Coordinator:
         self._pending_drops += [list(k) for k in self.ledger]
         self.ledger, self._completed = {}, []
 
-    def on_eval(self, accuracy: float, final: bool = False) -> None:
+    def on_eval(self, accuracy: float, final: bool = False, version: int = -1) -> bool:
+        """The evaluator's measurement of ``version``; True if it ended a pause (the waiting
+        pulls can be answered now)."""
         self.last_accuracy = accuracy
         if final:
             self.evaluator_done = True
+        now = self.clock()
+        length = self.pause.reported(version, now)
+        if length is None:
+            return False
+        self._shift_clock(length)
+        return True
+
+    # ----- evaluator pauses (evaluator.pause_training) --------------------------------------
+    def evaluator_joined(self) -> None:
+        """An evaluator is there to end pauses. With ``pause_training`` the job starts only once
+        it has joined, so that version 0 is measured before anyone trains (the caller tries to
+        start); one that joins again later misses the pause of the version training was at."""
+        self.pause.present = True
+
+    def check_pause(self) -> bool:
+        """End a pause that has lasted ``evaluator.pause_timeout_s``; True if it did."""
+        held = self.pause.held
+        length = self.pause.expired(self.clock())
+        if length is None:
+            return False
+        self._shift_clock(length)
+        log.warning("no measurement of version %s from the evaluator within evaluator.pause_timeout_s=%s: "
+                    "training goes on, and pauses again once the evaluator reports", held,
+                    self.pause.timeout_s)
+        self.events.append({"event": "evaluator_pause_timeout", "version": held,
+                            "timeout_s": self.pause.timeout_s})
+        return True
+
+    def _resume(self, now: float) -> None:
+        self._shift_clock(self.pause.release(now))
+
+    def _shift_clock(self, paused: float) -> None:
+        """Leave ``paused`` seconds out of elapsed time and of the current iteration's duration."""
+        self.start_time += paused
+        self.last_update_time += paused
 
     def elapsed(self) -> float:
-        return self.clock() - self.start_time if self.started else 0.0
+        if not self.started:
+            return 0.0
+        now = self.clock()
+        return now - self.start_time - self.pause.ongoing(now)

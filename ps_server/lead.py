@@ -155,6 +155,9 @@ class Lead:
         if coord.started and not coord.stop and not server.router.pending():
             for w in coord.silent_workers(self.cfg.heartbeat.timeout_s):
                 self.remove_worker(w, f"lost (silent for more than {self.cfg.heartbeat.timeout_s}s)")
+        if coord.check_pause():  # the evaluator never reported: the waiting workers go on
+            server.pulls_changed()
+            self.advance()
         if coord.check_time():
             self.advance()
         self._explain_long_waits(now)
@@ -255,6 +258,8 @@ class Lead:
             if wid >= 0:  # ids follow join order: the records say which name each one is
                 self.metrics.write(event="worker_joined", worker=wid, name=join.name, device=join.device,
                                    live=coord.live(), version=version)
+            elif role == "evaluator":
+                coord.evaluator_joined()
             start = policy.assignment_key(version, coord.clock_of(wid)) if wid >= 0 else version
             server.router_reply(ident, P.Welcome(
                 worker_id=wid,
@@ -313,7 +318,8 @@ class Lead:
 
     def _on_eval(self, ident: bytes, role: str, msg: P.EvalReport) -> P.Message:
         coord = self.coord
-        coord.on_eval(msg.accuracy, final=msg.final)
+        if coord.on_eval(msg.accuracy, final=msg.final, version=msg.version):
+            self.server.pulls_changed()  # the pause for this version ends: answer the workers
         # Kept with the coordinator's records, so shard 0's run directory alone gives the whole
         # summary of a job whose processes ran on other hosts (ps-summary).
         self.metrics.write(event="eval", version=msg.version, samples=msg.samples, accuracy=msg.accuracy,
@@ -390,7 +396,8 @@ class Lead:
             workers={str(r.worker_id): r.telemetry.to_dict() for r in rec.reports},
             dropped=server.state.dropped, drops=d.drops, stop=coord.stop, stop_reason=coord.stop_reason,
             decision_s=coord.manager.last_decision_s, decision_cpu_s=coord.manager.last_decision_cpu_s,
-            **({} if rec.helped_samples is None else {"helped_samples": rec.helped_samples}))
+            **({} if rec.helped_samples is None else {"helped_samples": rec.helped_samples}),
+            **({"paused_s": rec.paused_s, "paused_total_s": rec.paused_total_s} if coord.pause.enabled else {}))
 
     def _announce_plan(self, plan: P.Plan | None) -> None:
         if plan is not None:

@@ -31,6 +31,23 @@ from ps_worker.client import ShardClients
 
 log = logging.getLogger(__name__)
 
+PAUSED_POLL_S = 0.01  # pause_training: the status is asked this often once a version is near
+
+
+def next_poll_s(prev: tuple[float, int] | None, now: float, version: int, next_version: int,
+                slow_s: float, fast_s: float = PAUSED_POLL_S) -> float:
+    """How long to sleep before asking for the status again, under ``pause_training``: the
+    workers will wait at ``next_version`` until it is measured, so ask every ``fast_s`` once it
+    is near, and until then sleep half the time the versions' recent rate (``prev``: the last
+    status's time and version) says it is away, within [fast_s, slow_s]."""
+    if prev is None or next_version <= version:
+        return fast_s
+    t0, v0 = prev
+    if version <= v0 or now <= t0:
+        return fast_s   # no rate measured (or the version went back): stay prompt
+    eta = (next_version - version) * (now - t0) / (version - v0)
+    return min(slow_s, max(fast_s, 0.5 * eta))
+
 
 def lower_priority(nice: int) -> None:
     """Run at CPU niceness ``nice``, and at 19 also SCHED_IDLE, so that the evaluator yields to
@@ -141,6 +158,7 @@ class Evaluator:
         self.flat = FlatParameters(self.model)
         self.params = np.empty(self.flat.numel, dtype=np.float32)
         self.poll_s = poll_s
+        self.paused = cfg.evaluator.pause_training  # the workers wait for each measurement
         self.metrics = MetricsWriter(Path(run_dir) / "metrics" / "evaluator.jsonl" if run_dir else None,
                                      existing_for(overwrite=overwrite))
         self.results: list[dict[str, float]] = []
@@ -157,10 +175,12 @@ class Evaluator:
         next_version = 0
         last_done = -1
         stop_seen: float | None = None
+        prev: tuple[float, int] | None = None   # (when, version) of the last status seen started
         try:
             while True:
                 status = self.client.send_to_coordinator(P.StatusRequest(), P.Status)
                 assert isinstance(status, P.Status)
+                seen_at = time.monotonic()
                 if status.stop and stop_seen is None:
                     stop_seen = time.monotonic()
                     next_version = self._catch_up_from(next_version, status.version, every)
@@ -186,7 +206,11 @@ class Evaluator:
                         self._measure(status.version, report=False, exact=True)
                     self._report(self.results[-1] if self.results else None, final=True)
                     return self.results
-                time.sleep(self.poll_s)
+                if self.paused and status.started:
+                    time.sleep(next_poll_s(prev, seen_at, status.version, next_version, self.poll_s))
+                    prev = (seen_at, status.version)
+                else:  # paused runs hold version 0 for it from the start
+                    time.sleep(min(self.poll_s, 5 * PAUSED_POLL_S) if self.paused else self.poll_s)
         finally:
             self.metrics.close()
             self.client.close()

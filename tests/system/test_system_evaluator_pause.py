@@ -1,0 +1,87 @@
+"""evaluator.pause_training with real processes: training waits at every measured version until
+the evaluator has reported it, the pauses stay out of the run's times, and an evaluator that dies
+during a pause holds the job up for at most ``pause_timeout_s``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ps_common.metrics import read_jsonl
+from tests.cluster_util import start_servers, start_workers, wait_exit, write_config
+
+pytestmark = pytest.mark.system
+
+
+def _lines(path):
+    return list(read_jsonl(path)) if path.exists() else []
+
+
+def test_training_waits_for_each_measurement_and_its_times_leave_the_pauses_out(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "ps_launcher.cli", "configs/mnist_bsp.yaml", "--run-dir", str(run_dir),
+           "--no-progress", "--set", "training.epochs=null", "--set", "training.max_iterations=120",
+           "--set", "training.target_accuracy=null", "--set", "evaluator.every_iterations=30",
+           "--set", "evaluator.pause_training=true"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stdout + out.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["final"]["agree"] and summary["iterations"] == 120
+    coord = {r["version"]: r for r in _lines(run_dir / "metrics" / "coordinator.jsonl") if "event" not in r}
+    evals = {e["version"]: e for e in _lines(run_dir / "metrics" / "evaluator.jsonl")}
+    assert sorted(evals) == [0, 30, 60, 90, 120]
+    for v in (0, 30, 60, 90):
+        nxt = coord[v + 1]
+        # Version v + 1 was made after the measurement of v was written: nobody trained meanwhile.
+        assert nxt["wall_time"] > evals[v]["wall_time"], (v, nxt["wall_time"], evals[v]["wall_time"])
+        # The pause enclosed the whole evaluation, and the iteration's duration leaves it out.
+        assert nxt["paused_s"] >= evals[v]["eval_s"], (v, nxt["paused_s"], evals[v]["eval_s"])
+        if v > 0:  # between the two commits: the iteration's duration plus the pause, counted once
+            between = nxt["wall_time"] - coord[v]["wall_time"]
+            assert abs(between - nxt["duration"] - nxt["paused_s"]) < 0.5 * evals[v]["eval_s"], (v, between, nxt)
+    assert all(coord[v]["paused_s"] == 0.0 for v in coord if v - 1 not in (0, 30, 60, 90))
+    pauses = summary["evaluator_pauses"]
+    assert pauses["count"] == 4 and pauses["total_s"] == pytest.approx(coord[120]["paused_total_s"])
+    assert pauses["total_s"] >= sum(evals[v]["eval_s"] for v in (0, 30, 60, 90))
+    assert summary["training_s"] == pytest.approx(coord[120]["elapsed"])
+    # Time to accuracy is on the training clock: the measured version's elapsed, pauses left out.
+    for p in summary["accuracy_curve"]:
+        if p["version"] > 0:
+            assert p["elapsed"] == pytest.approx(coord[p["version"]]["elapsed"], abs=0.05), p
+    assert "training paused for the evaluator" in (run_dir / "summary.md").read_text()
+
+
+def test_an_evaluator_that_dies_holds_training_up_for_at_most_the_pause_timeout(procs, tmp_path):
+    cfg_path, cfg = write_config(tmp_path, {
+        "model": {"name": "mlp"}, "data": {"dataset": "synthetic", "synthetic_train": 512},
+        "training": {"global_batch": 64, "max_iterations": 60, "finish_timeout_s": 5},
+        "cluster": {"num_shards": 2, "num_workers": 2},
+        "evaluator": {"every_iterations": 10, "nice": 0, "pause_training": True, "pause_timeout_s": 2.0}})
+    run_dir = tmp_path / "run"
+    ep0 = start_servers(procs, cfg_path, 2, run_dir)[0]
+    evaluator = procs.start("evaluator", "ps_worker.evaluator_cli",
+                            ["--config", str(cfg_path), "--server", ep0, "--run-dir", str(run_dir)])
+    workers = start_workers(procs, cfg_path, ep0, 2, run_dir)
+    coord_log = run_dir / "metrics" / "coordinator.jsonl"
+    deadline = time.monotonic() + 120
+    while not any(r.get("event") == "eval" for r in _lines(coord_log)):
+        assert time.monotonic() < deadline, "the evaluator never reported"
+        assert evaluator.proc.poll() is None, evaluator.tail()
+        time.sleep(0.02)
+    os.kill(evaluator.proc.pid, signal.SIGKILL)   # it dies with a measured version ahead
+    evaluator.proc.wait(timeout=10)
+    wait_exit([*workers, *[c for c in procs.children if c.role.startswith("shard")]], timeout_s=120)
+    recs = _lines(coord_log)
+    timeouts = [r for r in recs if r.get("event") == "evaluator_pause_timeout"]
+    assert len(timeouts) == 1, "one pause timed out; none was taken after it"
+    held = timeouts[0]["version"]
+    commits = {r["version"]: r for r in recs if "event" not in r}
+    assert max(commits) == 60, "training went on to the end"
+    assert commits[held + 1]["paused_s"] >= 2.0, "the workers waited out the timeout"
+    assert all(commits[v]["paused_s"] == 0.0 for v in commits if v > held + 1)
