@@ -4,6 +4,10 @@ It runs as its own process, watches the coordinator's status, and every
 ``evaluator.every_iterations`` versions pulls a consistent copy of the parameters (the same
 version from every shard), measures test accuracy and reports it to the coordinator (which may
 stop the run at a target accuracy). A final measurement is taken when the run stops.
+
+With ``evaluator.pause_training`` shard 0 holds the workers at each measured version until this
+report arrives (:mod:`ps_server.pause`), so it asks for the status often once such a version is
+near (:func:`next_poll_s`).
 """
 
 from __future__ import annotations

@@ -11,10 +11,11 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from ps_common.metrics import read_jsonl
-from tests.cluster_util import start_servers, start_workers, wait_exit, write_config
+from tests.cluster_util import final_params, start_servers, start_workers, wait_exit, write_config
 
 pytestmark = pytest.mark.system
 
@@ -23,16 +24,26 @@ def _lines(path):
     return list(read_jsonl(path)) if path.exists() else []
 
 
-def test_training_waits_for_each_measurement_and_its_times_leave_the_pauses_out(tmp_path):
-    run_dir = tmp_path / "run"
+def _launch(run_dir, pause):
     cmd = [sys.executable, "-m", "ps_launcher.cli", "configs/mnist_bsp.yaml", "--run-dir", str(run_dir),
            "--no-progress", "--set", "training.epochs=null", "--set", "training.max_iterations=120",
            "--set", "training.target_accuracy=null", "--set", "evaluator.every_iterations=30",
-           "--set", "evaluator.pause_training=true"]
+           "--set", f"evaluator.pause_training={str(pause).lower()}"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     assert out.returncode == 0, out.stdout + out.stderr
-    summary = json.loads((run_dir / "summary.json").read_text())
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def test_training_waits_for_each_measurement_and_its_times_leave_the_pauses_out(tmp_path):
+    run_dir = tmp_path / "run"
+    summary = _launch(run_dir, pause=True)
     assert summary["final"]["agree"] and summary["iterations"] == 120
+    # The pauses move no sample and change no update: bit for bit the run without them.
+    plain = _launch(tmp_path / "plain", pause=False)
+    assert plain["evaluator_pauses"] is None
+    paused_params, _ = final_params(run_dir)
+    plain_params, _ = final_params(tmp_path / "plain")
+    assert np.array_equal(paused_params, plain_params)
     coord = {r["version"]: r for r in _lines(run_dir / "metrics" / "coordinator.jsonl") if "event" not in r}
     evals = {e["version"]: e for e in _lines(run_dir / "metrics" / "evaluator.jsonl")}
     assert sorted(evals) == [0, 30, 60, 90, 120]
