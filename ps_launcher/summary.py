@@ -77,6 +77,19 @@ class PausedBefore:
         self._totals = [t for _, t in pts]
         self._each = [float(r["paused_s"]) for r in coord if r.get("paused_s")]
         self.recorded = bool(pts)
+        self._after = {int(r["version"]): float(r.get("paused_s", 0.0)) for r in coord}
+        # Round modes (iteration t makes version t + 1): a worker's wait after pushing iteration t
+        # is the wait for version t + 1, which holds that version's pause.
+        self.rounds = all(int(r.get("iteration", -1)) == int(r["version"]) - 1 for r in coord)
+
+    def held_at(self, version: int) -> float:
+        """The pause at ``version`` (the one before the next commit, as its record says)."""
+        return self._after.get(version + 1, 0.0)
+
+    def in_wait_of(self, iteration: int) -> float:
+        """The pause inside a worker's wait after pushing ``iteration`` (round modes; 0 in async
+        modes, whose pauses hold whichever worker asks then)."""
+        return self.held_at(iteration + 1) if self.recorded and self.rounds else 0.0
 
     def at(self, version: int) -> float:
         """Total pause before ``version`` was made (the pause that measures it comes after)."""
@@ -143,10 +156,10 @@ def summarize(run_dir: str | Path, *, global_batch: int, target_accuracy: float 
                               "iterations": e["samples"] / global_batch, "elapsed": at.get(e["version"]),
                               "accuracy": e["accuracy"], "loss": e["loss"]})
     events = [e for e in events if e["event"] != "eval"]
-    workers = _worker_stats(m)
+    workers = _worker_stats(m, paused)
     workers_from = "workers' metrics"
     if not workers and coord:  # workers ran elsewhere: what their pushes told shard 0
-        workers, workers_from = _worker_stats_from_coordinator(coord), "shard 0's records"
+        workers, workers_from = _worker_stats_from_coordinator(coord, paused), "shard 0's records"
     marks = sorted({*ACCURACY_MARKS, *([target_accuracy] if target_accuracy else [])})
     summary: dict[str, Any] = {
         "run_dir": str(run_dir),
@@ -178,7 +191,14 @@ def summarize(run_dir: str | Path, *, global_batch: int, target_accuracy: float 
     return summary
 
 
-def _worker_stats(m: Path) -> dict[str, dict[str, Any]]:
+def _less(seconds: float, paused: float) -> float:
+    """A worker's time without the pause it held (unchanged where there was none)."""
+    return max(0.0, seconds - paused) if paused else seconds
+
+
+def _worker_stats(m: Path, paused: PausedBefore) -> dict[str, dict[str, Any]]:
+    """Per-worker means from each worker's own records; a pause for the evaluator (round modes)
+    is left out of the wait and the iteration that held it, as the coordinator's clock does."""
     workers: dict[str, dict[str, Any]] = {}
     for path in sorted(m.glob("worker-*.jsonl")):
         recs = _records(path)
@@ -186,32 +206,36 @@ def _worker_stats(m: Path) -> dict[str, dict[str, Any]]:
             continue
         wid = path.stem.split("-", 1)[1]
         reports = [Telemetry.from_record(r) for r in recs]  # the worker's report of each iteration
+        held = [paused.in_wait_of(int(r.get("iteration", -2))) for r in recs]
         workers[wid] = {
             "iterations": len(recs),
             "mean_batch": statistics.fmean(r["batch_size"] for r in recs),
             "mean_compute_s": statistics.fmean(t.compute_s for t in reports),
-            "mean_wait_s": statistics.fmean(r["wait_s"] for r in recs),  # this iteration's, not a report's
-            "mean_iteration_s": statistics.fmean(t.iteration_s for t in reports),
+            # this iteration's wait, not a report's
+            "mean_wait_s": statistics.fmean(_less(r["wait_s"], h) for r, h in zip(recs, held)),
+            "mean_iteration_s": statistics.fmean(_less(t.iteration_s, h) for t, h in zip(reports, held)),
         }
     return workers
 
 
-def _worker_stats_from_coordinator(coord: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def _worker_stats_from_coordinator(coord: list[dict[str, Any]], paused: PausedBefore) -> dict[str, dict[str, Any]]:
     """Per-worker means from the telemetry each committed push carried to shard 0 (wait and
-    iteration times are the previous iteration's, as the worker reports them)."""
-    per: dict[str, list[tuple[int, Telemetry]]] = {}
+    iteration times are the previous iteration's, as the worker reports them: a record's own
+    ``paused_s`` is the pause inside them in round modes)."""
+    per: dict[str, list[tuple[int, Telemetry, float]]] = {}
     for r in coord:
+        held = float(r.get("paused_s", 0.0)) if paused.rounds else 0.0
         for wid, tel in r.get("workers", {}).items():
             if int(wid) in r.get("accepted", []):
-                per.setdefault(wid, []).append((r["batch_sizes"][wid], Telemetry.from_record(tel)))
+                per.setdefault(wid, []).append((r["batch_sizes"][wid], Telemetry.from_record(tel), held))
     out = {}
     for wid in sorted(per, key=int):
         rows = per[wid]
         out[wid] = {"iterations": len(rows),
-                    "mean_batch": statistics.fmean(x for x, _ in rows),
-                    "mean_compute_s": statistics.fmean(t.compute_s for _, t in rows),
-                    "mean_wait_s": statistics.fmean(t.prev_wait_s for _, t in rows),
-                    "mean_iteration_s": statistics.fmean(t.iteration_s for _, t in rows)}
+                    "mean_batch": statistics.fmean(x for x, _, _ in rows),
+                    "mean_compute_s": statistics.fmean(t.compute_s for _, t, _ in rows),
+                    "mean_wait_s": statistics.fmean(_less(t.prev_wait_s, h) for _, t, h in rows),
+                    "mean_iteration_s": statistics.fmean(_less(t.iteration_s, h) for _, t, h in rows)}
     return out
 
 

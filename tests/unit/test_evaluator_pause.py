@@ -5,11 +5,13 @@ arithmetic over such records and the evaluator's polling rule."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from batchsize_manager.manager import BatchSizeManager
 from ps_common.config import ConfigError, validate
-from ps_launcher.summary import PausedBefore, time_to_accuracy
+from ps_launcher.summary import PausedBefore, summarize, time_to_accuracy
 from ps_server.coordinator import Coordinator
 from ps_server.pause import EvaluatorPause
 from ps_server.sync import sync_policy_for
@@ -210,3 +212,32 @@ def test_the_evaluator_asks_often_only_when_a_measured_version_is_near():
     assert next_poll_s(None, 0.5, 10, 100, slow_s=1.0) == PAUSED_POLL_S, "no rate yet"
     assert next_poll_s((0.0, 10), 0.5, 10, 100, slow_s=1.0) == PAUSED_POLL_S, "no progress seen"
     assert next_poll_s((0.0, 0), 0.5, 100, 100, slow_s=1.0) == PAUSED_POLL_S, "due now"
+
+
+def _write_jsonl(path, recs):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+
+@pytest.mark.parametrize("workers_from", ["own", "shard0"])
+def test_summary_leaves_the_pause_out_of_the_wait_that_held_it(tmp_path, workers_from):
+    """Version 2 measured with a 2 s pause: the worker's wait after pushing iteration 1 (the
+    wait for version 2's answer) held it; its record, and the report it sent with iteration 2's
+    push, say 2.01 s. The summary says 0.01 s, as the coordinator's clock does."""
+    coord = [{"version": v, "iteration": v - 1, "elapsed": 0.1 * v, "duration": 0.1, "wall_time": 100.0 + v,
+              "paused_s": 2.0 if v == 3 else 0.0, "paused_total_s": 2.0 if v >= 3 else 0.0,
+              "applied_samples": 10 * v, "samples": 10 * v, "epoch": 0, "loss": 1.0,
+              "accepted": [0], "batch_sizes": {"0": 10},
+              "workers": {"0": {"compute_s": 0.05, "prev_wait_s": 2.01 if v == 3 else 0.01,
+                                "iteration_s": 2.1 if v == 3 else 0.1}}}
+             for v in range(1, 5)]
+    _write_jsonl(tmp_path / "metrics" / "coordinator.jsonl", coord)
+    if workers_from == "own":
+        _write_jsonl(tmp_path / "metrics" / "worker-0.jsonl", [
+            {"worker": 0, "iteration": t, "batch_size": 10, "compute_s": 0.05, "push_s": 0.0,
+             "wait_s": 2.01 if t == 1 else 0.01, "pull_s": 0.0, "iteration_s": 2.1 if t == 1 else 0.1}
+            for t in range(4)])
+    s = summarize(tmp_path, global_batch=10)
+    w = s["workers"]["0"]
+    assert w["mean_wait_s"] == pytest.approx(0.01) and w["mean_iteration_s"] == pytest.approx(0.1)
+    assert s["evaluator_pauses"]["total_s"] == 2.0
