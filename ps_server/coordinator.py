@@ -294,7 +294,8 @@ class Coordinator:
         else:  # keep the elapsed clock running across the restart
             self.start_time = now - self.elapsed_at_resume
         self.last_update_time = now
-        self.pause.hold(self.version, now)
+        if not self.resumed:  # a resumed job's version was measured before (or is skipped)
+            self.pause.hold(self.version, now)
         return self._plan_current_iteration()
 
     def _plan_current_iteration(self) -> Plan | None:

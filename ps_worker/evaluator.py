@@ -180,11 +180,19 @@ class Evaluator:
         last_done = -1
         stop_seen: float | None = None
         prev: tuple[float, int] | None = None   # (when, version) of the last status seen started
+        last_seen = -1
         try:
             while True:
                 status = self.client.send_to_coordinator(P.StatusRequest(), P.Status)
                 assert isinstance(status, P.Status)
                 seen_at = time.monotonic()
+                if self.paused and status.started and status.version < last_seen and not status.stop:
+                    # the job rolled back (a shard restarted): the pauses come at the versions
+                    # made again, so measure those
+                    next_version = -(-status.version // every) * every
+                    log.info("the job went back to version %d: measuring from %d", status.version, next_version)
+                    prev = None
+                last_seen = status.version if status.started else last_seen
                 if status.stop and stop_seen is None:
                     stop_seen = time.monotonic()
                     next_version = self._catch_up_from(next_version, status.version, every)

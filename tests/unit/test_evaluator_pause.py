@@ -47,10 +47,10 @@ def coordinator(sync="bsp", every=2, evaluator=True, pause=True, **training):
 def one_iteration(c, clock, seconds=1.0):
     """Both workers compute for ``seconds`` and push to every shard; the commit's record."""
     t = c.iteration
-    for w in (0, 1):
+    for w in c.live():
         assert c.assignment(w, t) is not None
     clock.t += seconds
-    for w in (0, 1):
+    for w in c.live():
         for k in range(S):
             c.on_gradient(k, w, t, c.expected(w, t))
     (d,) = c.decide()
@@ -241,3 +241,17 @@ def test_summary_leaves_the_pause_out_of_the_wait_that_held_it(tmp_path, workers
     w = s["workers"]["0"]
     assert w["mean_wait_s"] == pytest.approx(0.01) and w["mean_iteration_s"] == pytest.approx(0.1)
     assert s["evaluator_pauses"]["total_s"] == 2.0
+
+
+def test_a_resumed_job_does_not_pause_at_the_version_it_resumes_from():
+    c, clock = coordinator(every=1)
+    c.on_eval(0.1, version=0)
+    one_iteration(c, clock)
+    state = c.state_dict()
+    c.on_eval(0.2, version=1)
+    c.load_state_dict(state)          # a rollback to version 1: the workers join again
+    for i in range(2):
+        c.join(f"w{i}", f"again-{i}")
+    assert c.try_start() is not None and c.pause.held is None, "version 1 was measured before"
+    rec = one_iteration(c, clock)
+    assert rec.version == 2 and c.pause.held == 2
