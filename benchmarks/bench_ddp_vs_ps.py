@@ -537,7 +537,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="override a PS config value, e.g. cluster.transport=ipc")
     p.add_argument("--no-evaluator-run", action="store_true",
                    help="also run the PS without its evaluator (iteration time only), to measure what the "
-                        "evaluator costs training")
+                        "evaluator costs training; as many iterations as the paused run if there is one, "
+                        "else as the run with the evaluator beside training")
     p.add_argument("--paused-evaluator-run", action="store_true",
                    help="also run the PS with evaluator.pause_training=true (training waits while the "
                         "evaluator measures, and the clock stops, as in the DDP loop)")
@@ -587,9 +588,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                                           work_dir / f"ps-paused-{i}", system=PAUSED))
                 print(f"{tag} {_describe(paused_runs[-1])}", file=sys.stderr, flush=True)
             if args.no_evaluator_run:
+                # as many iterations as the run it is compared with: the paused one when there
+                # is one (it stops where DDP does), else the one with the evaluator beside it
+                length = (paused_runs or ps_runs)[-1].iterations
                 quiet_cfg = cfg.with_overrides(["evaluator.enabled=false", "training.target_accuracy=null"])
                 quiet_cfg = quiet_cfg.model_copy(update={"training": quiet_cfg.training.model_copy(
-                    update={"target_accuracy": None, "max_iterations": ps_runs[-1].iterations})})
+                    update={"target_accuracy": None, "max_iterations": length})})
                 print(f"{tag} PS-BSP without evaluator ...", file=sys.stderr, flush=True)
                 quiet_runs.append(run_ps_quiet(quiet_cfg, work_dir / f"ps-quiet-{i}"))
                 print(f"{tag} {_describe(quiet_runs[-1])}", file=sys.stderr, flush=True)
