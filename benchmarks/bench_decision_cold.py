@@ -1,0 +1,156 @@
+"""What idling between decisions does to a batch-size decision's CPU time on this host.
+
+Why: bench_manager's table (c) finds a decision paced like a real run (one per 50 ms) about four
+times as costly as the same decision in a tight loop. This splits that cost into its two parts
+(applying the queued reports, then deciding) and measures them three ways: back to back, after
+a 50 ms ``sleep`` (an idle core, as in the paced table), and after 50 ms of a spin-wait (a busy
+core whose caches the spin barely touches). Two reference rows do a fixed small job (apply 4
+reports to per-worker arrays) in plain Python and in numpy, so the host's own cold-start factor
+is on the same table as the manager's.
+
+Usage::
+
+    python benchmarks/bench_decision_cold.py [--workers 4 100 1000] [--decisions 150]
+
+CPU times are this thread's (``time.thread_time``); mean over the decisions after 20 warm-up ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+MODES = ("tight", "sleep 50 ms", "spin 50 ms")
+WARMUP = 20
+GAP_S = 0.05
+
+
+def idle(mode: str) -> None:
+    if mode == "sleep 50 ms":
+        time.sleep(GAP_S)
+    elif mode == "spin 50 ms":
+        end = time.perf_counter() + GAP_S
+        while time.perf_counter() < end:
+            pass
+
+
+def manager_run(n: int, mode: str, decisions: int) -> tuple[float, float]:
+    """Mean CPU seconds of (applying the reports, deciding) per decision, lbbsp-cpu with EMA."""
+    from batchsize_manager import BatchSizeManager
+    from batchsize_manager.simulation import SimulatedWorker, Simulation
+
+    m = BatchSizeManager("lbbsp-cpu", 64 * n, policy_args={"predictor": "ema"})
+    workers = [SimulatedWorker(1000.0 * (1 + i % 4), overhead=0.005, saturation_batch=0, noise=0.03, seed=i)
+               for i in range(n)]
+    sim = Simulation(m, workers)
+    sim.run(30)
+    assign = m.assign
+    parts: list[tuple[float, float]] = []
+
+    def timed_assign() -> dict[int, int]:
+        t0 = time.thread_time()
+        m._flush()                       # what assign() would do first, timed on its own
+        t1 = time.thread_time()
+        out = assign()
+        parts.append((t1 - t0, time.thread_time() - t1))
+        return out
+
+    m.assign = timed_assign  # type: ignore[method-assign]
+    for _ in range(decisions):
+        sim.step()
+        idle(mode)
+    m.close()
+    flush, decide = zip(*parts[WARMUP:])
+    return statistics.fmean(flush), statistics.fmean(decide)
+
+
+def reference_jobs() -> dict[str, Callable[[], None]]:
+    """Apply 4 reports (speed, EMA, overhead EMA, a window entry of 6 fields) in plain Python
+    and in numpy: the same fixed job, to show the host's cold-start factor."""
+    w, slots = 32, 64
+    win = [np.full((slots, w), math.nan) for _ in range(6)]
+    seen, fill = np.zeros(slots, dtype=np.int64), np.zeros(slots, dtype=np.int64)
+    ema, over = np.full(slots, math.nan), np.full(slots, math.nan)
+    reps = [(i, 64.0, 0.05 + 0.01 * i, 0.06 + 0.01 * i) for i in range(4)]
+
+    def plain() -> None:
+        for s, x, c, f in reps:
+            v = x / c
+            seen[s] += 1
+            e = ema[s]
+            ema[s] = v if e != e else 0.3 * v + 0.7 * e
+            o = max(0.0, f - c)
+            p = over[s]
+            over[s] = o if p != p else 0.2 * o + 0.8 * p
+            pos = int(fill[s]) % w
+            for a, val in zip(win, (x, f, c, v, c, c)):
+                a[s, pos] = val
+            fill[s] += 1
+
+    def vectorised() -> None:
+        s = np.fromiter((r[0] for r in reps), np.int64, len(reps))
+        x, c, f = (np.fromiter((r[k] for r in reps), float, len(reps)) for k in (1, 2, 3))
+        v = x / c
+        seen[s] += 1
+        e = ema[s]
+        ema[s] = np.where(np.isnan(e), v, 0.3 * v + 0.7 * e)
+        o = np.maximum(0.0, f - c)
+        p = over[s]
+        over[s] = np.where(np.isnan(p), o, 0.2 * o + 0.8 * p)
+        pos = fill[s] % w
+        for a, val in zip(win, (x, f, c, v, c, c)):
+            a[s, pos] = val
+        fill[s] += 1
+
+    return {"reference: apply 4 reports, plain Python": plain,
+            "reference: apply 4 reports, numpy": vectorised}
+
+
+def reference_run(job: Callable[[], None], mode: str, decisions: int) -> float:
+    ts = []
+    for _ in range(decisions):
+        t0 = time.thread_time()
+        job()
+        ts.append(time.thread_time() - t0)
+        idle(mode)
+    return statistics.fmean(ts[WARMUP:])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workers", type=int, nargs="+", default=[4, 100, 1000])
+    ap.add_argument("--decisions", type=int, default=150)
+    args = ap.parse_args(argv)
+    if args.decisions <= WARMUP:
+        ap.error(f"--decisions must exceed the {WARMUP} warm-up ones")
+    us = lambda s: f"{s * 1e6:.1f}"  # noqa: E731
+    lines = ["| what | workers | " + " | ".join(f"{m}: CPU µs" for m in MODES) + " | sleep / tight |",
+             "|---|---|" + "---|" * (len(MODES) + 1)]
+    for n in args.workers:
+        runs = {mode: manager_run(n, mode, args.decisions) for mode in MODES}
+        for i, part in enumerate(("lbbsp-cpu (ema): apply the queued reports", "lbbsp-cpu (ema): decide")):
+            vals = [runs[mode][i] for mode in MODES]
+            lines.append(f"| {part} | {n:,} | " + " | ".join(us(v) for v in vals)
+                         + f" | {vals[1] / vals[0]:.1f}x |")
+    for name, job in reference_jobs().items():
+        vals = [reference_run(job, mode, args.decisions) for mode in MODES]
+        lines.append(f"| {name} | 4 | " + " | ".join(us(v) for v in vals) + f" | {vals[1] / vals[0]:.1f}x |")
+    print(f"## Decision CPU time after idling ({args.decisions} decisions per cell, the first {WARMUP} "
+          "left out; 50 ms between decisions as in bench_manager's paced table)\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
