@@ -1,7 +1,7 @@
 """Training paused while the evaluator measures a version (``evaluator.pause_training``).
 
 Why: on a host that training saturates, an evaluator running beside the workers slows them
-(6-22% on LeNet on 2 cores, even at SCHED_IDLE: it shares their caches and fills their gaps).
+(6-27% on LeNet on 2 cores, even at SCHED_IDLE: it shares their caches and fills their gaps).
 A training loop that evaluates between steps, as DDP scripts do, stops its clock meanwhile
 instead. This is that loop's rule for the parameter server: at every measured version shard 0
 answers no pull until the evaluator has reported the version, and the coordinator's clock leaves

@@ -56,7 +56,7 @@ def next_poll_s(prev: tuple[float, int] | None, now: float, version: int, next_v
 def lower_priority(nice: int) -> None:
     """Run at CPU niceness ``nice``, and at 19 also SCHED_IDLE, so that the evaluator yields to
     every training process that wakes (it still costs training its share of the caches and of
-    the gaps: 6-22% on LeNet on 2 cores, README).
+    the gaps: 6-27% on LeNet on 2 cores, README).
 
     Linux shares the CPU between sessions (autogroups) first, and under EEVDF a SCHED_IDLE task
     is preempted at once only by tasks of its own group: the launcher therefore keeps the
