@@ -28,14 +28,15 @@ import zmq
 from ps_common import protocol as P
 from ps_common.config import JobConfig
 from ps_common.metrics import MetricsWriter, existing_for
-from ps_common.transport import RemoteError
+from ps_common.transport import RemoteError, TransportTimeout
 from ps_ml.datasets import ArrayDataset, dataset_from_config
 from ps_ml.models import FlatParameters, build_model
-from ps_worker.client import ShardClients
+from ps_worker.client import PullAborted, PullResult, ShardClients
 
 log = logging.getLogger(__name__)
 
 PAUSED_POLL_S = 0.01  # pause_training: the status is asked this often once a version is near
+PULL_PATIENCE_S = 10.0  # an existing version unanswered this long: a shard may have moved
 
 
 def next_poll_s(prev: tuple[float, int] | None, now: float, version: int, next_version: int,
@@ -163,6 +164,8 @@ class Evaluator:
         self.params = np.empty(self.flat.numel, dtype=np.float32)
         self.poll_s = poll_s
         self.paused = cfg.evaluator.pause_training  # the workers wait for each measurement
+        # paused: find a restarted shard well within a pause's timeout
+        self.pull_patience_s = max(1.0, cfg.evaluator.pause_timeout_s / 4) if self.paused else PULL_PATIENCE_S
         self.metrics = MetricsWriter(Path(run_dir) / "metrics" / "evaluator.jsonl" if run_dir else None,
                                      existing_for(overwrite=overwrite))
         self.results: list[dict[str, float]] = []
@@ -174,7 +177,7 @@ class Evaluator:
         If the evaluator falls so far behind that a snapshot was dropped, it skips ahead to
         the newest multiple of k and counts the skip.
         """
-        self.consistent = self.client.join("evaluator", self.cfg.job_digest(), "cpu").consistent_pulls
+        self._join()
         every = self.cfg.evaluator.every_iterations
         next_version = 0
         last_done = -1
@@ -186,11 +189,15 @@ class Evaluator:
                 status = self.client.send_to_coordinator(P.StatusRequest(), P.Status)
                 assert isinstance(status, P.Status)
                 seen_at = time.monotonic()
-                if self.paused and status.started and status.version < last_seen and not status.stop:
-                    # the job rolled back (a shard restarted): the pauses come at the versions
-                    # made again, so measure those
-                    next_version = -(-status.version // every) * every
-                    log.info("the job went back to version %d: measuring from %d", status.version, next_version)
+                if status.started and status.version < last_seen and not status.stop:
+                    # The job rolled back (a shard restarted, perhaps at a new address): join
+                    # again for the shards' endpoints. Paused, measure the versions made again,
+                    # where the pauses now come; else go on from the next version not measured.
+                    self._join()
+                    if self.paused:
+                        next_version = -(-status.version // every) * every
+                    log.info("the job went back to version %d: joined again, measuring from %d",
+                             status.version, next_version)
                     prev = None
                 last_seen = status.version if status.started else last_seen
                 if status.stop and stop_seen is None:
@@ -242,9 +249,33 @@ class Evaluator:
         self.skipped += max(0, (skip_to - next_version) // every)
         return max(next_version, skip_to)
 
+    def _join(self) -> None:
+        self.consistent = self.client.join("evaluator", self.cfg.job_digest(), "cpu").consistent_pulls
+
+    def _pull(self, version: int, exact: bool) -> PullResult:
+        """The parameters of ``version``, which the coordinator's status says exist. A shard
+        that does not answer within ``pull_patience_s`` may have restarted at a new address
+        (its checkpoint can be the very version last seen, so nothing went back): join again,
+        for the endpoints, and ask once more with the transport's whole timeout (a pull that
+        is merely slow, over a slow link, costs one wasted try)."""
+        t0 = time.monotonic()
+        patience = self.pull_patience_s
+
+        def impatient() -> str | None:
+            waited = time.monotonic() - t0
+            return f"no answer from every shard within {waited:.1f}s" if waited > patience else None
+
+        try:
+            return self.client.pull(self.params, worker_id=-1, min_version=version, honor_stop=False,
+                                    exact=exact, consistent=self.consistent, abort=impatient)
+        except (PullAborted, TransportTimeout) as exc:
+            log.warning("no parameters of version %d (%s): joining again", version, exc)
+            self._join()
+            return self.client.pull(self.params, worker_id=-1, min_version=version, honor_stop=False,
+                                    exact=exact, consistent=self.consistent)
+
     def _measure(self, version: int, *, report: bool, exact: bool) -> int:
-        res = self.client.pull(self.params, worker_id=-1, min_version=version, honor_stop=False,
-                               exact=exact, consistent=self.consistent)
+        res = self._pull(version, exact)
         self.flat.load_(self.params)
         t0 = time.perf_counter()
         acc, loss = evaluate(self.model, self.data, limit=self.cfg.evaluator.test_samples,

@@ -1,6 +1,7 @@
 """evaluator.pause_training with real processes: training waits at every measured version until
 the evaluator has reported it, the pauses stay out of the run's times, and an evaluator that dies
-during a pause holds the job up for at most ``pause_timeout_s``."""
+during a pause holds the job up for at most ``pause_timeout_s``. Also, paused or not, the
+evaluator follows a shard that restarts at a new address and rolls the job back."""
 
 from __future__ import annotations
 
@@ -96,3 +97,52 @@ def test_an_evaluator_that_dies_holds_training_up_for_at_most_the_pause_timeout(
     assert max(commits) == 60, "training went on to the end"
     assert commits[held + 1]["paused_s"] >= 2.0, "the workers waited out the timeout"
     assert all(commits[v]["paused_s"] == 0.0 for v in commits if v > held + 1)
+
+
+@pytest.mark.parametrize("pause", [True, False], ids=["paused", "beside"])
+def test_the_evaluator_follows_a_rollback_and_the_result_is_single_process_sgd(procs, tmp_path, pause):
+    """A follower shard killed and restarted at a new address with --resume rolls every shard
+    back to a common checkpoint, which may be before versions already measured: the evaluator
+    joins again for the new endpoints (it saw the version go back, or a shard stopped
+    answering), measures through to the end, no pause waits out its timeout, and the parameters
+    equal single-process SGD over the same batches."""
+    from ps_ml.datasets import load_dataset
+    from ps_ml.reference import train_reference
+    from tests.cluster_util import consistent_end, status
+
+    cfg_path, cfg = write_config(tmp_path, {
+        "run": {"name": "pause-rollback", "seed": 2}, "model": {"name": "mlp"},
+        "data": {"dataset": "synthetic", "synthetic_train": 600, "synthetic_test": 300},
+        "training": {"global_batch": 60, "max_iterations": 60, "finish_timeout_s": 10},
+        "optimizer": {"lr": 0.05, "momentum": 0.9}, "cluster": {"num_shards": 2, "num_workers": 2},
+        "checkpoint": {"every_iterations": 10}, "heartbeat": {"interval_s": 0.2, "timeout_s": 2.0},
+        "evaluator": {"every_iterations": 10, "nice": 0, "pause_training": pause, "pause_timeout_s": 5.0}})
+    run = tmp_path / "run"
+    eps = start_servers(procs, cfg_path, 2, run)
+    evaluator = procs.start("evaluator", "ps_worker.evaluator_cli",
+                            ["--config", str(cfg_path), "--server", eps[0], "--run-dir", str(run)])
+    workers = start_workers(procs, cfg_path, eps[0], 2, run)
+    deadline = time.monotonic() + 120
+    while status(eps[0]).version < 25:
+        assert time.monotonic() < deadline, "version 25 not reached"
+        time.sleep(0.05)
+    shard1 = next(c for c in procs.children if c.role == "shard-1")
+    os.kill(shard1.proc.pid, signal.SIGKILL)
+    shard1.proc.wait(timeout=10)
+    again = procs.start("shard-1b", "ps_server.cli", ["--config", str(cfg_path), "--run-dir", str(run),
+                                                       "--shard", "1", "--port", "0", "--coordinator", eps[0],
+                                                       "--resume"])
+    procs.wait_endpoint(again, 60)
+    wait_exit([*workers, evaluator], timeout_s=180)
+    wait_exit([c for c in procs.children if c.role.startswith("shard") and c.proc.poll() != -9], 60)
+    params, version = consistent_end(run, 2)
+    assert version == 60
+    recs = _lines(run / "metrics" / "coordinator.jsonl")
+    (rollback,) = [r for r in recs if r.get("event") == "rollback"]
+    assert not [r for r in recs if r.get("event") == "evaluator_pause_timeout"], "a pause waited out its timeout"
+    measured = [e["version"] for e in _lines(run / "metrics" / "evaluator.jsonl")]
+    # every version a pause held after the rollback was measured (after it, as made again)
+    assert all(v in measured for v in range(10 * -(-rollback["version"] // 10), 61, 10)), (rollback, measured)
+    data = load_dataset("synthetic", seed=2, synthetic_train=600, synthetic_test=300)
+    ref = train_reference("mlp", 2, data, 2, 60, 60, lr=0.05, momentum=0.9)
+    assert np.linalg.norm(params - ref) / np.linalg.norm(ref) < 1e-5
