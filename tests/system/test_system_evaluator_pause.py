@@ -141,8 +141,10 @@ def test_the_evaluator_follows_a_rollback_and_the_result_is_single_process_sgd(p
     (rollback,) = [r for r in recs if r.get("event") == "rollback"]
     assert not [r for r in recs if r.get("event") == "evaluator_pause_timeout"], "a pause waited out its timeout"
     measured = [e["version"] for e in _lines(run / "metrics" / "evaluator.jsonl")]
-    # every version a pause held after the rollback was measured (after it, as made again)
-    assert all(v in measured for v in range(10 * -(-rollback["version"] // 10), 61, 10)), (rollback, measured)
+    assert measured[-1] == 60 and any(v > rollback["version"] for v in measured), (rollback, measured)
+    if pause:  # every version a pause held after the rollback was measured (as made again)
+        assert all(v in measured for v in range(10 * -(-rollback["version"] // 10), 61, 10)), (rollback, measured)
+    # (beside training it may skip a version whose snapshot the rollback's restore dropped)
     data = load_dataset("synthetic", seed=2, synthetic_train=600, synthetic_test=300)
     ref = train_reference("mlp", 2, data, 2, 60, 60, lr=0.05, momentum=0.9)
     assert np.linalg.norm(params - ref) / np.linalg.norm(ref) < 1e-5
