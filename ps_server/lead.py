@@ -157,7 +157,6 @@ class Lead:
                 self.remove_worker(w, f"lost (silent for more than {self.cfg.heartbeat.timeout_s}s)")
         if coord.check_pause():  # the evaluator never reported: the waiting workers go on
             server.pulls_changed()
-            self.advance()
         if coord.check_time():
             self.advance()
         self._explain_long_waits(now)

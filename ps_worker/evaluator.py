@@ -265,14 +265,16 @@ class Evaluator:
             waited = time.monotonic() - t0
             return f"no answer from every shard within {waited:.1f}s" if waited > patience else None
 
-        try:
+        def ask(abort: Callable[[], str | None] | None) -> PullResult:
             return self.client.pull(self.params, worker_id=-1, min_version=version, honor_stop=False,
-                                    exact=exact, consistent=self.consistent, abort=impatient)
+                                    exact=exact, consistent=self.consistent, abort=abort)
+
+        try:
+            return ask(impatient)
         except (PullAborted, TransportTimeout) as exc:
             log.warning("no parameters of version %d (%s): joining again", version, exc)
             self._join()
-            return self.client.pull(self.params, worker_id=-1, min_version=version, honor_stop=False,
-                                    exact=exact, consistent=self.consistent)
+            return ask(None)
 
     def _measure(self, version: int, *, report: bool, exact: bool) -> int:
         res = self._pull(version, exact)
