@@ -290,6 +290,10 @@ class JobConfig(StrictModel):
                 f"evaluator.pause_timeout_s ({self.evaluator.pause_timeout_s}) must be below "
                 f"transport.timeout_s ({self.transport.timeout_s}): a worker whose pull waits that "
                 "long gives up")
+        shared = [i for i, w in enumerate(self.scenario.workers) if w.gpu_sm_percent is not None]
+        if shared and self.worker.device == "cpu":
+            raise ValueError(f"scenario.workers[{shared[0]}].gpu_sm_percent is a share of a GPU, and "
+                             "worker.device is cpu: set worker.device to cuda (or auto)")
         if self.training.global_batch < self.cluster.num_workers * self.training.min_batch:
             raise ValueError(
                 f"training.global_batch ({self.training.global_batch}) is below cluster.num_workers "

@@ -276,6 +276,10 @@ class WorkerScenario(_Strict):
     memory_limit_mb: Optional[float] = Field(
         None, gt=0, allow_inf_nan=False,
         description="real: this worker's memory limit for training (overrides worker.memory_limit_mb)")
+    gpu_sm_percent: Optional[int] = Field(
+        None, ge=1, le=100,
+        description="real: this worker's share of the GPU's SMs in percent (CUDA MPS; a control daemon "
+                    "must serve the GPU, see ps_worker/gpu_share.py)")
 
     @field_validator("steps", "bursts", "random", "cpu_load", mode="before")
     @classmethod
@@ -463,6 +467,8 @@ def describe_worker(w: WorkerScenario, index: int) -> str:
         parts.append(text + " [real]")
     if w.memory_limit_mb is not None:
         parts.append(f"memory {_fmt(w.memory_limit_mb)} MB [real]")
+    if w.gpu_sm_percent is not None:
+        parts.append(f"GPU SMs {w.gpu_sm_percent}% [real, MPS]")
     if w.emulates_comm:
         comm = f"+{_fmt(w.comm_delay_ms)}ms/msg"
         if w.comm_bandwidth_mb_s is not None:

@@ -26,6 +26,7 @@ from ps_launcher.processes import ProcessGroup
 from ps_launcher.run_dir import prepare_run_dir
 from ps_launcher.summary import summarize
 from ps_ml.datasets import dataset_from_config
+from ps_worker.gpu_share import launch_env
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +151,8 @@ class LocalCluster:
 
     def _start_child(self, name: str, module: str, args: list[str], role: str):
         env = {**self.role_env.get(role, {}), PARENT_ENV: str(os.getpid())}
+        if name.startswith("worker-"):  # MPS may read the GPU share as CUDA starts: set it from birth
+            env.update(launch_env(self.cfg.scenario.for_worker(int(name.split("-")[1])).gpu_sm_percent))
         prefix = self.lab.prefix(name) if self.lab is not None else None
         child = self.group.start(name, module, args, env=env, prefix=prefix)
         if self.lab is not None and name.startswith("worker-"):

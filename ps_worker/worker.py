@@ -28,6 +28,7 @@ from ps_ml.datasets import ArrayDataset, dataset_from_config, sample_order
 from ps_ml.models import FlatParameters, build_model
 from ps_worker.client import REJOIN_CODES, PullAborted, ShardClients
 from ps_worker.contention import CommDelay, ContentionDriver, EmulatedSlowdown
+from ps_worker.gpu_share import apply_sm_share
 from ps_worker.heartbeat import Heartbeat
 from ps_worker.memory import MemoryLimit, bound_kernel_cache, is_out_of_memory
 from ps_worker.scenario_runtime import runtime_for
@@ -41,6 +42,13 @@ PROBE_START = 16
 
 class CannotFitInMemory(PsError, RuntimeError):
     """Not even one sample fits in this worker's memory limit."""
+
+
+def device_type(name: str) -> str:
+    """The type of device ``name`` resolves to, without creating a CUDA context."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name).type
 
 
 def resolve_device(name: str) -> torch.device:
@@ -86,6 +94,10 @@ class Worker:
         self.timeouts = timeouts
         self._jitter = random.Random()  # not the job's seed: workers must not retry in step
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
+        # The heterogeneity scenario is looked up by the launcher's index (stable across modes),
+        # not by the coordinator's worker id (join order is racy).
+        self.scenario_index = scenario_index
+        apply_sm_share(self._sm_percent(), device_type(cfg.worker.device))  # before the CUDA context
         self.device = resolve_device(cfg.worker.device)
         if self.device.type == "cpu":
             torch.set_num_threads(cfg.worker.torch_threads)
@@ -111,9 +123,6 @@ class Worker:
         self.worker_id = -1
         self.iterations_done = 0
         self.rejoins = 0
-        # The heterogeneity scenario is looked up by the launcher's index (stable across modes),
-        # not by the coordinator's worker id (join order is racy).
-        self.scenario_index = scenario_index
         self.memory = MemoryLimit(self._memory_limit_mb(), self.device)
         self.memory_probe: tuple[int, int] | None = None
         self.oom_retries = 0
@@ -166,6 +175,16 @@ class Worker:
             if self.metrics is not None:
                 self.metrics.close()
             self.client.close()
+
+    def _sm_percent(self) -> int | None:
+        """The scenario's GPU share for this worker. MPS reads it when the CUDA context is made,
+        before the worker joins, so it needs the launcher's index (not the worker id)."""
+        if self.scenario_index is None:
+            if any(w.gpu_sm_percent is not None for w in self.cfg.scenario.workers):
+                raise UsageError("scenario.workers[i].gpu_sm_percent needs the worker's scenario index "
+                                 "before it joins: pass --scenario-index (ps-launch does)")
+            return None
+        return self.cfg.scenario.for_worker(self.scenario_index).gpu_sm_percent
 
     def _memory_limit_mb(self) -> float | None:
         """The scenario's limit for this worker (when its index is known before joining), else

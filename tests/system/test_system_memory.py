@@ -40,6 +40,11 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
                                                                reason="no CUDA device on this machine"))]
 
 
+#: lbbsp-cpu moves at once; lbbsp-gpu's search takes X // 32 per 3-iteration window by default,
+#: too slow to reach the limit in 30 iterations, so it moves X // 8 every iteration here.
+POLICY_ARGS = {"lbbsp-cpu": {"warmup": 0, "max_factor": 4.0}, "lbbsp-gpu": {"window": 1, "step": 128}}
+
+
 def job(policy: str, probe: bool = False, headroom: bool = False, iterations: int = 30,
         device: str = "cpu", limit_mb: float = LIMIT_MB) -> dict:
     return {
@@ -50,7 +55,7 @@ def job(policy: str, probe: bool = False, headroom: bool = False, iterations: in
         "optimizer": {"lr": 0.02, "momentum": 0.9},
         "cluster": {"num_shards": 2, "num_workers": 2},
         "mode": {"sync": "bsp", "batch_policy": policy,
-                 **({"batch_policy_args": {"warmup": 0, "max_factor": 4.0}} if policy == "lbbsp-cpu" else {})},
+                 **({"batch_policy_args": POLICY_ARGS[policy]} if policy in POLICY_ARGS else {})},
         "scenario": {"workers": [{"memory_limit_mb": limit_mb}, {"slowdown": 8.0}]},
         "worker": {"memory_probe": probe, "memory_headroom": headroom, "device": device},
         "evaluator": {"enabled": False},
@@ -116,12 +121,14 @@ def check_applied_once_and_sgd(run_dir, recs, lr=0.02, tolerance=SGD_TOLERANCE) 
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("policy", ["lbbsp-cpu", "lbbsp-gpu"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_worker_that_runs_out_of_memory_mid_run_keeps_training(procs, tmp_path, device):
+def test_a_worker_that_runs_out_of_memory_mid_run_keeps_training(procs, tmp_path, device, policy):
     """On a CPU the limit is RLIMIT_AS; on CUDA a per-process memory fraction, and the failure is
-    ``torch.OutOfMemoryError`` from the CUDA caching allocator."""
+    ``torch.OutOfMemoryError`` from the CUDA caching allocator. Both LB-BSP policies: the
+    leader/straggler search must stop giving the capped worker samples as the CPU rule does."""
     limit = LIMIT_MB if device == "cpu" else cuda_limit_mb()
-    cfg, run_dir, recs, events = run_job(procs, tmp_path, job("lbbsp-cpu", device=device, limit_mb=limit))
+    cfg, run_dir, recs, events = run_job(procs, tmp_path, job(policy, device=device, limit_mb=limit))
     ooms = [e for e in events if e["event"] == "out_of_memory"]
     assert ooms, "worker 0's memory limit was never hit"
     assert ooms[0]["iteration"] > 0, "the limit was hit in the first iteration, not mid-run"
