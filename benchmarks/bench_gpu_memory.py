@@ -140,12 +140,16 @@ def run_policy(args: argparse.Namespace, policy: str, work: Path) -> dict:
                 if "compute_s" in r and r.get("iteration", -1) >= args.skip] if wid is not None else []
         compute = [r["compute_s"] for r in mine]
         per_sample = [r["compute_s"] / r["batch_size"] for r in mine if r.get("batch_size")]
+        # the size its reported headroom says would still fit (what the manager caps it by)
+        room = [r["batch_size"] + r["mem_headroom_mb"] / r["mem_per_sample_mb"] for r in mine
+                if r.get("mem_per_sample_mb") and r.get("mem_headroom_mb") is not None]
         fits = max((r["batch_sizes"].get(wid, 0) for r in recs if r["iteration"] >= last_oom.get(i, 0)), default=0)
         per_worker.append({
             "worker": i, "limit_mb": args.limits_mb[i], "slowdown": args.slowdowns[i],
             "sm_percent": args.sm_percent[i], "median_batch": statistics.median(sizes) if sizes else None,
             "median_compute_ms": statistics.median(compute) * 1e3 if compute else None,
             "median_us_per_sample": statistics.median(per_sample) * 1e6 if per_sample else None,
+            "median_room_for": statistics.median(room) if room else None,
             "ooms": ooms.get(i, 0), "fails": fails.get(i), "fits": fits if i in fails else None})
     return {"policy": policy, "median": statistics.median(d), "mean": statistics.fmean(d),
             "p95": percentile(d, 0.95), "durations": [r["duration"] for r in recs],
@@ -170,11 +174,11 @@ def print_runs(args: argparse.Namespace, results: list[dict]) -> None:
     for r in results:
         ms = " | ".join(f"{r[k] * 1e3:.1f}" for k in ("median", "mean", "p95"))
         print(f"| {r['policy']} | {ms} | {r['ooms']} |")
-    print("\nPer worker (median after the skip; memory learned: largest size committed since its last "
-          "failure / smallest that failed):\n")
-    print("| policy | worker | limit MB | slowdown | SM % | batch | compute ms | µs per sample | OOM retries "
-          "| memory learned |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("\nPer worker (median after the skip; headroom fits: its size plus reported headroom over memory "
+          "per sample; memory learned: largest size committed since its last failure / smallest that failed):\n")
+    print("| policy | worker | limit MB | slowdown | SM % | batch | compute ms | µs per sample | headroom fits "
+          "| OOM retries | memory learned |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     for r in results:
         for w in r["workers"]:
@@ -182,6 +186,7 @@ def print_runs(args: argparse.Namespace, results: list[dict]) -> None:
             print(f"| {r['policy']} | {w['worker']} | {fmt(w['limit_mb'], '.0f')} | {w['slowdown']:g} | "
                   f"{fmt(w['sm_percent'], 'd')} | {fmt(w['median_batch'], '.0f')} | "
                   f"{fmt(w['median_compute_ms'], '.1f')} | {fmt(w['median_us_per_sample'], '.2f')} | "
+                  f"{fmt(w['median_room_for'], '.0f')} | "
                   f"{w['ooms']} | {learned} |")
     print()
 

@@ -30,7 +30,7 @@ from ps_worker.client import REJOIN_CODES, PullAborted, ShardClients
 from ps_worker.contention import CommDelay, ContentionDriver, EmulatedSlowdown
 from ps_worker.gpu_share import apply_sm_share
 from ps_worker.heartbeat import Heartbeat
-from ps_worker.memory import MemoryLimit, bound_kernel_cache, is_out_of_memory
+from ps_worker.memory import MemoryLimit, bound_kernel_cache, choose_cuda_allocator, is_out_of_memory
 from ps_worker.scenario_runtime import runtime_for
 from ps_worker.telemetry import ResourceProbe
 
@@ -97,7 +97,11 @@ class Worker:
         # The heterogeneity scenario is looked up by the launcher's index (stable across modes),
         # not by the coordinator's worker id (join order is racy).
         self.scenario_index = scenario_index
-        apply_sm_share(self._sm_percent(), device_type(cfg.worker.device))  # before the CUDA context
+        # before the CUDA context: MPS and the caching allocator read their settings once
+        kind = device_type(cfg.worker.device)
+        apply_sm_share(self._sm_percent(), kind)
+        if kind == "cuda":
+            choose_cuda_allocator()
         self.device = resolve_device(cfg.worker.device)
         if self.device.type == "cpu":
             torch.set_num_threads(cfg.worker.torch_threads)

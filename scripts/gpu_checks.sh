@@ -4,12 +4,12 @@
 # time-slicing the GPU with emulated speeds; every comparison from benchmarks/bench_gpu_memory.py.
 # Logs and one JSON line per benchmark run (results.jsonl) go to OUTDIR. Needs torch with CUDA and
 # the project's dependencies importable from here:
-#   PYTHONPATH=$PWD bash scripts/gpu_checks.sh OUTDIR [tests] [saturation] [mps] [timeshared]
-# (no step named: all four, in that order; each takes one to three minutes on an H100)
+#   PYTHONPATH=$PWD bash scripts/gpu_checks.sh OUTDIR [tests] [saturation] [mps] [mps-cap] [timeshared]
+# (no step named: all five, in that order; each takes one to three minutes on an H100)
 set -uo pipefail
 out=${1:-gpu-checks}
 shift || true
-steps=${*:-tests saturation mps timeshared}
+steps=${*:-tests saturation mps mps-cap timeshared}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 export PYTHONUNBUFFERED=1
@@ -40,11 +40,18 @@ if wants saturation; then
   done
 fi
 
-if wants mps; then
+mps_case() {  # four workers at 40/30/20/10% of the SMs, the fastest limited to $1 MB
+  timeout 240 $bench --model cnn1m --tables b --global-batch 16384 --train 65536 \
+    --limits-mb "$1",none,none,none --slowdowns 1,1,1,1 --sm-percent 40,30,20,10 \
+    --iterations "${2:-120}" --skip 40 ${3:-}
+}
+
+if wants mps || wants mps-cap; then
   # Separate GPUs of different speeds on one GPU: an MPS control daemon (in a pipe directory of
-  # our own, quit at the end), the saturation curve at three SM shares, then four workers at
-  # 40/30/20/10% of the SMs; the fastest has a 6000 MB limit, about 5,000 samples of cnn1m
-  # (1.1 MB a sample), below the 6,554 its speed would earn of X = 16384.
+  # our own, quit at the end), the saturation curve at three SM shares (step mps), then four
+  # workers at 40/30/20/10% of the SMs. cnn1m takes about 1.1 MB a sample and the fastest
+  # worker's speed earns it about 6,400 of X = 16384: a 6000 MB limit (step mps) hardly binds,
+  # 3000 MB (step mps-cap, also with the start-up probe) is below even the even share of 4096.
   {
     step "CUDA MPS"
     mps=$(command -v nvidia-cuda-mps-control || ls /usr/local/nvidia/bin/nvidia-cuda-mps-control /usr/bin/nvidia-cuda-mps-control 2>/dev/null | head -1)
@@ -56,19 +63,23 @@ if wants mps; then
       "$mps" -d && sleep 1
       ls "$CUDA_MPS_PIPE_DIRECTORY"
       if timeout 60 $py -c 'import torch; x = torch.ones(1, device="cuda"); torch.cuda.synchronize(); print("MPS client up", x.item())'; then
-        for pct in 100 50 25; do
-          CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$pct timeout 60 $bench --model cnn1m --tables a \
-            --sizes 256,1024,4096,16384
-        done
-        timeout 240 $bench --model cnn1m --tables b --global-batch 16384 --train 65536 \
-          --limits-mb 6000,none,none,none --slowdowns 1,1,1,1 --sm-percent 40,30,20,10 \
-          --iterations 120 --skip 40
+        if wants mps; then
+          for pct in 100 50 25; do
+            CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$pct timeout 60 $bench --model cnn1m --tables a \
+              --sizes 256,1024,4096,16384
+          done
+          mps_case 6000
+        fi
+        if wants mps-cap; then
+          mps_case 3000 100
+          mps_case 3000 100 "--probe --policies lbbsp-cpu,lbbsp-gpu"
+        fi
       else
         echo "no MPS client could start: MPS step skipped"
       fi
       echo quit | timeout 20 "$mps"
       sleep 1
-      tail -n 20 "$CUDA_MPS_LOG_DIRECTORY/control.log" 2>/dev/null
+      tail -n 8 "$CUDA_MPS_LOG_DIRECTORY/control.log" 2>/dev/null
       unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
     fi
   } 2>&1 | tee "$out/mps.txt"

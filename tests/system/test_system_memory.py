@@ -15,6 +15,11 @@ iteration, and the manager's binary search settles on the largest share that fit
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -23,10 +28,12 @@ from ps_common import protocol as P
 from ps_common.metrics import read_jsonl
 from ps_ml.datasets import load_dataset
 from ps_ml.reference import train_reference_batches
+from ps_worker.memory import choose_cuda_allocator
 from tests.cluster_util import committed_batches, consistent_end, joined_member, start_servers, wait_exit, write_config
 
 pytestmark = pytest.mark.system
 
+ROOT = Path(__file__).resolve().parents[2]
 SEED = 3
 N_TRAIN = 2048
 LIMIT_MB = 64.0
@@ -84,25 +91,34 @@ def run_job(procs, tmp_path, data: dict):
     return cfg, run_dir, [r for r in rows if "event" not in r], [r for r in rows if "event" in r]
 
 
-def cuda_limit_mb() -> float:
-    """A CUDA memory limit that LeNet's first, even share (512 samples) fits and its skewed share
-    (up to 4x the other's) does not: what the caching allocator reserves for one pass of 512
-    samples here, model and gradients included. A worker under that limit fits more than 512
-    (cuDNN picks kernels with less scratch space once memory is short; on an H100 a worker fitted
-    992 samples under the 176 MB this process reserved for 640), and less than its skewed share."""
-    from ps_ml.models import build_model
+#: One pass of LeNet on CUDA, in a process of its own with the allocator settings a worker uses
+#: (this one's allocator may already run with others); prints what the allocator reserved, in MB.
+_CUDA_PASS = """
+import sys, torch
+from ps_ml.models import build_model
+dev = torch.device("cuda", torch.cuda.current_device())
+net = build_model("lenet", seed=int(sys.argv[2])).to(dev)
+b = int(sys.argv[1])
+x = torch.randn(b, 1, 28, 28, device=dev)
+torch.nn.functional.cross_entropy(net(x), torch.randint(0, 10, (b,), device=dev)).backward()
+torch.cuda.synchronize(dev)
+print(torch.cuda.max_memory_reserved(dev) / 2**20)
+"""
 
-    dev = torch.device("cuda", torch.cuda.current_device())
-    net = build_model("lenet", seed=SEED).to(dev)
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(dev)
-    x = torch.randn(512, 1, 28, 28, device=dev)
-    torch.nn.functional.cross_entropy(net(x), torch.randint(0, 10, (512,), device=dev)).backward()
-    torch.cuda.synchronize(dev)
-    reserved = torch.cuda.max_memory_reserved(dev) / 2**20
-    del x, net
-    torch.cuda.empty_cache()
-    print(f"LeNet on CUDA reserves {reserved:.1f} MB for a pass of 512 samples")
+
+def cuda_limit_mb(samples: int = 640) -> float:
+    """A CUDA memory limit that LeNet's first, even share (512 samples) fits and its skewed share
+    (up to 4x the other's) does not: what a worker's allocator (expandable segments, see
+    ``choose_cuda_allocator``) reserves for one pass of 640 samples, model and gradients included.
+    (With fixed segments the worker fitted 992 samples under what 512 reserved on an H100.)"""
+    env = dict(os.environ)
+    choose_cuda_allocator(env)
+    done = subprocess.run([sys.executable, "-c", _CUDA_PASS, str(samples), str(SEED)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    reserved = float(done.stdout.split()[-1])
+    print(f"LeNet on CUDA reserves {reserved:.1f} MB for a pass of {samples} samples "
+          f"({env['PYTORCH_CUDA_ALLOC_CONF']})")
     return reserved
 
 

@@ -12,6 +12,7 @@ from ps_common.config import ConfigError, load_config
 from ps_common.errors import UsageError
 from ps_common.scenario import ScenarioConfig, describe_worker
 from ps_worker.gpu_share import PERCENT_VARIABLE, apply_sm_share, launch_env, mps_daemon_running, sm_share_env
+from ps_worker.memory import choose_cuda_allocator
 from ps_worker.worker import Worker
 
 PIPE = Path("/tmp/nvidia-mps")
@@ -80,3 +81,12 @@ def test_a_worker_without_its_scenario_index_refuses_a_share():
 
 def test_the_launcher_gives_a_worker_its_share_from_birth():
     assert launch_env(None) == {} and launch_env(25) == {PERCENT_VARIABLE: "25"}
+
+
+def test_cuda_workers_get_expandable_segments_unless_the_user_chose():
+    """Batch sizes that change fragment fixed segments (the H100 numbers in choose_cuda_allocator)."""
+    env: dict[str, str] = {}
+    assert choose_cuda_allocator(env) and env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    mine = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}
+    assert not choose_cuda_allocator(mine) and mine == {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}
+    assert choose_cuda_allocator({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments: True,max_split_size_mb:64"})
