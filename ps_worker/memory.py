@@ -82,9 +82,9 @@ def choose_cuda_allocator(env: MutableMapping[str, str] = os.environ) -> bool:
 
     LB-BSP gives a worker a new batch size at many iterations, and with fixed segments the blocks
     cut for one size do not fit the next: measured on an H100 under a 3000 MB fraction, cnn1m
-    failed at 4608 samples with 2.5 GB reserved and 2.3 GB allocated at its peak, where with
-    expandable segments 5120 fitted (2.8 GB allocated) and 5632 failed, so the fraction still
-    holds. The headroom a worker reports is measured from allocated memory, which then matches
+    fitted 4096 samples (2.3 GB allocated, 2.7 GB reserved at the peak) and failed at 4608, where
+    with expandable segments 5120 fitted (2.8 GB allocated) and 5632 failed, so the fraction
+    still holds. The headroom a worker reports is measured from allocated memory, which then matches
     what fits: four workers at different SM shares ran without an out-of-memory error, where
     fixed segments took 2-3 (docs/results/gpu_h100/)."""
     env.setdefault(CUDA_ALLOC_VARIABLE, CUDA_ALLOC_DEFAULT)
