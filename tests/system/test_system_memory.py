@@ -23,11 +23,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import zmq
 
 from ps_common import protocol as P
 from ps_common.metrics import read_jsonl
 from ps_ml.datasets import load_dataset
 from ps_ml.reference import train_reference_batches
+from ps_worker.client import ShardClients
+from ps_worker.heartbeat import Heartbeat
 from ps_worker.memory import choose_cuda_allocator
 from tests.cluster_util import committed_batches, consistent_end, joined_member, start_servers, wait_exit, write_config
 
@@ -246,3 +249,48 @@ def test_a_members_forged_out_of_memory_reports_change_nothing(procs, tmp_path):
     assert first["batch_sizes"][str(wid)] == retry.batch_size, first["batch_sizes"]
     assert first["samples"] == 32 + retry.batch_size
     committed_batches(recs, SEED, N_TRAIN)  # at most once per epoch, complete epochs
+
+
+@pytest.mark.timeout(300)
+def test_a_worker_that_dies_between_its_granted_retry_and_its_push_loses_no_sample(procs, tmp_path):
+    """A failure point of the out-of-memory path: a member's retry is granted (half its share goes
+    back to the data cursor), then it dies without pushing or leaving. It is declared lost after
+    the heartbeat timeout; its iteration commits without it, the half it kept goes back too, and
+    every sample is applied exactly once in the epoch; the shards agree and the parameters equal
+    SGD over what was committed."""
+    iterations = 40  # past the first epoch (32 iterations of 64), so its completeness is checked
+    cfg_path, cfg = write_config(tmp_path, {**job("uniform", iterations=iterations), "scenario": {},
+                                            "model": {"name": "mlp"},
+                                            "training": {"global_batch": 64, "max_iterations": iterations,
+                                                         "finish_timeout_s": 10}})
+    run = tmp_path / "run"
+    eps = start_servers(procs, cfg_path, 2, run)
+    honest = start_indexed_workers(procs, cfg_path, eps[0], 1, run)
+    me = ShardClients(zmq.Context.instance(), eps[0], timeout_s=30, connect_timeout_s=30, security=cfg.security)
+    welcome = me.join("doomed", cfg.job_digest(), "cpu")
+    wid = welcome.worker_id
+    beat = Heartbeat(me.ctx, eps[0], wid, 0.2, security=cfg.security, token=me.token).start()
+    params = np.zeros(welcome.num_params, np.float32)
+    a = me.pull(params, worker_id=wid, min_version=welcome.version).assignment
+    assert a is not None and a.batch_size == 32
+    retry = me.send_to_coordinator(P.OutOfMemory(worker_id=wid, token=me.token, iteration=a.iteration,
+                                                 batch_size=a.batch_size), P.Reassignment).assignment
+    assert retry.iteration == a.iteration and 1 <= retry.batch_size < a.batch_size
+    beat.stop()  # dies: no push, no Leave, no more heartbeats
+    me.close()
+    wait_exit(honest, timeout_s=240)
+    wait_exit([c for c in procs.children if c.role.startswith("shard")], timeout_s=60)
+    params, version = consistent_end(run, 2)
+    rows = list(read_jsonl(run / "metrics" / "coordinator.jsonl"))
+    recs = [r for r in rows if "event" not in r]
+    removed = [e for e in rows if e.get("event") == "worker_removed" and e["worker"] == wid]
+    assert removed, "the member that died was never declared lost"
+    assert all(wid not in r["accepted"] for r in recs), "a gradient of the dead member was applied"
+    first = min(recs, key=lambda r: r["version"])
+    assert first["iteration"] == a.iteration and first["samples"] == 32, first
+    assert version == len(recs) == iterations
+    batches = committed_batches(recs, SEED, N_TRAIN)  # exactly once per epoch, epoch 0 complete
+    data = load_dataset("synthetic", seed=SEED, synthetic_train=N_TRAIN, synthetic_test=100)
+    ref = train_reference_batches("mlp", SEED, data, batches, lr=0.02, momentum=0.9)
+    err = float(np.linalg.norm(params - ref) / np.linalg.norm(ref))
+    assert err < 1e-5, f"final parameters differ from SGD over the committed samples: {err:.2e}"
