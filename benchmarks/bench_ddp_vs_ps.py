@@ -406,9 +406,13 @@ def _show_path(path: Path) -> str:
 PAUSED = "PS-BSP, evaluator pauses training"
 
 
+def balanced_name(policy: str) -> str:
+    return f"PS-BSP, {policy}, evaluator pauses training"
+
+
 def render(cfg: JobConfig, args: argparse.Namespace, ps: list[RunResult], ddp: list[RunResult],
            num_train: int, num_params: int, quiet: list[RunResult] | None = None,
-           paused: list[RunResult] | None = None) -> str:
+           paused: list[RunResult] | None = None, balanced: list[RunResult] | None = None) -> str:
     """The configuration, the table and the notes, as Markdown."""
     t, o, c = cfg.training, cfg.optimizer, cfg.cluster
     n_iter = max_iterations(cfg, num_train)
@@ -440,6 +444,8 @@ def render(cfg: JobConfig, args: argparse.Namespace, ps: list[RunResult], ddp: l
     rows = [("PS-BSP", ps), ("DDP-gloo", ddp)]
     if quiet:
         rows.insert(1, ("PS-BSP, no evaluator", quiet))
+    if balanced:
+        rows.insert(1, (balanced_name(args.balanced_run), balanced))
     if paused:
         rows.insert(1, (PAUSED, paused))
     for name, runs in rows:
@@ -458,11 +464,13 @@ def render(cfg: JobConfig, args: argparse.Namespace, ps: list[RunResult], ddp: l
     mean_ratio = _ratio([r.mean_iteration_s for r in ps], [r.mean_iteration_s for r in ddp])
     p95_ratio = _ratio([r.p95_iteration_s for r in ps], [r.p95_iteration_s for r in ddp])
     lines += [f"| PS / DDP | {it_ratio} | {mean_ratio} | {p95_ratio} | | {tt_ratio} | |"]
-    if paused:
-        lines += ["| PS, evaluator pauses training / DDP | "
-                  + " | ".join(_ratio([getattr(r, k) for r in paused], [getattr(r, k) for r in ddp])
+    for name, runs in ((PAUSED, paused), (balanced_name(args.balanced_run or ""), balanced)):
+        if not runs:
+            continue
+        lines += [f"| {name} / DDP | "
+                  + " | ".join(_ratio([getattr(r, k) for r in runs], [getattr(r, k) for r in ddp])
                                for k in ("median_iteration_s", "mean_iteration_s", "p95_iteration_s"))
-                  + f" | | {_ratio([r.time_to_target_s for r in paused], [r.time_to_target_s for r in ddp])} | |"]
+                  + f" | | {_ratio([r.time_to_target_s for r in runs], [r.time_to_target_s for r in ddp])} | |"]
     if quiet:
         q_ratio = _ratio([r.median_iteration_s for r in quiet], [r.median_iteration_s for r in ddp])
         e_ratio = _ratio([r.median_iteration_s for r in ps], [r.median_iteration_s for r in quiet])
@@ -501,6 +509,13 @@ def render(cfg: JobConfig, args: argparse.Namespace, ps: list[RunResult], ddp: l
             "has reported that version, and the PS clock (iteration times, time to target) leaves "
             "the pause out; it stops at the version that reached the target. Its wall time "
             "includes the pauses, as DDP's does its evaluations.")
+    if balanced:
+        lines.append(
+            f"- {balanced_name(args.balanced_run)}: as above, with batch policy {args.balanced_run}. Each "
+            "iteration's global batch is the same set of samples, split by the workers' measured speeds "
+            "instead of evenly, and the servers weight by batch size, so the updates are the same "
+            "global-batch steps; what it balances is what the processes beside a worker take from its "
+            "core (the shard, the evaluator).")
     for i, r in enumerate(ps):
         versions = ", ".join(str(p["version"]) for p in r.curve)
         run = f" (repeat {i + 1})" if len(ps) > 1 else ""
@@ -542,6 +557,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--paused-evaluator-run", action="store_true",
                    help="also run the PS with evaluator.pause_training=true (training waits while the "
                         "evaluator measures, and the clock stops, as in the DDP loop)")
+    p.add_argument("--balanced-run", default=None, metavar="POLICY",
+                   help="also run the PS paused for the evaluator with this batch policy (e.g. lbbsp-cpu): "
+                        "the same global batches and updates, split by measured speed, so the CPU the "
+                        "shard takes from the worker beside it is balanced out")
     p.add_argument("--keep-runs", type=Path, default=None,
                    help="keep the PS run directories and DDP results here (default: a temp dir, removed)")
     args = p.parse_args(argv)
@@ -574,6 +593,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ddp_runs: list[RunResult] = []
     quiet_runs: list[RunResult] = []
     paused_runs: list[RunResult] = []
+    balanced_runs: list[RunResult] = []
     ddp_aborts: list[str] = []
     try:
         for i in range(args.repeats):
@@ -587,6 +607,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 paused_runs.append(run_ps(cfg.with_overrides(["evaluator.pause_training=true"]),
                                           work_dir / f"ps-paused-{i}", system=PAUSED))
                 print(f"{tag} {_describe(paused_runs[-1])}", file=sys.stderr, flush=True)
+            if args.balanced_run:
+                name = balanced_name(args.balanced_run)
+                print(f"{tag} {name} ...", file=sys.stderr, flush=True)
+                balanced_runs.append(run_ps(cfg.with_overrides(["evaluator.pause_training=true",
+                                                                f"mode.batch_policy={args.balanced_run}"]),
+                                            work_dir / f"ps-balanced-{i}", system=name))
+                print(f"{tag} {_describe(balanced_runs[-1])}", file=sys.stderr, flush=True)
             if args.no_evaluator_run:
                 # as many iterations as the run it is compared with: the paused one when there
                 # is one (it stops where DDP does), else the one with the evaluator beside it
@@ -612,9 +639,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             (work_dir / "results.json").write_text(json.dumps(
                 {"ps": [asdict(r) for r in ps_runs], "ddp": [asdict(r) for r in ddp_runs],
-                 "ps_paused": [asdict(r) for r in paused_runs], "ps_quiet": [asdict(r) for r in quiet_runs]},
+                 "ps_paused": [asdict(r) for r in paused_runs], "ps_quiet": [asdict(r) for r in quiet_runs],
+                 "ps_balanced": [asdict(r) for r in balanced_runs]},
                 indent=2))
-    report = render(cfg, args, ps_runs, ddp_runs, num_train, num_params, quiet_runs, paused_runs)
+    report = render(cfg, args, ps_runs, ddp_runs, num_train, num_params, quiet_runs, paused_runs, balanced_runs)
     if ddp_aborts:
         report += "- DDP runs that aborted and were run again: " + "; ".join(ddp_aborts) + "\n"
     report += render_profile([r.profile for r in ps_runs])
