@@ -151,12 +151,13 @@ class LocalCluster:
 
     def _start_child(self, name: str, module: str, args: list[str], role: str):
         env = {**self.role_env.get(role, {}), PARENT_ENV: str(os.getpid())}
-        if name.startswith("worker-"):  # MPS may read the GPU share as CUDA starts: set it from birth
-            env.update(launch_env(self.cfg.scenario.for_worker(int(name.split("-")[1])).gpu_sm_percent))
+        index = int(name.split("-")[1]) if name.startswith("worker-") else None
+        if index is not None:  # MPS may read the GPU share as CUDA starts: set it from birth
+            env.update(launch_env(self.cfg.scenario.for_worker(index).gpu_sm_percent))
         prefix = self.lab.prefix(name) if self.lab is not None else None
         child = self.group.start(name, module, args, env=env, prefix=prefix)
-        if self.lab is not None and name.startswith("worker-"):
-            self.lab.attach(int(name.split("-")[1]), child.proc.pid)
+        if self.lab is not None and index is not None:
+            self.lab.attach(index, child.proc.pid)
         return child
 
     def _start(self, cfg_path: Path) -> None:

@@ -183,12 +183,19 @@ class Member:
     token: str
     params: np.ndarray
     assignment: P.Assignment | None
+    heartbeat: Heartbeat
+    dead: bool = False
+
+    def die(self) -> None:
+        """Go silent as a killed process would: no more heartbeats, no Leave on the way out."""
+        self.heartbeat.stop()
+        self.dead = True
 
 
 @contextmanager
 def joined_member(cfg: JobConfig, endpoint: str, name: str = "forger") -> Iterator[Member]:
     """Join as a worker (a member with a valid token) to send well-formed forged messages; it
-    leaves and closes on the way out."""
+    leaves and closes on the way out, unless it died (:meth:`Member.die`)."""
     me = ShardClients(zmq.Context.instance(), endpoint, timeout_s=30, connect_timeout_s=30, security=cfg.security)
     beat = None
     try:
@@ -197,8 +204,10 @@ def joined_member(cfg: JobConfig, endpoint: str, name: str = "forger") -> Iterat
         beat = Heartbeat(me.ctx, endpoint, wid, 0.2, security=cfg.security, token=token).start()
         params = np.zeros(welcome.num_params, np.float32)
         a = me.pull(params, worker_id=wid, min_version=welcome.version).assignment
-        yield Member(me, wid, token, params, a)
-        me.send_to_coordinator(P.Leave(worker_id=wid, token=token, reason=f"{name} done"), P.Ack)
+        member = Member(me, wid, token, params, a, beat)
+        yield member
+        if not member.dead:
+            me.send_to_coordinator(P.Leave(worker_id=wid, token=token, reason=f"{name} done"), P.Ack)
     finally:
         if beat is not None:
             beat.stop()

@@ -23,14 +23,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import zmq
 
 from ps_common import protocol as P
 from ps_common.metrics import read_jsonl
 from ps_ml.datasets import load_dataset
 from ps_ml.reference import train_reference_batches
-from ps_worker.client import ShardClients
-from ps_worker.heartbeat import Heartbeat
 from ps_worker.memory import choose_cuda_allocator
 from tests.cluster_util import committed_batches, consistent_end, joined_member, start_servers, wait_exit, write_config
 
@@ -266,18 +263,13 @@ def test_a_worker_that_dies_between_its_granted_retry_and_its_push_loses_no_samp
     run = tmp_path / "run"
     eps = start_servers(procs, cfg_path, 2, run)
     honest = start_indexed_workers(procs, cfg_path, eps[0], 1, run)
-    me = ShardClients(zmq.Context.instance(), eps[0], timeout_s=30, connect_timeout_s=30, security=cfg.security)
-    welcome = me.join("doomed", cfg.job_digest(), "cpu")
-    wid = welcome.worker_id
-    beat = Heartbeat(me.ctx, eps[0], wid, 0.2, security=cfg.security, token=me.token).start()
-    params = np.zeros(welcome.num_params, np.float32)
-    a = me.pull(params, worker_id=wid, min_version=welcome.version).assignment
-    assert a is not None and a.batch_size == 32
-    retry = me.send_to_coordinator(P.OutOfMemory(worker_id=wid, token=me.token, iteration=a.iteration,
-                                                 batch_size=a.batch_size), P.Reassignment).assignment
-    assert retry.iteration == a.iteration and 1 <= retry.batch_size < a.batch_size
-    beat.stop()  # dies: no push, no Leave, no more heartbeats
-    me.close()
+    with joined_member(cfg, eps[0], name="doomed") as m:
+        wid, a = m.worker_id, m.assignment
+        assert a is not None and a.batch_size == 32
+        retry = m.client.send_to_coordinator(P.OutOfMemory(worker_id=wid, token=m.token, iteration=a.iteration,
+                                                           batch_size=a.batch_size), P.Reassignment).assignment
+        assert retry.iteration == a.iteration and 1 <= retry.batch_size < a.batch_size
+        m.die()  # no push, no Leave, no more heartbeats
     wait_exit(honest, timeout_s=240)
     wait_exit([c for c in procs.children if c.role.startswith("shard")], timeout_s=60)
     params, version = consistent_end(run, 2)

@@ -79,7 +79,7 @@ def test_a_worker_without_its_scenario_index_refuses_a_share():
             Worker(cfg, "tcp://127.0.0.1:1", scenario_index=0)
 
 
-def test_the_launcher_gives_a_worker_its_share_from_birth():
+def test_the_launch_environment_carries_the_share_or_nothing():
     assert launch_env(None) == {} and launch_env(25) == {PERCENT_VARIABLE: "25"}
 
 
