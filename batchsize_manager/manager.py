@@ -105,6 +105,7 @@ class BatchSizeManager:
         self._pending_s = 0.0          # observe() time since the last assign()
         self._pending_cpu_s = 0.0      # CPU of the flushes since the last assign() (not of queuing)
         self._caps_cache: tuple[Any, Any, np.ndarray] | None = None
+        self._feasible: tuple[np.ndarray, np.ndarray, int, int] | None = None  # last bounds checked
         #: reports are applied in chunks of this size: a chunk is read while its reports are still
         #: in the CPU cache (10,000 freshly received reports read at once cost twice as much)
         self.flush_every = FLUSH_EVERY
@@ -301,7 +302,11 @@ class BatchSizeManager:
             self._flush()
             ids, live = self.membership.sorted_ids()
             caps = self._caps_array(ids)
-            check_feasible_arrays(ids, self.global_batch, self.min_batch, caps)
+            feasible = (ids, caps, self.global_batch, self.min_batch)
+            known = self._feasible
+            if known is None or known[0] is not ids or known[1] is not caps or known[2:] != feasible[2:]:
+                check_feasible_arrays(ids, self.global_batch, self.min_batch, caps)
+                self._feasible = feasible   # ids and caps are the same objects until a change
             if self._native:
                 x = self._policy.assign_arrays(ids, self.global_batch, self.min_batch, caps,
                                                checked=True)

@@ -73,6 +73,8 @@ class BatchPolicy(ABC):
         """:meth:`assign` on arrays: ``ids`` sorted int64, ``caps`` aligned floats (inf: uncapped);
         returns the sizes aligned with ``ids``. ``checked``: the caller already checked that X fits
         within ``caps`` (the manager does; its caps are the memory caps it keeps by worker name).
+        Neither array may change after the call: a policy may recognise them by identity at the
+        next decision (the manager passes the same objects until membership or caps change).
         The default goes through :meth:`assign`."""
         ws = ids.tolist()
         capd = {w: int(c) for w, c in zip(ws, caps.tolist()) if c != math.inf}

@@ -71,6 +71,12 @@ def _float_or_nan(raw: Any) -> float:
         return math.nan
 
 
+def _measured_one(raw: Any) -> float:
+    """A measured value: the float where finite, else nan."""
+    v = _float_or_nan(raw)
+    return v if math.isfinite(v) else math.nan
+
+
 def _speed_one(batch_size: Any, compute_s: Any) -> float:
     """:meth:`WorkerReport.speed` for one report; nan where unusable."""
     try:
@@ -123,6 +129,9 @@ _WORKER_ID = attrgetter("worker_id")
 _BATCH_SIZE = attrgetter("batch_size")
 _OOM = attrgetter("oom")
 _HEADROOM = attrgetter("mem_headroom_mb")
+
+_NO_ROWS = np.zeros(0, dtype=np.int64)
+_NO_ROWS.flags.writeable = False
 
 #: Batches up to this size are read with the per-report rules on Python values (one array per
 #: column at the end): for a few reports, numpy's per-call cost exceeds the work.
@@ -204,8 +213,12 @@ class ReportBatch:
         key = "measured:" + name
         col = self._cols.get(key)
         if col is None:
-            a = _tel_column(self.tels, name)
-            col = np.where(np.isfinite(a), a, math.nan)
+            if self.small:
+                get = attrgetter(name)
+                col = np.array([_measured_one(get(t)) for t in self.tels], dtype=np.float64)
+            else:
+                a = _tel_column(self.tels, name)
+                col = np.where(np.isfinite(a), a, math.nan)
             self._cols[key] = col
         return col
 
@@ -219,7 +232,7 @@ class ReportBatch:
         def measured() -> Any:
             return map(is_not, map(_HEADROOM, self.tels), repeat(None))
         if not any(measured()):
-            return np.zeros(0, dtype=np.int64)
+            return _NO_ROWS
         return np.flatnonzero(np.fromiter(measured(), dtype=bool, count=self.n))
 
     # ----- derived columns ------------------------------------------------------------------

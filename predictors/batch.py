@@ -84,8 +84,7 @@ class BatchPredictor:
         self.poll()
         raw = self._predict(slots)
         last = self._last[slots]
-        with np.errstate(invalid="ignore"):
-            ok = np.isfinite(raw) & (raw > 0.0)
+        ok = np.isfinite(raw) & (raw > 0.0)          # comparisons with nan never warn
         return np.where(ok, raw, last)
 
     def n_updates(self, slots: np.ndarray) -> np.ndarray:

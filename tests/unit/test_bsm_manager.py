@@ -309,3 +309,28 @@ def test_a_manager_on_someone_elses_membership_hears_its_changes():
         m.join(1)
     with pytest.raises(ValueError, match="must be empty"):
         BatchSizeManager("uniform", 30).use_membership(members)
+
+
+@pytest.mark.parametrize("policy", ["uniform", "lbbsp-cpu"])
+def test_bounds_are_checked_again_after_every_change(policy):
+    """The manager and lbbsp-cpu skip re-checking bounds they checked for the very same live set
+    and caps; a leave, a join or a cap learned from an out-of-memory report is checked again."""
+    m = BatchSizeManager(policy, 100, max_batch=45)
+    for w in range(3):
+        m.join(w)
+    first = m.assign()
+    assert sum(first.values()) == 100 and m.assign() == first       # nothing changed
+    m.leave(2)
+    with pytest.raises(ValueError, match="exceeds the sum of the workers' batch caps"):
+        m.assign()
+    m.join(2)
+    sizes = m.assign()
+    for it in range(1, 8):          # equal speeds: a split away from even is predicted slower
+        for w, x in sizes.items():
+            m.observe(WorkerReport(worker_id=w, iteration=it, batch_size=x,
+                                   telemetry=Telemetry(compute_s=x / 1000.0, finish_s=x / 1000.0 + 0.01)))
+        assert m.assign() == sizes
+    m.observe(WorkerReport(worker_id=0, iteration=8, batch_size=sizes[0], telemetry=Telemetry(oom=True)))
+    after = m.assign()
+    assert after[0] < sizes[0] and sum(after.values()) == 100 and max(after.values()) <= 45
+    assert m.memory_caps[0] < sizes[0]
