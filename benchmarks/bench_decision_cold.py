@@ -6,7 +6,8 @@ times as costly as the same decision in a tight loop. This splits that cost into
 a 50 ms ``sleep`` (an idle core, as in the paced table), and after 50 ms of a spin-wait (a busy
 core whose caches the spin barely touches). Two reference rows do a fixed small job (apply 4
 reports to per-worker arrays) in plain Python and in numpy, so the host's own cold-start factor
-is on the same table as the manager's.
+is on the same table as the manager's; three more time one numpy call, 20 calls of one kind and
+22 calls of 21 kinds, which shows what the cold start charges for (the kinds, not the calls).
 
 Usage::
 
@@ -117,6 +118,41 @@ def reference_jobs() -> dict[str, Callable[[], None]]:
             "reference: apply 4 reports, numpy": vectorised}
 
 
+def numpy_call_jobs() -> dict[str, Callable[[], None]]:
+    """What numpy's calls cost after idling, by how many different ones run: one call, 20 calls
+    of one function, and 22 calls of 21 different functions (each on 8 floats). Why: a decision
+    for a few workers is some 100 small numpy calls of some 50 kinds, and the host charges the
+    first call of each kind for the caches it finds cold, more than the work itself."""
+    a = np.linspace(1.0, 2.0, 8)
+
+    def one() -> None:
+        a.sum()
+
+    def same() -> None:
+        for _ in range(20):
+            a.sum()
+
+    def distinct() -> None:
+        b = a + 1.0
+        c = b * 2.0
+        d = np.sqrt(c)
+        d.max()
+        f = np.where(b > 1.5, c, d)
+        g = np.sort(f)
+        np.isfinite(g).all()
+        j = np.minimum(b, c)
+        np.maximum(j, 0.0)
+        b @ c
+        np.count_nonzero(b)
+        n = np.flatnonzero(b > 1.5)
+        p = np.concatenate([b[n], c])
+        np.isnan(p).any()
+        np.floor(np.full(4, 1.5)).astype(np.int64)
+
+    return {"reference: 1 numpy call": one, "reference: 20 numpy calls, one kind": same,
+            "reference: 22 numpy calls, 21 kinds": distinct}
+
+
 def reference_run(job: Callable[[], None], mode: str, decisions: int) -> float:
     ts = []
     for _ in range(decisions):
@@ -143,9 +179,11 @@ def main(argv: list[str] | None = None) -> int:
             vals = [runs[mode][i] for mode in MODES]
             lines.append(f"| {part} | {n:,} | " + " | ".join(us(v) for v in vals)
                          + f" | {vals[1] / vals[0]:.1f}x |")
-    for name, job in reference_jobs().items():
+    jobs = [(name, "4", job) for name, job in reference_jobs().items()]
+    jobs += [(name, "", job) for name, job in numpy_call_jobs().items()]
+    for name, workers, job in jobs:
         vals = [reference_run(job, mode, args.decisions) for mode in MODES]
-        lines.append(f"| {name} | 4 | " + " | ".join(us(v) for v in vals) + f" | {vals[1] / vals[0]:.1f}x |")
+        lines.append(f"| {name} | {workers} | " + " | ".join(us(v) for v in vals) + f" | {vals[1] / vals[0]:.1f}x |")
     print(f"## Decision CPU time after idling ({args.decisions} decisions per cell, the first {WARMUP} "
           "left out; 50 ms between decisions as in bench_manager's paced table)\n")
     print("\n".join(lines))
