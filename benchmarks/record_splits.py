@@ -15,7 +15,10 @@ Usage::
 
     python benchmarks/record_splits.py --root OLD_CHECKOUT --out before.json
     python benchmarks/record_splits.py --out after.json
-    python benchmarks/record_splits.py --compare before.json after.json
+    python benchmarks/record_splits.py --compare before.json after.json [--rtol 1e-12]
+
+The exit status is 1 when any split differs (or a scenario is missing); predicted times that
+differ beyond ``--rtol`` are listed (an optimization that reorders a sum moves their last bits).
 """
 
 from __future__ import annotations
@@ -127,18 +130,32 @@ def record() -> dict[str, Decisions]:
     return cases
 
 
-def compare(a: dict[str, Decisions], b: dict[str, Decisions]) -> list[str]:
-    """One line per scenario whose decisions differ (first difference), or that only one has."""
+def compare(a: dict[str, Decisions], b: dict[str, Decisions], rtol: float = 0.0) -> list[str]:
+    """One line per scenario whose splits differ (how many, and the first), whose predicted
+    iteration times differ by more than ``rtol`` (relative), or that only one recording has."""
     lines = []
     for name in sorted(set(a) | set(b)):
         if name not in a or name not in b:
             lines.append(f"{name}: only in {'the second' if name not in a else 'the first'}")
-        elif a[name] != b[name]:
-            i = next((i for i, (x, y) in enumerate(zip(a[name], b[name])) if x != y),
-                     min(len(a[name]), len(b[name])))
-            lines.append(f"{name}: decision {i} differs: {a[name][i] if i < len(a[name]) else None} "
-                         f"against {b[name][i] if i < len(b[name]) else None}")
+            continue
+        x, y = a[name], b[name]
+        differ = [i for i, (p, q) in enumerate(zip(x, y)) if p[0] != q[0]]
+        if differ or len(x) != len(y):
+            i = differ[0] if differ else min(len(x), len(y))
+            lines.append(f"{name}: {len(differ)} of {len(x)} splits differ (lengths {len(x)}, {len(y)}); "
+                         f"first at decision {i}: {x[i] if i < len(x) else None} against "
+                         f"{y[i] if i < len(y) else None}")
+            continue
+        worst = max((_relative(float(p[1]), float(q[1])) for p, q in zip(x, y)), default=0.0)
+        if worst > rtol:
+            lines.append(f"{name}: same splits; predicted times differ by up to {worst:.1e} (relative)")
     return lines
+
+
+def _relative(p: float, q: float) -> float:
+    if p == q or (math.isnan(p) and math.isnan(q)):
+        return 0.0
+    return abs(p - q) / max(abs(p), abs(q)) if math.isfinite(p) and math.isfinite(q) else math.inf
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,12 +163,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--root", type=Path, default=ROOT, help="checkout to record (default: this one)")
     ap.add_argument("--out", type=Path, help="where to write the decisions (JSON)")
     ap.add_argument("--compare", type=Path, nargs=2, metavar=("A", "B"), help="compare two recordings")
+    ap.add_argument("--rtol", type=float, default=0.0,
+                    help="--compare: tolerated relative difference of predicted times (default: none)")
     args = ap.parse_args(argv)
     if args.compare:
         a, b = (json.loads(p.read_text()) for p in args.compare)
-        diff = compare(a, b)
+        diff = compare(a, b, args.rtol)
         print("\n".join(diff) if diff else f"all {len(a)} scenarios decided the same")
-        return 1 if diff else 0
+        return 1 if any("splits differ" in line or "only in" in line for line in diff) else 0
     if args.out is None:
         ap.error("--out FILE (or --compare A B)")
     sys.path.insert(0, str(args.root.resolve()))
