@@ -669,7 +669,7 @@ class LBBSPCpuPolicy(SlotPolicy):
                 pos = self._fn[fs] % self.finish_window
                 self._fx[fs, pos] = _at(batch.batch, at)
                 self._ff[fs, pos] = fin
-                self._fc[fs, pos] = _at(batch.compute, at)   # finite and > 0: its speed is
+                self._fc[fs, pos] = _at(batch.compute, at)   # finite and > 0, as the speed is
                 self._fv[fs, pos] = self._vplan[fs]
                 if self.use_quota:
                     self._fcpu[fs, pos] = _at(batch.measured("cpu_s"), at)
