@@ -29,7 +29,14 @@ from batchsize_manager.allocation import (
     round_bounded_arrays,
     split_small,
 )
-from batchsize_manager.reports import SMALL_BATCH, ReportBatch, _num_one, occurrence_rounds, overhead_one
+from batchsize_manager.reports import (
+    SMALL_BATCH,
+    ReportBatch,
+    _measured_one,
+    _num_one,
+    occurrence_rounds,
+    overhead_one,
+)
 from batchsize_manager.simulation import SimulatedWorker, Simulation
 from ps_common.report import Telemetry
 
@@ -176,7 +183,8 @@ def _random_telemetry(rng: random.Random, compute_s: Any) -> Telemetry:
     """A report built locally, so unchecked: numbers out of range and junk of other types too."""
     pool = [None, "abc", "2.5", float("nan"), float("inf"), -1.0, 0.0, True, [1, 2], 3, 0.25, 7.5]
     tel: dict[str, Any] = {"compute_s": compute_s, "oom": rng.random() < 0.3}
-    for key in ("data_s", "prev_push_s", "prev_pull_s", "finish_s", "host_cpu", "cotenant_cpu", "host_mem_pct"):
+    for key in ("data_s", "prev_push_s", "prev_pull_s", "finish_s", "host_cpu", "cotenant_cpu", "host_mem_pct",
+                "cpu_s", "compute_cpu_s", "cpu_quota"):
         r = rng.random()
         if r < 0.5:
             tel[key] = rng.uniform(-0.1, 2.0)
@@ -214,6 +222,9 @@ def test_report_columns_follow_the_per_report_rules(n):
     for key in ("data_s", "prev_push_s", "prev_pull_s", "finish_s"):
         assert b._durations(key).tolist() == [_num_one(getattr(r.telemetry, key)) for r in reps]
     assert b.finish.tolist() == [_num_one(r.telemetry.finish_s) for r in reps]
+    for key in ("cpu_s", "compute_cpu_s", "cpu_quota", "finish_s", "compute_s"):
+        got, want = b.measured(key).tolist(), [_measured_one(getattr(r.telemetry, key)) for r in reps]
+        assert all(g == w or (math.isnan(g) and math.isnan(w)) for g, w in zip(got, want)), key
     assert np.allclose(b.overhead(), [overhead_one(r.telemetry) for r in reps], rtol=0, atol=1e-15)
     assert b.batch.tolist() == [float(r.batch_size) for r in reps]
     exp_v = [r.speed() for r in reps]
