@@ -222,26 +222,35 @@ def _one_measurement(root: Path, policy: str, args: dict[str, Any], n: int, warm
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _supports_refit_at(root: Path) -> bool:
+    """Does the checkout at ``root`` take lbbsp-cpu's ``refit`` argument? (asked in a fresh process)"""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--root", str(root), "--supports-refit"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=120)
+    return bool(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
 def compare_table(sizes: list[int], other: Path) -> str:
     """(a) for this checkout and ``other`` side by side: each row measured in two fresh processes
     started one after the other (alternating which goes first), so both see the same machine."""
     rows = []
     pairs = [(label, policy, args) for label, policy, args, quota in SCALING
              if args.get("refit") in (None, "sync") and quota is None]
+    old_refit = _supports_refit_at(other)   # else its NARX refits inside the decision anyway
     flip = False
     for label, policy, args in pairs:
-        old_args = {k: v for k, v in args.items() if k != "refit"}
+        old_args = args if old_refit else {k: v for k, v in args.items() if k != "refit"}
         for n in sizes:
             if args.get("predictor") == "narx" and n > 1000:
                 continue
             warmup, iters = (14, 20) if "predictor" in args and args["predictor"] == "narx" else \
                 ((3, 20) if n <= 1000 else (2, 10))
-            jobs = [(ROOT, args), (other, old_args)]
+            jobs = {"new": (ROOT, args), "old": (other, old_args)}
             res = {}
-            for root, a in (jobs[::-1] if flip else jobs):
-                res[root] = _one_measurement(root, policy, a, n, warmup, iters)
+            for which in (("old", "new") if flip else ("new", "old")):
+                root, a = jobs[which]
+                res[which] = _one_measurement(root, policy, a, n, warmup, iters)
             flip = not flip
-            new, old = res[ROOT], res[other]
+            new, old = res["new"], res["old"]
             rows.append([label, f"{n:,}", *stats_ms(old), *stats_ms(new),
                          f"{statistics.fmean(old) / statistics.fmean(new):.1f}x",
                          f"{pct(old, 95) / pct(new, 95):.1f}x"])
@@ -455,8 +464,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="print (a) for DIR (before) and this checkout (after) side by side, each "
                          "row measured in fresh processes one right after the other")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--supports-refit", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     _setup_path(args.root.resolve())
+    if args.supports_refit:                  # internal: for --compare, JSON on stdout
+        print(json.dumps(supports_refit()))
+        return 0
     if args.one is not None:                 # internal: one (a) measurement, JSON on stdout
         policy, pargs, n, warmup, iters = json.loads(args.one)
         print(json.dumps(measure_decisions(policy, pargs, n, warmup, iters)[0]))
