@@ -115,6 +115,16 @@ class Telemetry:
         """The predictors' exogenous inputs, in :data:`EXOG_KEYS` order (non-finite: 0.0)."""
         return [_exog_one(getattr(self, k)) for k in EXOG_KEYS]
 
+    def with_finish(self, finish_s: float | None) -> Telemetry:
+        """This report with ``finish_s`` set: what ``dataclasses.replace(self, finish_s=...)``
+        gives, in about 1 µs instead of 10 (replace runs the constructor over all 28 fields, and
+        shard 0 times the finish of every worker's every iteration)."""
+        new = object.__new__(Telemetry)
+        fields_ = new.__dict__
+        fields_.update(self.__dict__)
+        fields_["finish_s"] = finish_s
+        return new
+
     def to_dict(self) -> dict[str, Any]:
         """The measured fields (None left out), for metrics records."""
         return {k: v for k in _NAMES if (v := getattr(self, k)) is not None}

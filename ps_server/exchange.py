@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
@@ -146,7 +146,7 @@ class GradientExchange:
         self.held_bytes += grad.nbytes
         if msg.last:
             assert msg.telemetry is not None
-            self.reports[rank] = replace(msg.telemetry, finish_s=self.last_activity - self.opened_at)
+            self.reports[rank] = msg.telemetry.with_finish(self.last_activity - self.opened_at)
         if len(bucket.grads) < self.world:
             return []
         return self._complete(b, bucket)

@@ -154,6 +154,19 @@ def test_report_flags_and_optional_fields_on_decode():
     assert P.decode(_push_with_report({})).telemetry == Telemetry()
 
 
+def test_a_report_with_a_finish_time_is_a_copy_like_replace():
+    """``Telemetry.with_finish`` (the coordinator's fast copy) gives what dataclasses.replace
+    does, leaves the original alone, and stays a frozen Telemetry."""
+    tel = P.decode(_push_with_report({"compute_s": 0.01, "cpu_quota": 0.5, "oom": True,
+                                      "finish_s": 0.3, "burners": 2})).telemetry
+    for finish in (0.02, None):
+        new = tel.with_finish(finish)
+        assert new == dataclasses.replace(tel, finish_s=finish) and type(new) is Telemetry
+        assert new.finish_s == finish and tel.finish_s == 0.3 and new.compute_s == 0.01
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            new.finish_s = 1.0  # type: ignore[misc]
+
+
 def test_array_size_limit():
     frames = [bytes(f) for f in P.encode(P.Push(arrays=[np.zeros(100, np.float32)]))]
     with pytest.raises(P.ProtocolError, match="exceeds the limit"):
