@@ -781,11 +781,19 @@ def _check(value: Any, tp: Any, where: str) -> Any:
     return _validator(tp)(value, where)
 
 
-_SCHEMAS: dict[type, tuple[dict[str, Validator], frozenset[str], frozenset[str]]] = {}
+class _Schema(typing.NamedTuple):
+    validators: dict[str, Validator]   # per field
+    names: frozenset[str]
+    required: frozenset[str]
+    #: every field's default, for a frozen class built without its __init__ (None: use __init__)
+    defaults: dict[str, Any] | None
 
 
-def _schema(cls: type) -> tuple[dict[str, Validator], frozenset[str], frozenset[str]]:
-    """(validator per field, field names, required field names) of a message or part class."""
+_SCHEMAS: dict[type, _Schema] = {}
+
+
+def _schema(cls: type) -> _Schema:
+    """Validators, field names, required names and (frozen plain classes) defaults of a class."""
     sch = _SCHEMAS.get(cls)
     if sch is None:
         hints = typing.get_type_hints(cls)
@@ -793,18 +801,41 @@ def _schema(cls: type) -> tuple[dict[str, Validator], frozenset[str], frozenset[
         validators = {f.name: _field_validator(f, hints[f.name]) for f in fields}
         required = frozenset(f.name for f in fields if f.default is dataclasses.MISSING
                              and f.default_factory is dataclasses.MISSING)
-        sch = _SCHEMAS[cls] = (validators, frozenset(validators), required)
+        sch = _SCHEMAS[cls] = _Schema(validators, frozenset(validators), required, _plain_defaults(cls))
     return sch
 
 
+def _plain_defaults(cls: type) -> dict[str, Any] | None:
+    """The defaults of a frozen dataclass whose __init__ only stores its fields (no
+    __post_init__, no factories, no slots, all defaulted), else None. Such a class is built by
+    filling its __dict__: the frozen __init__ stores each field through object.__setattr__
+    (3.4 µs for a worker's report of 28 fields, against 1)."""
+    params = getattr(cls, "__dataclass_params__", None)
+    fields = dataclasses.fields(cls)
+    if (params is None or not params.frozen or hasattr(cls, "__post_init__") or "__slots__" in vars(cls)
+            or any(not f.init or f.default is dataclasses.MISSING for f in fields)):
+        return None
+    return {f.name: f.default for f in fields}
+
+
 def _build(cls: type, body: dict[str, Any], where: str) -> Any:
-    validators, names, required = _schema(cls)
+    validators, names, required, defaults = _schema(cls)
     if not names.issuperset(body):
         raise ProtocolError(f"{where}: unknown field(s) {sorted(set(body) - names)}")
     missing = required.difference(body)
     if missing:
         raise ProtocolError(f"{where}: missing field {sorted(missing)[0]!r}")
-    return cls(**{name: validators[name](value, f"{where}.{name}") for name, value in body.items()})
+    try:  # the field's path is only spelled out for an error message (1 µs per report saved)
+        values = {name: validators[name](value, where) for name, value in body.items()}
+    except ProtocolError:
+        values = {name: validators[name](value, f"{where}.{name}") for name, value in body.items()}
+    if defaults is None:
+        return cls(**values)
+    obj: Any = object.__new__(cls)
+    state = obj.__dict__
+    state.update(defaults)
+    state.update(values)
+    return obj
 
 
 def _frame_bytes(frame: Any) -> memoryview:
