@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Sequence
 
+from ps_common.frozen import fill, plain_defaults
+
 #: Upper bounds of the measurements (the lower bound is 0): sanity limits for what a peer may
 #: send, far beyond any real value, so that no report can overflow a policy's arithmetic.
 MAX_SECONDS = 1e6          # one phase of one iteration: about 11 days
@@ -117,13 +119,9 @@ class Telemetry:
 
     def with_finish(self, finish_s: float | None) -> Telemetry:
         """This report with ``finish_s`` set: what ``dataclasses.replace(self, finish_s=...)``
-        gives, in 0.7 µs instead of 6.5 (replace runs the constructor over all 28 fields, and
-        shard 0 times the finish of every worker's every iteration)."""
-        new = object.__new__(Telemetry)
-        fields_ = new.__dict__
-        fields_.update(self.__dict__)
-        fields_["finish_s"] = finish_s
-        return new
+        gives, in 0.9 µs instead of 6.5 (:mod:`ps_common.frozen`; shard 0 times the finish of
+        every worker's every iteration)."""
+        return fill(Telemetry, self.__dict__, {"finish_s": finish_s})
 
     def to_dict(self) -> dict[str, Any]:
         """The measured fields (None left out), for metrics records."""
@@ -145,6 +143,7 @@ class Telemetry:
 
 
 _NAMES: tuple[str, ...] = tuple(f.name for f in fields(Telemetry))
+assert plain_defaults(Telemetry) is not None, "with_finish and the decoder fill reports without __init__"
 
 
 def _from_float(f: Any) -> Any:

@@ -209,3 +209,46 @@ def test_no_pickle_anywhere_in_wire_modules():
     for mod in (P, transport):
         src = inspect.getsource(mod)
         assert "import pickle" not in src and "pickle.loads" not in src
+
+
+def test_only_plain_frozen_dataclasses_are_built_without_their_init():
+    """ps_common.frozen refuses every class whose __init__ does more than store fields: the
+    decoder then calls the class itself."""
+    from ps_common.frozen import fill, plain_defaults
+
+    @dataclasses.dataclass(frozen=True)
+    class Plain:
+        a: float = 1.0
+        b: int | None = None
+
+    @dataclasses.dataclass(frozen=True)
+    class Checked:
+        a: float = 1.0
+
+        def __post_init__(self) -> None:
+            if self.a < 0:
+                raise ValueError("a < 0")
+
+    @dataclasses.dataclass(frozen=True)
+    class Factory:
+        a: list = dataclasses.field(default_factory=list)
+
+    @dataclasses.dataclass(frozen=True)
+    class Required:
+        a: float
+
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class Slotted:
+        a: float = 1.0
+
+    @dataclasses.dataclass
+    class Mutable:
+        a: float = 1.0
+
+    assert plain_defaults(Plain) == {"a": 1.0, "b": None}
+    for cls in (Checked, Factory, Required, Slotted, Mutable):
+        assert plain_defaults(cls) is None, cls.__name__
+    built = fill(Plain, plain_defaults(Plain), {"b": 3})
+    assert built == Plain(1.0, 3) and hash(built) == hash(Plain(1.0, 3))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        built.a = 2.0  # type: ignore[misc]

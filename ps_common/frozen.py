@@ -1,0 +1,35 @@
+"""Frozen dataclasses built without their ``__init__``, where that is safe.
+
+A frozen dataclass's ``__init__`` stores each field through ``object.__setattr__``: 3.4 µs for a
+worker's report of 28 fields, and ``dataclasses.replace`` pays it again (6.5 µs). Shard 0 decodes
+every worker's report and copies it once more to add the servers' finish time, every iteration.
+For a class whose ``__init__`` does nothing but store its fields (no ``__post_init__``, no
+default factories, no slots, every field defaulted and set by ``__init__``), filling the
+instance's ``__dict__`` gives the same value: equal, hashable, still frozen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+
+def plain_defaults(cls: type) -> dict[str, Any] | None:
+    """Every field's default if ``cls`` is such a plain frozen dataclass, else None."""
+    params = getattr(cls, "__dataclass_params__", None)
+    if params is None or not params.frozen or hasattr(cls, "__post_init__") or "__slots__" in vars(cls):
+        return None
+    fields = dataclasses.fields(cls)
+    if any(not f.init or f.default is dataclasses.MISSING for f in fields):
+        return None
+    return {f.name: f.default for f in fields}
+
+
+def fill(cls: type, *states: Mapping[str, Any]) -> Any:
+    """An instance of the plain frozen dataclass ``cls`` holding ``states`` merged in order (they
+    must name every field, with values already checked)."""
+    obj: Any = object.__new__(cls)
+    state = obj.__dict__
+    for s in states:
+        state.update(s)
+    return obj
