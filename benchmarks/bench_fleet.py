@@ -164,8 +164,10 @@ def _heartbeats(ctx: zmq.Context, endpoint: str, cfg, joined: list, stop: thread
 
 
 def _clients(cfg, endpoint: str, indices: list[int], n: int, q) -> None:
+    from ps_common.open_files import ensure_open_files
     from ps_worker.client import ShardClients
 
+    ensure_open_files(8 * len(indices) + 256, f"{len(indices)} simulated workers")
     ctx = zmq.Context()
     ctx.set(zmq.MAX_SOCKETS, 4 * len(indices) + 64)  # a worker's connection has a monitor too
     models = simulated_workers(n)

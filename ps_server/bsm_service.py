@@ -34,6 +34,7 @@ from batchsize_manager import BatchSizeManager, WorkerReport
 from ps_common import protocol as P
 from ps_common.cli_util import StopFlag
 from ps_common.errors import PsError
+from ps_common.open_files import ensure_open_files, open_files_for
 from ps_common.security.settings import SecurityConfig
 from ps_common.security.sockets import close_socket
 from ps_common.transport import advertised, bind_address, make_router
@@ -74,6 +75,8 @@ class BatchSizeService:
                                           max_bytes=max(4 * max_bucket_bytes, 1 << 31))
                          if world_size is not None else None)
         array_bytes = max_bucket_bytes if self.exchange is not None else 0
+        # a connection per rank; without --world-size the ranks are not known: room for 1,024
+        ensure_open_files(open_files_for(world_size or 1024), "ps-bsm")
         self.sock, bound = make_router(self.ctx, bind_address(host, port),
                                        max_msg_bytes=MAX_MSG_BYTES + array_bytes, security=security)
         self.endpoint = advertised(bound, advertise_host)

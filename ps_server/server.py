@@ -39,6 +39,7 @@ from ps_common.cli_util import StopFlag
 from ps_common.config import JobConfig
 from ps_common.errors import UsageError
 from ps_common.metrics import MetricsWriter, existing_for
+from ps_common.open_files import ensure_open_files, server_open_files
 from ps_common.security.sockets import close_socket
 from ps_common.timeouts import DEFAULT_TIMEOUTS, Timeouts
 from ps_common.transport import WILDCARD_HOSTS, advertised, bind_address, make_router
@@ -125,6 +126,8 @@ class ShardServer:
             snapshot_every=cfg.evaluator.every_iterations if cfg.evaluator.enabled else 0,
             max_snapshots=cfg.evaluator.snapshots)
         t = cfg.transport
+        ensure_open_files(server_open_files(cfg.cluster.num_workers, shard),
+                          f"shard {shard} with {cfg.cluster.num_workers} workers")
         bind_host = host or cfg.cluster.host
         if bind_host in WILDCARD_HOSTS and not advertise_host:
             raise UsageError(f"shard {shard} would bind every interface ({bind_host}) and tell workers and "
