@@ -31,8 +31,8 @@ def server_open_files(num_workers: int, shard: int) -> int:
 
 def ensure_open_files(needed: int, what: str) -> int:
     """Raise this process's soft open-file limit to at least ``needed`` (up to the hard limit)
-    and return the limit now in force; warns when the hard limit is lower than ``needed``.
-    Returns -1 where the platform has no such limit."""
+    and return the limit now in force (``needed`` when unlimited); warns when the hard limit
+    is lower than ``needed``. Returns -1 where the platform has no such limit."""
     try:
         import resource
     except ImportError:  # not a POSIX system
