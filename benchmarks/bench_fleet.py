@@ -17,11 +17,12 @@ What is measured, over the iterations after ``--skip`` (LB-BSP's window full):
 - the decision's CPU per iteration (shard 0's record, ``time.thread_time``), mean and p95, and
   its mean as a share of the mean iteration (the issue's goal: <= 1%);
 - shard 0's whole process CPU per iteration, and the decision's share of it: what else the
-  coordinator spends per iteration at that scale.
+  coordinator spends per iteration at that scale;
+- the client processes' CPU per iteration.
 
 On this 2-core VM the simulated workers' own message handling shares the cores with shard 0,
-so at 1,000 workers the iteration is bound by CPU, not by the sleeps: the table says so in its
-"ideal" column (the sleeps' balanced bound).
+so at 1,000 workers the iteration is bound by CPU, not by the sleeps: compare it with the
+sleeps' balanced bound (50 ms, in the header) and with the two CPU columns.
 
     python benchmarks/bench_fleet.py [--workers 4 100 1000] [--policies uniform ema last arima narx]
         [--iterations 100] [--skip 40] [--repeats 1] [--client-procs 2] [--phases]
