@@ -307,10 +307,10 @@ def _at(samples: list[tuple[float, float]], when: float) -> float:
 
 
 def _cell(values: list[float], scale: float, fmt: str) -> str:
-    """The median, with (min-max) when there are several repeats."""
-    xs = sorted(v * scale for v in values)
-    med = statistics.median(xs)
-    return f"{med:{fmt}}" if len(xs) == 1 else f"{med:{fmt}} ({xs[0]:{fmt}}-{xs[-1]:{fmt}})"
+    """The median of the repeats, scaled, with [min-max] when there are several."""
+    from ps_launcher.compare import spread
+
+    return spread([v * scale for v in values], fmt)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"shard 0 + N simulated workers over loopback TCP, BSP, X = {PER_WORKER} N, slowdowns "
           f"{list(SLOWDOWNS)} replicated, ideal iteration {IDEAL_S * 1e3:.0f} ms; iterations "
           f"{args.skip}-{args.iterations - 1} measured; {args.client_procs} client processes; "
-          f"{args.repeats} repeat(s), median (min-max)\n")
+          f"{args.repeats} repeat(s), median [min-max]\n")
     print("| workers | policy | iteration ms: median / mean / p95 | decision CPU ms: mean / p95 "
           "| decision / mean iteration | decision wall ms (mean) | shard 0 CPU ms per iteration "
           "| decision / shard 0 CPU | clients' CPU ms per iteration |")

@@ -155,7 +155,8 @@ def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
         w.writerows(rows)
 
 
-def _spread(values: list[Any], fmt: str) -> str:
+def spread(values: list[Any], fmt: str) -> str:
+    """The median of ``values`` with [min-max] when there are several (None: not reached)."""
     vals = [v for v in values if v is not None]
     if not vals:
         return "not reached"
@@ -178,7 +179,7 @@ def _decision_cell(rs: list[dict[str, Any]]) -> str:
     cpu = _scaled(rs, "decision_cpu_ms", 1.0)
     if all(c is None for c in cpu):
         return "-"
-    return f"{_spread(cpu, '.3f')} ({_spread(_scaled(rs, 'decision_cpu_share', 100.0), '.2f')}%)"
+    return f"{spread(cpu, '.3f')} ({spread(_scaled(rs, 'decision_cpu_share', 100.0), '.2f')}%)"
 
 
 def report_table(rows: list[dict[str, Any]], modes: list[str], target: float) -> str:
@@ -189,14 +190,14 @@ def report_table(rows: list[dict[str, Any]], modes: list[str], target: float) ->
     ]
 
     def ms(rs: list[dict[str, Any]], key: str) -> str:
-        return _spread(_scaled(rs, key, 1e3), ".1f")
+        return spread(_scaled(rs, key, 1e3), ".1f")
 
     for m in modes:
         rs = [r for r in rows if r["mode"] == m]
         lines.append(f"| {m} | {ms(rs, 'median_iteration_s')} | {ms(rs, 'mean_iteration_s')} "
-                     f"| {ms(rs, 'p95_iteration_s')} | {_spread([r['iterations_to_target'] for r in rs], '.0f')} "
-                     f"| {_spread([r['time_to_target_s'] for r in rs], '.1f')} "
-                     f"| {_spread([r['final_accuracy'] for r in rs], '.4f')} | {_decision_cell(rs)} |")
+                     f"| {ms(rs, 'p95_iteration_s')} | {spread([r['iterations_to_target'] for r in rs], '.0f')} "
+                     f"| {spread([r['time_to_target_s'] for r in rs], '.1f')} "
+                     f"| {spread([r['final_accuracy'] for r in rs], '.4f')} | {_decision_cell(rs)} |")
     return "\n".join(lines)
 
 
