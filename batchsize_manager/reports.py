@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from ps_common.frozen import fill, fillable
 from ps_common.report import EXOG_KEYS, Telemetry
 
 
@@ -37,6 +38,14 @@ class WorkerReport:
         """Samples per second of compute, or None when the report carries no usable timing."""
         v = _speed_one(self.batch_size, self.telemetry.compute_s)
         return None if math.isnan(v) else v
+
+    def with_telemetry(self, telemetry: Telemetry) -> WorkerReport:
+        """This report with ``telemetry`` instead: ``dataclasses.replace`` without ``__init__``
+        (:mod:`ps_common.frozen`; shard 0 does it for every worker's every report)."""
+        return fill(WorkerReport, self.__dict__, {"telemetry": telemetry})
+
+
+assert fillable(WorkerReport), "with_telemetry copies reports without __init__"
 
 
 def overhead_one(tel: Telemetry) -> float:

@@ -14,13 +14,22 @@ import dataclasses
 from typing import Any, Mapping
 
 
-def plain_defaults(cls: type) -> dict[str, Any] | None:
-    """Every field's default if ``cls`` is such a plain frozen dataclass, else None."""
+def fillable(cls: type) -> bool:
+    """Is ``cls`` a frozen dataclass whose ``__init__`` only stores its fields (no
+    ``__post_init__``, no slots, every field set by ``__init__``)? Then a copy of an instance
+    with some fields changed can be made with :func:`fill` from its ``__dict__``."""
     params = getattr(cls, "__dataclass_params__", None)
     if params is None or not params.frozen or hasattr(cls, "__post_init__") or "__slots__" in vars(cls):
+        return False
+    return all(f.init for f in dataclasses.fields(cls))
+
+
+def plain_defaults(cls: type) -> dict[str, Any] | None:
+    """Every field's default if ``cls`` is such a plain frozen dataclass, else None."""
+    if not fillable(cls):
         return None
     fields = dataclasses.fields(cls)
-    if any(not f.init or f.default is dataclasses.MISSING for f in fields):
+    if any(f.default is dataclasses.MISSING for f in fields):
         return None
     return {f.name: f.default for f in fields}
 

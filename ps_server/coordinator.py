@@ -615,7 +615,7 @@ class Coordinator:
         rep = self.reports.get(worker_id)
         if sent is None or sent[0] != iteration or rep is None or rep.iteration != iteration:
             return
-        timed = replace(rep, telemetry=rep.telemetry.with_finish(self.clock() - sent[1]))
+        timed = rep.with_telemetry(rep.telemetry.with_finish(self.clock() - sent[1]))
         self.reports[worker_id] = timed
         if self._unobserved.get((worker_id, iteration)) is rep:   # not fed to the policy yet
             self._unobserved[(worker_id, iteration)] = timed
@@ -631,7 +631,7 @@ class Coordinator:
         What the servers measure (``finish_s``) is the coordinator's alone: a worker's own value
         is dropped here, so no worker can steer the split with a finish time it made up."""
         if report.telemetry.finish_s is not None:
-            report = replace(report, telemetry=report.telemetry.with_finish(None))
+            report = report.with_telemetry(report.telemetry.with_finish(None))
         self.reports[report.worker_id] = report
         self.losses[report.worker_id] = loss
         self._unobserved[(report.worker_id, report.iteration)] = report

@@ -23,9 +23,12 @@ import zmq
 
 from ps_common import protocol as P
 from ps_common.errors import PsError
+from ps_common.transport import recv_all, send_frames
 from ps_server.timings import Timings
 
 log = logging.getLogger(__name__)
+
+_NOBLOCK = int(zmq.NOBLOCK)
 
 Handler = Callable[[bytes, str, Any], "P.Message | None"]
 
@@ -70,7 +73,7 @@ class RouterLoop:
         done = 0
         while done < budget:
             try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = recv_all(self.sock, _NOBLOCK)
             except zmq.Again:
                 break
             self.handle(frames)
@@ -151,7 +154,7 @@ class RouterLoop:
             self.counters["errors_sent"] += 1
         t0 = time.perf_counter()
         try:
-            self.sock.send_multipart([ident, *frames], zmq.NOBLOCK, copy=False)
+            send_frames(self.sock, [ident, *frames], _NOBLOCK)
             self.timings.since(f"send.{msg.TYPE}", t0)
             return True
         except zmq.Again:

@@ -11,7 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from batchsize_manager.reports import WorkerReport
 from ps_common import protocol as P
+from ps_common.frozen import fillable
 from ps_common.report import Telemetry
 
 
@@ -177,6 +179,28 @@ def test_a_report_with_a_finish_time_is_a_copy_like_replace():
         assert new.finish_s == finish and tel.finish_s == 0.3 and new.compute_s == 0.01
         with pytest.raises(dataclasses.FrozenInstanceError):
             new.finish_s = 1.0  # type: ignore[misc]
+
+
+def test_a_report_with_new_telemetry_is_a_copy_like_replace():
+    """``WorkerReport.with_telemetry`` (the coordinator's copy of every report) is what
+    dataclasses.replace gives; a class whose __init__ does more than store cannot be copied so."""
+    rep = WorkerReport(worker_id=4, iteration=9, batch_size=32, telemetry=Telemetry(compute_s=0.1))
+    tel = rep.telemetry.with_finish(0.2)
+    new = rep.with_telemetry(tel)
+    assert new == dataclasses.replace(rep, telemetry=tel) and hash(new) == hash(dataclasses.replace(rep, telemetry=tel))
+    assert type(new) is WorkerReport and rep.telemetry.finish_s is None and new.telemetry is tel
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        new.batch_size = 1  # type: ignore[misc]
+
+    @dataclasses.dataclass(frozen=True)
+    class Checked:
+        x: int
+
+        def __post_init__(self) -> None:
+            assert self.x >= 0
+
+    assert fillable(WorkerReport) and fillable(Telemetry) and not fillable(Checked)
+    assert not fillable(dataclasses.make_dataclass("Open", ["x"]))      # not frozen
 
 
 def test_array_size_limit():
