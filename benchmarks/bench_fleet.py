@@ -26,17 +26,23 @@ so at 1,000 workers the iteration is bound by CPU, not by the sleeps: compare it
 sleeps' balanced bound (50 ms, in the header) and with the two CPU columns.
 
     python benchmarks/bench_fleet.py [--workers 4 100 1000] [--policies uniform ema last arima narx]
-        [--iterations 100] [--skip 40] [--repeats 1] [--client-procs 2] [--phases]
+        [--iterations 100] [--skip 40] [--repeats 1] [--client-procs 2] [--phases] [--compare DIR]
+
+``--compare DIR`` measures another checkout (say a worktree of the previous commit) against this
+one: every run in a fresh process, the two alternating (which goes first alternates too), so
+that both see the same machine; one row per checkout and policy, median [min-max].
 """
 
 from __future__ import annotations
 
 import argparse
 import bisect
+import json
 import math
 import multiprocessing as mp
 import queue
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -314,6 +320,44 @@ def _cell(values: list[float], scale: float, fmt: str) -> str:
     return spread([v * scale for v in values], fmt)
 
 
+_ONE_RUN = """
+import json, sys
+sys.path[:0] = [{root!r}, {root!r} + "/benchmarks"]
+import bench_fleet
+print(json.dumps(bench_fleet.summary(bench_fleet.run({n}, {policy!r}, {iterations}, {procs}), {skip})))
+"""
+
+
+def compare(other: Path, n: int, policies: list[str], iterations: int, skip: int, procs: int,
+            repeats: int) -> None:
+    """Runs of ``other``'s bench_fleet and this one's, alternating, each in a fresh process."""
+    roots = {"before": other.resolve(), "after": ROOT}
+    rows: dict[tuple[str, str], list[dict[str, float]]] = {}
+    for rep in range(repeats):
+        for policy in policies:
+            for label in (list(roots) if rep % 2 == 0 else list(roots)[::-1]):
+                code = _ONE_RUN.format(root=str(roots[label]), n=n, policy=policy, iterations=iterations,
+                                       procs=procs, skip=skip)
+                out = subprocess.run([sys.executable, "-c", code], cwd=roots[label], capture_output=True,
+                                     text=True, timeout=1800)
+                if out.returncode:
+                    raise RuntimeError(f"{label} ({roots[label]}) failed:\n{out.stderr[-2000:]}")
+                rows.setdefault((label, policy), []).append(json.loads(out.stdout.strip().splitlines()[-1]))
+                print(f"<!-- {label} {policy} repeat {rep + 1} done -->", flush=True)
+    print(f"\n{n} workers; before = {roots['before']}, after = {ROOT}; {repeats} alternating runs, "
+          "median [min-max]\n")
+    print("| checkout | policy | shard 0 CPU ms per iteration | iteration ms (mean) | decision CPU ms (mean) "
+          "| clients' CPU ms per iteration |")
+    print("|---|---|---|---|---|---|")
+    for policy in policies:
+        for label in roots:
+            rs = rows[(label, policy)]
+            print(f"| {label} | {policy} | {_cell([r['shard_cpu'] for r in rs], 1e3, '.1f')} | "
+                  f"{_cell([r['it_mean'] for r in rs], 1e3, '.1f')} | "
+                  f"{_cell([r['dec_mean'] for r in rs], 1e3, '.3f')} | "
+                  f"{_cell([r['client_cpu'] for r in rs], 1e3, '.1f')} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workers", type=int, nargs="+", default=[4, 100, 1000])
@@ -324,7 +368,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--client-procs", type=int, default=2)
     ap.add_argument("--phases", action="store_true",
                     help="also print shard 0's wall time per phase and message type, per iteration")
+    ap.add_argument("--compare", type=Path, default=None, metavar="DIR",
+                    help="alternate runs of the checkout DIR and this one (see the module docstring)")
     args = ap.parse_args(argv)
+    if args.compare is not None:
+        for n in args.workers:
+            compare(args.compare, n, args.policies, args.iterations, args.skip, args.client_procs,
+                    args.repeats)
+        return 0
     print(f"shard 0 + N simulated workers over loopback TCP, BSP, X = {PER_WORKER} N, slowdowns "
           f"{list(SLOWDOWNS)} replicated, ideal iteration {IDEAL_S * 1e3:.0f} ms; iterations "
           f"{args.skip}-{args.iterations - 1} measured; {args.client_procs} client processes; "
