@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 import types
 import typing
 from dataclasses import dataclass, field
@@ -608,12 +609,59 @@ def _plain(value: Any) -> Any:
         return [v if type(v) in _SCALARS else _plain(v) for v in value]
     if t is dict:
         return {k: v if type(v) in _SCALARS else _plain(v) for k, v in value.items()}
-    if isinstance(value, np.generic):
-        return value.item()
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        parts = ((name, getattr(value, name)) for name in _field_names(t))
-        return {name: v if type(v) in _SCALARS else _plain(v) for name, v in parts}
-    return value
+    names = _FIELD_NAMES.get(t)
+    if names is None:
+        if isinstance(value, np.generic):
+            return value.item()
+        if not dataclasses.is_dataclass(value) or isinstance(value, type):
+            return value
+        names = _field_names(t)
+    defaults = _OMITTABLE.get(t, _UNKNOWN)
+    if defaults is _UNKNOWN:
+        defaults = _OMITTABLE[t] = plain_defaults(t)
+    return _fields_plain(value, names) if defaults is None else _changed_fields(value, defaults)
+
+
+_UNKNOWN: Any = object()
+#: per part class: its fields' defaults where the decoder fills in absent fields (None: send all)
+_OMITTABLE: dict[type, dict[str, Any] | None] = {}
+
+
+def _changed_fields(obj: Any, defaults: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a plain frozen part (a worker's report) that differ from their defaults,
+    which the decoder fills in: a report of 27 fields, most of them not measured, travels and is
+    checked as the ten or so that were (a push decodes in 11 µs instead of 16 here)."""
+    out = {}
+    for name, d in defaults.items():
+        v = getattr(obj, name)
+        if v is d or (type(v) is type(d) and v == d):
+            continue
+        out[name] = v if type(v) in _SCALARS else _plain(v)
+    return out
+
+
+def _fields_plain(obj: Any, names: tuple[str, ...], out: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``out`` (default: a new map) with the plain value of each named field of ``obj``."""
+    if out is None:
+        out = {}
+    for name in names:
+        v = getattr(obj, name)
+        out[name] = v if type(v) in _SCALARS else _plain(v)
+    return out
+
+
+_local = threading.local()
+
+
+def _pack(body: dict[str, Any]) -> bytes:
+    """``msgpack.packb(body, use_bin_type=True)`` with this thread's reused Packer (0.9 µs
+    instead of 1.3: packb builds a Packer per call). A Packer is not thread-safe, hence one per
+    thread; a failed pack leaves it empty."""
+    try:
+        packer = _local.packer
+    except AttributeError:
+        packer = _local.packer = msgpack.Packer(use_bin_type=True)
+    return packer.pack(body)
 
 
 def encode(msg: Message) -> list[Any]:
@@ -622,14 +670,13 @@ def encode(msg: Message) -> list[Any]:
     Arrays must be C-contiguous with an allowed dtype; they are not copied, so the caller must
     not mutate them until ZeroMQ has sent them (send with ``copy=False``).
     """
-    body: dict[str, Any] = {"t": msg.TYPE}
-    for name in _field_names(type(msg)):
-        body[name] = _plain(getattr(msg, name))
+    body = _fields_plain(msg, _field_names(type(msg)), {"t": msg.TYPE})
+    arrays = msg.arrays
     lo, hi = msg.ARRAYS
-    if not lo <= len(msg.arrays) <= hi:
-        raise ProtocolError(f"{msg.TYPE}: needs {lo}..{hi} arrays, got {len(msg.arrays)}")
+    if not lo <= len(arrays) <= hi:
+        raise ProtocolError(f"{msg.TYPE}: needs {lo}..{hi} arrays, got {len(arrays)}")
     specs = []
-    for a in msg.arrays:
+    for a in arrays:
         dt = np.dtype(a.dtype).str
         if dt not in ALLOWED_DTYPES:
             raise ProtocolError(f"{msg.TYPE}: dtype {dt} is not allowed on the wire")
@@ -637,9 +684,9 @@ def encode(msg: Message) -> list[Any]:
             raise ProtocolError(f"{msg.TYPE}: arrays must be C-contiguous")
         specs.append([dt, list(a.shape)])
     body["arrays"] = specs
-    header = HEADER_PREFIX + msgpack.packb(body, use_bin_type=True)
+    header = HEADER_PREFIX + _pack(body)
     return [header, *(memoryview(a).cast("B") if a.ndim else a.tobytes()  # type: ignore[arg-type]
-                      for a in msg.arrays)]  # numpy's stubs do not declare the buffer protocol
+                      for a in arrays)]  # numpy's stubs do not declare the buffer protocol
 
 
 # ---------------------------------------------------------------------------------------------

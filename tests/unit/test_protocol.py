@@ -181,6 +181,24 @@ def test_a_report_with_a_finish_time_is_a_copy_like_replace():
             new.finish_s = 1.0  # type: ignore[misc]
 
 
+def test_a_report_travels_as_the_fields_that_differ_from_their_defaults():
+    """The encoder leaves out report fields at their defaults and the decoder fills them in: the
+    same report comes back. A value of another type that equals a default (0 for False) still
+    travels, so the decoder refuses it as before; so does a NaN where the default is None."""
+    tel = Telemetry(compute_s=0.05, host_cpu=40.0, cpu_quota=0.5, oom=False, data_s=0.0, finish_s=None)
+    frames = P.encode(P.Push(worker_id=1, telemetry=tel, arrays=[np.zeros(1, np.float32)]))
+    body = msgpack.unpackb(frames[0][len(P.HEADER_PREFIX):])
+    assert body["telemetry"] == {"compute_s": 0.05, "host_cpu": 40.0, "cpu_quota": 0.5}
+    assert body["worker_id"] == 1 and "token" in body and "pull" in body   # messages: every field
+    back = P.decode(frames).telemetry
+    assert back == tel and hash(back) == hash(tel)
+    assert P.decode(P.encode(P.Push(telemetry=Telemetry(), arrays=[np.zeros(1, np.float32)]))).telemetry == Telemetry()
+    with pytest.raises(P.ProtocolError, match="expected bool"):
+        P.decode(P.encode(P.Push(telemetry=Telemetry(oom=0), arrays=[np.zeros(1, np.float32)])))  # type: ignore[arg-type]
+    with pytest.raises(P.ProtocolError, match="finite number"):
+        P.decode(P.encode(P.Push(telemetry=Telemetry(cpu_quota=math.nan), arrays=[np.zeros(1, np.float32)])))
+
+
 def test_a_report_with_new_telemetry_is_a_copy_like_replace():
     """``WorkerReport.with_telemetry`` (the coordinator's copy of every report) is what
     dataclasses.replace gives; a class whose __init__ does more than store cannot be copied so."""
