@@ -905,30 +905,32 @@ def decode(frames: Sequence[Any], *, max_array_bytes: int = 1 << 32) -> Message:
             f"message has {len(frames) - 1}"
         )
     msg = _build(cls, body, kind)
-    msg.arrays = [
-        _decode_array(spec, frame, f"{kind}.arrays[{i}]", max_array_bytes)
-        for i, (spec, frame) in enumerate(zip(specs, frames[1:]))
-    ]
+    msg.arrays = [_decode_array(spec, frame, kind, i, max_array_bytes)
+                  for i, (spec, frame) in enumerate(zip(specs, frames[1:]))]
     return msg
 
 
-def _decode_array(spec: Any, frame: Any, where: str, max_bytes: int) -> np.ndarray:
-    if not (isinstance(spec, list) and len(spec) == 2 and isinstance(spec[0], str)
-            and isinstance(spec[1], list)):
-        raise ProtocolError(f"{where}: spec must be [dtype, shape]")
+_DTYPES = {name: np.dtype(name) for name in ALLOWED_DTYPES}
+
+
+def _decode_array(spec: Any, frame: Any, kind: str, index: int, max_bytes: int) -> np.ndarray:
+    """Array ``index`` of a ``kind`` message as a read-only view of its frame. (msgpack gives
+    exact lists, strings and ints, so exact type tests are the checks; the array's name is
+    spelled out only for an error.)"""
+    if not (type(spec) is list and len(spec) == 2 and type(spec[0]) is str and type(spec[1]) is list):
+        raise ProtocolError(f"{kind}.arrays[{index}]: spec must be [dtype, shape]")
     dt, shape = spec
-    if dt not in ALLOWED_DTYPES:
-        raise ProtocolError(f"{where}: dtype {dt!r} not allowed")
-    if len(shape) > 8 or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
-                                 for s in shape):
-        raise ProtocolError(f"{where}: bad shape {shape!r}")
-    dtype = np.dtype(dt)
+    dtype = _DTYPES.get(dt)
+    if dtype is None:
+        raise ProtocolError(f"{kind}.arrays[{index}]: dtype {dt!r} not allowed")
+    if len(shape) > 8 or not all(type(s) is int and s >= 0 for s in shape):  # never bool
+        raise ProtocolError(f"{kind}.arrays[{index}]: bad shape {shape!r}")
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes > max_bytes:
-        raise ProtocolError(f"{where}: {nbytes} bytes exceeds the limit of {max_bytes}")
+        raise ProtocolError(f"{kind}.arrays[{index}]: {nbytes} bytes exceeds the limit of {max_bytes}")
     buf = _frame_bytes(frame)
     if buf.nbytes != nbytes:
-        raise ProtocolError(f"{where}: frame has {buf.nbytes} bytes, shape/dtype need {nbytes}")
+        raise ProtocolError(f"{kind}.arrays[{index}]: frame has {buf.nbytes} bytes, shape/dtype need {nbytes}")
     arr = np.frombuffer(buf, dtype=dtype).reshape(shape)
     arr.flags.writeable = False
     return arr
