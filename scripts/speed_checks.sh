@@ -10,7 +10,15 @@
 #   manager    bench_manager table (a): decision time up to 10,000 workers
 # Logs go to OUTDIR/<step>.txt. Needs the project's dependencies importable from here:
 #   PYTHONPATH=$PWD bash scripts/speed_checks.sh OUTDIR [cold] [fleet] [dataplane] [manager]
-# (no step named: all four, in that order). CLIENT_PROCS sets bench_fleet's client processes
+# (no step named: all four, in that order). On the lent device machine (Python 3.12, no pydantic
+# or orjson in its image) the missing packages travel as wheels, fetched here into an ignored .whl:
+#   echo /.whl/ >> .git/info/exclude; python3 -m pip download --no-deps --only-binary=:all: \
+#     --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+#     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+#     pydantic pydantic-core annotated-types typing-inspection orjson pyzmq
+# and there (carrying .whl): python3 -m pip install -q --no-index --no-deps --target /tmp/site
+#   .whl/*.whl && PYTHONPATH=/tmp/site:$PWD bash scripts/speed_checks.sh $OUT
+# CLIENT_PROCS sets bench_fleet's client processes
 # (default: a quarter of the cores, at least 2), so that the simulated workers do not starve
 # shard 0 of a core.
 set -uo pipefail
