@@ -590,14 +590,24 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
 
 
 _SCALARS = (int, float, str, bool, type(None))
-_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
 
 
-def _field_names(cls: type) -> tuple[str, ...]:
-    names = _FIELD_NAMES.get(cls)
-    if names is None:
-        names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls) if f.name != "arrays")
-    return names
+class _Part(typing.NamedTuple):
+    names: tuple[str, ...]              # the fields that travel ("arrays" travel as frames)
+    #: every field's default where the decoder fills in absent fields (plain frozen parts: a
+    #: worker's report), so that fields at their defaults stay off the wire; None: all travel
+    defaults: dict[str, Any] | None
+
+
+_PARTS: dict[type, _Part] = {}
+
+
+def _part(cls: type) -> _Part:
+    part = _PARTS.get(cls)
+    if part is None:
+        names = tuple(f.name for f in dataclasses.fields(cls) if f.name != "arrays")
+        part = _PARTS[cls] = _Part(names, plain_defaults(cls))
+    return part
 
 
 def _plain(value: Any) -> Any:
@@ -609,22 +619,16 @@ def _plain(value: Any) -> Any:
         return [v if type(v) in _SCALARS else _plain(v) for v in value]
     if t is dict:
         return {k: v if type(v) in _SCALARS else _plain(v) for k, v in value.items()}
-    names = _FIELD_NAMES.get(t)
-    if names is None:
+    part = _PARTS.get(t)
+    if part is None:
         if isinstance(value, np.generic):
             return value.item()
         if not dataclasses.is_dataclass(value) or isinstance(value, type):
             return value
-        names = _field_names(t)
-    defaults = _OMITTABLE.get(t, _UNKNOWN)
-    if defaults is _UNKNOWN:
-        defaults = _OMITTABLE[t] = plain_defaults(t)
-    return _fields_plain(value, names) if defaults is None else _changed_fields(value, defaults)
-
-
-_UNKNOWN: Any = object()
-#: per part class: its fields' defaults where the decoder fills in absent fields (None: send all)
-_OMITTABLE: dict[type, dict[str, Any] | None] = {}
+        part = _part(t)
+    if part.defaults is None:
+        return _fields_plain(value, part.names)
+    return _changed_fields(value, part.defaults)
 
 
 def _changed_fields(obj: Any, defaults: dict[str, Any]) -> dict[str, Any]:
@@ -670,7 +674,7 @@ def encode(msg: Message) -> list[Any]:
     Arrays must be C-contiguous with an allowed dtype; they are not copied, so the caller must
     not mutate them until ZeroMQ has sent them (send with ``copy=False``).
     """
-    body = _fields_plain(msg, _field_names(type(msg)), {"t": msg.TYPE})
+    body = _fields_plain(msg, _part(type(msg)).names, {"t": msg.TYPE})
     arrays = msg.arrays
     lo, hi = msg.ARRAYS
     if not lo <= len(arrays) <= hi:
