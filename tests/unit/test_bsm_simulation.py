@@ -39,9 +39,9 @@ def spied_manager() -> tuple[BatchSizeManager, list]:
     seen: list = []
 
     class Spy(BatchSizeManager):
-        def observe(self, report):
-            seen.append(report)
-            super().observe(report)
+        def observe_many(self, reports):
+            seen.extend(reports)
+            super().observe_many(reports)
 
     return Spy("uniform", 100), seen
 
