@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -252,26 +252,6 @@ class BatchSizeManager:
                 self._flush()                     # while the newest reports are still in cache
         else:
             self.ignored_reports += 1
-        self._pending_s += clock() - t0
-
-    def observe_many(self, reports: Sequence[WorkerReport]) -> None:
-        """Feed an iteration's reports at once: the same as :meth:`observe` for each, in order
-        (membership cannot change in between), with one membership pass and one pair of clock
-        reads for all of them. At 10,000 workers one call per report costs ~0.4 µs, half of it
-        reading the clock twice to time a list append; this costs ~0.06 µs per report."""
-        clock = self.clock
-        t0 = clock()
-        live = self._live
-        kept = [r for r in reports if r.worker_id in live]
-        self.ignored_reports += len(reports) - len(kept)
-        pending, pos = self._pending, 0
-        while pos < len(kept):
-            take = max(1, self.flush_every - len(pending))
-            pending.extend(kept[pos:pos + take])
-            pos += take
-            if len(pending) >= self.flush_every:
-                self._flush()                     # a chunk at a time, as observe() does
-                pending = self._pending
         self._pending_s += clock() - t0
 
     def caps(self) -> dict[int, int]:

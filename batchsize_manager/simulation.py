@@ -234,7 +234,8 @@ class Simulation:
             self._prev[wid] = _Prev(push_s=push, wait_s=it_s - times[wid], pull_s=pull, iteration_s=it_s)
         if self.plan_ahead:
             reports, self._held = self._held, reports
-        self.manager.observe_many(reports)
+        for r in reports:
+            self.manager.observe(r)
         self.iteration += 1
         self.clock_s += it_s
         return SimRecord(t, dict(sizes), times, it_s, oom, decision_s)

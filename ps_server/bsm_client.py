@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import Any
 
 import zmq
 
@@ -111,11 +111,6 @@ class BatchSizeClient:
     def observe(self, report: Any) -> None:
         """Send a ``WorkerReport`` (or any object with its attributes)."""
         self.report(report.worker_id, report.iteration, report.batch_size, report.telemetry)
-
-    def observe_many(self, reports: Sequence[Any]) -> None:
-        """:meth:`observe` each, in order (one request per report)."""
-        for r in reports:
-            self.observe(r)
 
     def assign(self) -> dict[int, int]:
         """The next ``{worker: batch size}`` for the live workers (sums to the global batch)."""

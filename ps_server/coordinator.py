@@ -371,20 +371,17 @@ class Coordinator:
         """Feed the queued reports to the batch policy; True if any went. ``whole_only`` holds
         back those whose gradient is still on its way to some shard, so that they reach the
         policy with their finish time (all go when a split is decided now)."""
-        if not self._unobserved:
-            return False
-        fed: list[WorkerReport] = []
+        fed = 0
         held: dict[tuple[int, int], WorkerReport] = {}
-        ledger = self.ledger if whole_only else {}
         for key, r in self._unobserved.items():
-            g = ledger.get(key)
+            g = self.ledger.get(key) if whole_only else None
             if g is not None and not g.complete:
                 held[key] = r
             else:
-                fed.append(r)
+                self.manager.observe(r)
+                fed += 1
         self._unobserved = held
-        self.manager.observe_many(fed)
-        return bool(fed)
+        return fed > 0
 
     def background_work(self) -> None:
         """What can wait until the workers have their answers: feed the reports to the batch

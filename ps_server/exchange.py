@@ -256,8 +256,9 @@ class GradientExchange:
                 return self._fail(reason) + [(ident, self._error("iteration_failed", reason))
                                              for ident in bucket.waiting.values()]
             reports = [self.reports[r] for r in range(self.world)]
-            self.manager.observe_many([WorkerReport(worker_id=r, iteration=t, batch_size=self.plan[r],
-                                                    telemetry=tel) for r, tel in enumerate(reports)])
+            for r, tel in enumerate(reports):
+                self.manager.observe(WorkerReport(worker_id=r, iteration=t, batch_size=self.plan[r],
+                                                  telemetry=tel))
             try:
                 next_sizes = self._decide()
             except Refused as exc:

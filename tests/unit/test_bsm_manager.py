@@ -233,10 +233,6 @@ class Tee:
         self.a.observe(r)
         self.b.observe(r)
 
-    def observe_many(self, reports: Sequence[WorkerReport]) -> None:
-        self.a.observe_many(reports)
-        self.b.observe_many(reports)
-
     def assign(self) -> dict[int, int]:
         x, y = self.a.assign(), self.b.assign()
         assert x == y

@@ -39,9 +39,9 @@ def spied_manager() -> tuple[BatchSizeManager, list]:
     seen: list = []
 
     class Spy(BatchSizeManager):
-        def observe_many(self, reports):
-            seen.extend(reports)
-            super().observe_many(reports)
+        def observe(self, report):
+            seen.append(report)
+            super().observe(report)
 
     return Spy("uniform", 100), seen
 

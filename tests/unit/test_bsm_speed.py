@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from batchsize_manager import BatchPolicy, BatchSizeManager, WorkerReport, get_policy
+from batchsize_manager import BatchSizeManager, WorkerReport, get_policy
 from batchsize_manager.allocation import (
     SMALL_N,
     bounded_split,
@@ -280,11 +280,9 @@ def test_batched_reports_equal_one_at_a_time(name, args):
         assert json.dumps(one.state_dict(), sort_keys=True) == json.dumps(many.state_dict(),
                                                                           sort_keys=True)
     managers = []
-    for chunk, one_by_one in ((1, False), (7, False), (10**6, False), (7, True)):
+    for chunk in (1, 7, 10**6):
         m = BatchSizeManager(name, 640, min_batch=2, policy_args=args)
         m.flush_every = chunk
-        if one_by_one:     # the simulation feeds observe_many(); this one gets observe() per report
-            m.observe_many = lambda reps, m=m: [m.observe(r) for r in reps]  # type: ignore[method-assign]
         managers.append(m)
     sims = [Simulation(m, [SimulatedWorker(500.0 * (1 + i % 3), 0.002, noise=0.05, seed=i)
                            for i in range(9)]) for m in managers]
@@ -296,37 +294,11 @@ def test_batched_reports_equal_one_at_a_time(name, args):
             for s in sims:
                 s.add_worker(20, SimulatedWorker(800.0, 0.002, seed=20))
         recs = [s.step() for s in sims]
-        assert recs[0].sizes == recs[1].sizes == recs[2].sizes == recs[3].sizes
+        assert recs[0].sizes == recs[1].sizes == recs[2].sizes
     timed = ("total_decision_s", "total_decision_cpu_s")       # measured, so never equal
     states = [json.dumps({k: v for k, v in m.state_dict().items() if k not in timed},
                          sort_keys=True) for m in managers]
-    assert states[0] == states[1] == states[2] == states[3]
-
-
-def test_observe_many_is_observe_per_report_in_one_pass():
-    """Reports of workers that are not live are dropped and counted; the rest are queued in
-    order and reach the policy a chunk of ``flush_every`` at a time, as with observe()."""
-    seen: list[list[int]] = []
-
-    class Recorder(BatchPolicy):
-        def observe_batch(self, batch: ReportBatch) -> None:
-            seen.append([r.worker_id for r in batch.reports])
-
-        def assign(self, workers, global_batch, min_batch=1, *, max_batch=None):
-            return get_policy("uniform").assign(workers, global_batch, min_batch, max_batch=max_batch)
-
-    m = BatchSizeManager(Recorder(), 100)
-    for w in range(5):
-        m.join(w)
-    m.flush_every = 3
-    m.observe(_report(0, 0, 20, 50.0))
-    m.observe_many([_report(w, 0, 20, 50.0) for w in (1, 9, 2, 3, 7, 4)] + [_report(0, 1, 20, 50.0)])
-    assert m.ignored_reports == 2
-    assert seen == [[0, 1, 2], [3, 4, 0]]
-    m.observe_many([_report(1, 1, 20, 50.0)])
-    m.observe_many([])
-    assert seen == [[0, 1, 2], [3, 4, 0]] and m.assign() == {w: 20 for w in range(5)}
-    assert seen[-1] == [1] and m.decisions == 1 and m.last_decision_s > 0
+    assert states[0] == states[1] == states[2]
 
 
 def test_policy_state_is_current_when_read_between_observe_and_assign():
