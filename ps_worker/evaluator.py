@@ -144,6 +144,42 @@ def evaluate(model: torch.nn.Module, data: ArrayDataset, *, limit: int | None = 
     return correct / n, loss_sum / n
 
 
+def pull_joining_again(pull: Callable[[Callable[[], str | None]], PullResult], join: Callable[[], None], *,
+                       what: str, patience_s: float, timeout_s: float) -> PullResult:
+    """``pull(abort)`` of something the coordinator says exists. A shard that does not answer
+    within ``patience_s`` may have restarted at a new address (its checkpoint can be the very
+    version last seen, so nothing went back): ``join()`` again, for the endpoints, and ask
+    again, each try twice as patient as the one before, until ``timeout_s`` have passed.
+
+    A join that comes before the restarted shard has registered with shard 0 gets the old
+    address back; the next try joins again (one join and then a pull of the whole timeout on
+    that address failed the evaluator). A pull that is merely slow, over a slow link, costs a
+    few wasted tries."""
+    deadline = time.monotonic() + timeout_s
+    joins = 0
+    while True:
+        try:
+            return pull(_impatient(min(patience_s, deadline - time.monotonic())))
+        except (PullAborted, TransportTimeout) as exc:
+            if time.monotonic() >= deadline:
+                raise TransportTimeout(f"no parameters of {what} within {timeout_s:g}s, "
+                                       f"after joining again {joins} times ({exc})") from None
+            log.warning("no parameters of %s (%s): joining again", what, exc)
+            join()
+            joins += 1
+            patience_s *= 2
+
+
+def _impatient(patience_s: float) -> Callable[[], str | None]:
+    """A pull's ``abort``: gives a reason once ``patience_s`` have passed since it was made."""
+    t0 = time.monotonic()
+
+    def reason() -> str | None:
+        waited = time.monotonic() - t0
+        return f"no answer from every shard within {waited:.1f}s" if waited > patience_s else None
+    return reason
+
+
 class Evaluator:
     def __init__(self, cfg: JobConfig, server: str, *, run_dir: str | Path | None = None,
                  ctx: zmq.Context | None = None, dataset: ArrayDataset | None = None,
@@ -253,28 +289,14 @@ class Evaluator:
         self.consistent = self.client.join("evaluator", self.cfg.job_digest(), "cpu").consistent_pulls
 
     def _pull(self, version: int, exact: bool) -> PullResult:
-        """The parameters of ``version``, which the coordinator's status says exist. A shard
-        that does not answer within ``pull_patience_s`` may have restarted at a new address
-        (its checkpoint can be the very version last seen, so nothing went back): join again,
-        for the endpoints, and ask once more with the transport's whole timeout (a pull that
-        is merely slow, over a slow link, costs one wasted try)."""
-        t0 = time.monotonic()
-        patience = self.pull_patience_s
-
-        def impatient() -> str | None:
-            waited = time.monotonic() - t0
-            return f"no answer from every shard within {waited:.1f}s" if waited > patience else None
-
-        def ask(abort: Callable[[], str | None] | None) -> PullResult:
+        """The parameters of ``version``, which the coordinator's status says exist (see
+        :func:`pull_joining_again`: a shard may have restarted at a new address)."""
+        def pull(abort: Callable[[], str | None]) -> PullResult:
             return self.client.pull(self.params, worker_id=-1, min_version=version, honor_stop=False,
                                     exact=exact, consistent=self.consistent, abort=abort)
 
-        try:
-            return ask(impatient)
-        except (PullAborted, TransportTimeout) as exc:
-            log.warning("no parameters of version %d (%s): joining again", version, exc)
-            self._join()
-            return ask(None)
+        return pull_joining_again(pull, self._join, what=f"version {version}",
+                                  patience_s=self.pull_patience_s, timeout_s=self.cfg.transport.timeout_s)
 
     def _measure(self, version: int, *, report: bool, exact: bool) -> int:
         res = self._pull(version, exact)

@@ -6,16 +6,19 @@ arithmetic over such records and the evaluator's polling rule."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
 from batchsize_manager.manager import BatchSizeManager
 from ps_common.config import ConfigError, validate
+from ps_common.transport import TransportTimeout
 from ps_launcher.summary import PausedBefore, summarize, time_to_accuracy
 from ps_server.coordinator import Coordinator
 from ps_server.pause import EvaluatorPause
 from ps_server.sync import sync_policy_for
-from ps_worker.evaluator import PAUSED_POLL_S, next_poll_s
+from ps_worker.client import PullAborted
+from ps_worker.evaluator import PAUSED_POLL_S, next_poll_s, pull_joining_again
 
 S = 2  # shards
 
@@ -255,3 +258,46 @@ def test_a_resumed_job_does_not_pause_at_the_version_it_resumes_from():
     assert c.try_start() is not None and c.pause.held is None, "version 1 was measured before"
     rec = one_iteration(c, clock)
     assert rec.version == 2 and c.pause.held == 2
+
+
+class _MovedShard:
+    """A pull that only a join made after ``registered_after`` joins can satisfy: the joins
+    before it hand back the restarted shard's old address, where a pull waits until aborted
+    (or, without an abort, for the transport's whole timeout)."""
+
+    def __init__(self, registered_after: int) -> None:
+        self.registered_after = registered_after
+        self.joins = 0
+        self.waits: list[float] = []
+
+    def join(self) -> None:
+        self.joins += 1
+
+    def pull(self, abort):
+        if self.joins > self.registered_after:
+            return "params"
+        t0 = time.monotonic()
+        while (reason := abort()) is None:
+            time.sleep(0.002)
+        self.waits.append(time.monotonic() - t0)
+        raise PullAborted(reason)
+
+
+def test_the_evaluator_joins_again_until_a_restarted_shard_has_registered():
+    """The first join after a shard restarts can come before the shard has told shard 0 its new
+    address: the evaluator keeps joining, each try twice as patient, instead of waiting out the
+    whole transport timeout on the old address and failing."""
+    shard = _MovedShard(registered_after=2)
+    got = pull_joining_again(shard.pull, shard.join, what="version 30", patience_s=0.02, timeout_s=5.0)
+    assert got == "params" and shard.joins == 3
+    assert len(shard.waits) == 3 and shard.waits[0] >= 0.02
+    assert shard.waits[1] >= 0.04 and shard.waits[2] >= 0.08   # growing patience: a slow pull gets through
+
+
+def test_the_evaluator_gives_up_after_the_transport_timeout_and_says_why():
+    shard = _MovedShard(registered_after=10**6)
+    t0 = time.monotonic()
+    with pytest.raises(TransportTimeout, match=r"version 30 within 0.3s, after joining again \d+ times"):
+        pull_joining_again(shard.pull, shard.join, what="version 30", patience_s=0.02, timeout_s=0.3)
+    assert 0.3 <= time.monotonic() - t0 < 2.0
+    assert shard.joins == len(shard.waits) - 1 >= 3
