@@ -42,7 +42,8 @@ mean, p95 and max of the per-iteration decision time.
 ``--root`` runs the same tables against another checkout (e.g. the previous implementation);
 features it lacks (refit modes) are skipped. ``--compare DIR`` prints (a) for DIR ("before") and
 this checkout ("after") side by side, each row measured in two fresh processes started one right
-after the other (alternating which goes first), so that both see the same machine load.
+after the other (alternating which goes first), so that both see the same machine load, in the
+same steady state as (a) (each checkout's own window of finish times filled).
 """
 
 from __future__ import annotations
@@ -213,9 +214,14 @@ def scaling_table(sizes: list[int], budget_s: float, refit_ok: bool) -> str:
                   "mean / sim. iteration", "note"], rows)
 
 
+#: added to a --compare warm-up: the measuring checkout's own finish_window() (see (a))
+STEADY = 1 << 20
+
+
 def _one_measurement(root: Path, policy: str, args: dict[str, Any], n: int, warmup: int,
                      iters: int) -> list[float]:
-    """Decision times of one (a) row, measured in a fresh process importing ``root``."""
+    """Decision times of one (a) row, measured in a fresh process importing ``root``
+    (a ``warmup`` of STEADY + k: that checkout's finish window + k)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--root", str(root), "--one",
            json.dumps([policy, args, n, warmup, iters])]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600)
@@ -242,8 +248,10 @@ def compare_table(sizes: list[int], other: Path) -> str:
         for n in sizes:
             if args.get("predictor") == "narx" and n > 1000:
                 continue
-            warmup, iters = (14, 20) if "predictor" in args and args["predictor"] == "narx" else \
-                ((3, 20) if n <= 1000 else (2, 10))
+            # the steady state, as in (a): each checkout's own window of finish times filled
+            # (STEADY: the child adds it; NARX models fit from their 10th-12th report)
+            warmup = STEADY + 2
+            iters = 20 if n <= 1000 or args.get("predictor") == "narx" else 10
             jobs = {"new": (ROOT, args), "old": (other, old_args)}
             res = {}
             for which in (("old", "new") if flip else ("new", "old")):
@@ -472,6 +480,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.one is not None:                 # internal: one (a) measurement, JSON on stdout
         policy, pargs, n, warmup, iters = json.loads(args.one)
+        if warmup >= STEADY:
+            warmup += finish_window() - STEADY
         print(json.dumps(measure_decisions(policy, pargs, n, warmup, iters)[0]))
         return 0
     if args.compare is not None:
