@@ -9,6 +9,11 @@ many ROUTER echo processes as there are shards; each client sends every echo its
 same 40 MB and receives as much back (copy=False on both sides), so PS and raw use the same
 number of connections. Throughput counts the bytes each client moves up and down.
 
+The shard and client processes keep their freed heap, as ps-server and ps-worker do
+(``ps_common.heap``: glibc otherwise maps every frame over 32 MB afresh and faults its pages in
+on each receive). The raw baseline runs twice per repeat, with glibc's default heap and with
+the heap kept the same way, so that the ratio against the latter compares the same allocator.
+
 ``--compute-ms T``: every client first computes for T ms of CPU (a busy loop, as a worker's
 forward and backward) before each exchange, and only the exchange is timed: work a shard can do
 before the gradients arrive (the momentum's decay) then overlaps the workers' compute, as in
@@ -58,7 +63,10 @@ def job(num_shards: int, num_workers: int, iterations: int, secret_dir: Path):
 
 # ----- parameter server ------------------------------------------------------------------------
 def _serve(cfg, shard: int, coordinator: str | None, q, no_update: bool = False) -> None:
+    from ps_common.heap import keep_freed_memory
     from ps_server.server import ShardServer
+
+    keep_freed_memory()  # as ps-server's main does
 
     srv = ShardServer(cfg, shard, port=0, coordinator=coordinator)
     if no_update:  # diagnostic (--no-update): what the protocol and the barrier cost alone
@@ -79,8 +87,11 @@ def _compute(seconds: float) -> None:
 
 
 def _ps_client(cfg, endpoint: str, iters: int, warmup: int, q, compute_s: float = 0.0) -> None:
+    from ps_common.heap import keep_freed_memory
     from ps_common.report import Telemetry
     from ps_worker.client import ShardClients
+
+    keep_freed_memory()  # as a worker without a memory limit does
 
     c = ShardClients(zmq.Context.instance(), endpoint, timeout_s=120, connect_timeout_s=60,
                      security=cfg.security, role="worker")
@@ -133,7 +144,15 @@ def _run_ps(cfg, num_shards: int, num_workers: int, iters: int, warmup: int, no_
 
 
 # ----- raw pyzmq baseline ------------------------------------------------------------------------
-def _echo(nbytes: int, clients: int, rounds: int, q) -> None:
+def _heap(kept: bool) -> None:
+    if kept:
+        from ps_common.heap import keep_freed_memory
+
+        keep_freed_memory()
+
+
+def _echo(nbytes: int, clients: int, rounds: int, q, kept: bool = False) -> None:
+    _heap(kept)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -148,7 +167,9 @@ def _echo(nbytes: int, clients: int, rounds: int, q) -> None:
     ctx.term()
 
 
-def _raw_client(endpoints: list[str], nbytes: int, iters: int, warmup: int, q, compute_s: float = 0.0) -> None:
+def _raw_client(endpoints: list[str], nbytes: int, iters: int, warmup: int, q, compute_s: float = 0.0,
+                kept: bool = False) -> None:
+    _heap(kept)
     ctx = zmq.Context()
     socks = []
     for ep in endpoints:
@@ -176,17 +197,18 @@ def _raw_client(endpoints: list[str], nbytes: int, iters: int, warmup: int, q, c
 
 
 def run_raw(nbytes: int, num_clients: int, num_servers: int, iters: int, warmup: int,
-            compute_s: float = 0.0) -> list[float]:
+            compute_s: float = 0.0, kept: bool = False) -> list[float]:
+    """``kept``: every raw process keeps its freed heap, as the PS processes do (ps_common.heap)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     per_server = nbytes // num_servers // 4 * 4
-    servers = [ctx.Process(target=_echo, args=(per_server, num_clients, iters + warmup, q))
+    servers = [ctx.Process(target=_echo, args=(per_server, num_clients, iters + warmup, q, kept))
                for _ in range(num_servers)]
     for srv in servers:
         srv.start()
     eps = [q.get(timeout=60) for _ in servers]
     rq = ctx.Queue()
-    cl = [ctx.Process(target=_raw_client, args=(eps, per_server * num_servers, iters, warmup, rq, compute_s))
+    cl = [ctx.Process(target=_raw_client, args=(eps, per_server * num_servers, iters, warmup, rq, compute_s, kept))
           for _ in range(num_clients)]
     for p in cl:
         p.start()
@@ -230,26 +252,31 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for workers in (1, 2):
         for shards in (1, 2):
-            raw, ps = [], []
+            raw, kept, ps = [], [], []
             for _ in range(args.repeats):
                 raw.append(statistics.median(run_raw(nbytes, workers, shards, args.iters, args.warmup, compute_s)))
+                kept.append(statistics.median(run_raw(nbytes, workers, shards, args.iters, args.warmup, compute_s,
+                                                      kept=True)))
                 ps.append(statistics.median(run_ps(shards, workers, args.iters, args.warmup, args.no_update,
                                                    compute_s)))
             moved = 2 * nbytes * workers  # push + pull, per client
-            rows.append((workers, shards, ps, raw, moved))
-    print("| workers | shards = raw connections | PS push+pull (ms) | raw pyzmq round trip (ms) | PS GB/s "
-          "| raw GB/s | PS / raw throughput |")
-    print("|---|---|---|---|---|---|---|")
-    for workers, shards, ps, raw, moved in rows:
-        ratios = [r / p for r, p in zip(raw, ps)]        # each repeat's pair, run back to back
+            rows.append((workers, shards, ps, raw, kept, moved))
+    print("| workers | shards = raw connections | PS push+pull (ms) | raw pyzmq round trip (ms) | raw, heap kept "
+          "(ms) | PS GB/s | raw, heap kept GB/s | PS / raw, heap kept | PS / raw |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for workers, shards, ps, raw, kept, moved in rows:
+        ratios = [r / p for r, p in zip(raw, ps)]        # each repeat's trio, run back to back
+        kept_ratios = [r / p for r, p in zip(kept, ps)]
         print(f"| {workers} | {shards} | {_range([p * 1e3 for p in ps], '{:.1f}')} | "
-              f"{_range([r * 1e3 for r in raw], '{:.1f}')} | {moved / statistics.median(ps) / 1e9:.2f} | "
-              f"{moved / statistics.median(raw) / 1e9:.2f} | {_range(ratios, '{:.2f}')} |")
+              f"{_range([r * 1e3 for r in raw], '{:.1f}')} | {_range([r * 1e3 for r in kept], '{:.1f}')} | "
+              f"{moved / statistics.median(ps) / 1e9:.2f} | {moved / statistics.median(kept) / 1e9:.2f} | "
+              f"{_range(kept_ratios, '{:.2f}')} | {_range(ratios, '{:.2f}')} |")
     work = ("the shards skipped the finiteness check and the update (--no-update)" if args.no_update else
             "PS time includes the shard's finiteness check, weighted aggregation and SGD-with-momentum "
             "update of 10M parameters per iteration")
-    print(f"\n{work}; raw is the same bytes echoed with no work. The ratio is each repeat's raw / PS "
-          "pair, median (min-max).")
+    print(f"\n{work}; raw is the same bytes echoed with no work, with glibc's default heap and with the "
+          "heap kept as the PS processes keep it (ps_common.heap: frames over 32 MB are otherwise a fresh "
+          "mmap each time). Each ratio is a repeat's raw / PS, run back to back, median (min-max).")
     return 0
 
 

@@ -13,7 +13,6 @@ near (:func:`next_poll_s`).
 from __future__ import annotations
 
 import copy
-import ctypes
 import logging
 import os
 import time
@@ -27,6 +26,7 @@ import zmq
 
 from ps_common import protocol as P
 from ps_common.config import JobConfig
+from ps_common.heap import keep_freed_memory
 from ps_common.metrics import MetricsWriter, existing_for
 from ps_common.transport import RemoteError, TransportTimeout
 from ps_ml.datasets import ArrayDataset, dataset_from_config
@@ -79,22 +79,6 @@ def lower_priority(nice: int) -> None:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         except OSError:
             pass
-
-
-def keep_freed_memory(limit_bytes: int = 32 << 20) -> bool:
-    """Have glibc keep freed blocks up to ``limit_bytes`` for reuse instead of returning them
-    to the kernel (``mallopt`` M_MMAP_THRESHOLD and M_TRIM_THRESHOLD); False where that is not
-    glibc.
-
-    Why: a forward pass frees its activations (1-2 MB each at 64 samples), glibc unmaps blocks
-    over 128 KB on free unless a larger block was freed before, so each pass faulted its pages
-    in again: LeNet over 10,000 test samples took 0.55 s in a fresh process and 0.16 s once
-    the threshold had risen, 0.2 s from the start with this."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(-3, limit_bytes)) and bool(libc.mallopt(-1, 2 * limit_bytes))
-    except (OSError, AttributeError):
-        return False
 
 
 def channels_last_forward(model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -5,8 +5,9 @@ and an allocation above it raises ``torch.OutOfMemoryError``. On a CPU worker th
 made real by the kernel: the limit is an address-space limit (``RLIMIT_AS``) of ``limit_mb``
 above what the process holds when training starts, so a forward or backward pass that needs more
 fails inside torch's allocator with ``ENOMEM``, exactly where a GPU would. Large allocations are
-then kept out of malloc's heap (a fixed mmap threshold), so what a pass allocated goes back to
-the kernel when it is freed, and the address space is an honest measure of what training holds
+then kept out of malloc's heap (a fixed mmap threshold: :func:`ps_common.heap.return_freed_memory`,
+which undoes the heap a worker keeps otherwise), so what a pass allocated goes back to the kernel
+when it is freed, and the address space is an honest measure of what training holds
 (a heap keeps freed memory and fragments: a first pass failed at 512 samples under a 64 MB
 limit that 700 fit in this way). The price: every large tensor is fresh memory from the kernel,
 which made LeNet's passes about 2x slower on this machine, so a CPU worker with a limit is a
@@ -23,8 +24,6 @@ The BatchSizeManager turns them into a cap before anything fails (:mod:`batchsiz
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import gc
 import logging
 import os
@@ -33,6 +32,7 @@ from typing import Any, MutableMapping
 
 import torch
 
+from ps_common.heap import return_freed_memory
 from ps_common.report import Telemetry
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,6 @@ _OOM_TEXTS = ("can't allocate memory", "not enough memory", "out of memory", "ca
 #: about 3 MB of address space (LeNet, measured). A small cache bounds that growth at no measured
 #: cost in speed, since a size that changed misses the cache anyway.
 ONEDNN_CACHE_CAPACITY = "32"
-_M_MMAP_THRESHOLD = -3
 CUDA_ALLOC_VARIABLE = "PYTORCH_CUDA_ALLOC_CONF"
 CUDA_ALLOC_DEFAULT = "expandable_segments:True"
 _MIB = 2.0 ** 20
@@ -141,8 +140,7 @@ class MemoryLimit:
             return
         else:
             _start_lazy_threads()
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            libc.mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
+            return_freed_memory()   # the address space is then what the process uses (ps_common.heap)
             gc.collect()
             vm = _status_kb("VmSize")["VmSize"]
             self._as_limit_kb = vm + self.limit_mb * 1024

@@ -19,6 +19,7 @@ from ps_common import protocol as P
 from ps_common.cgroup_cpu import CpuQuotaProbe
 from ps_common.config import JobConfig
 from ps_common.errors import PsError, UsageError
+from ps_common.heap import keep_freed_memory
 from ps_common.metrics import MetricsWriter, existing_for
 from ps_common.protocol import Assignment
 from ps_common.report import Telemetry
@@ -128,6 +129,8 @@ class Worker:
         self.iterations_done = 0
         self.rejoins = 0
         self.memory = MemoryLimit(self._memory_limit_mb(), self.device)
+        if self.memory.limit_mb is None or self.memory.cuda:
+            keep_freed_memory()   # a model's worth of bytes in and out every iteration (ps_common.heap)
         self.memory_probe: tuple[int, int] | None = None
         self.oom_retries = 0
         self.contention: ContentionDriver | None = None

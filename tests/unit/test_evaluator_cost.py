@@ -4,7 +4,6 @@ freed blocks, the scheduling class, and the launcher keeping children in its ses
 from __future__ import annotations
 
 import os
-import platform
 import subprocess
 import sys
 import textwrap
@@ -18,7 +17,7 @@ from torch import nn
 from ps_launcher.processes import ProcessGroup
 from ps_ml.datasets import load_dataset
 from ps_ml.models import FlatParameters, build_model
-from ps_worker.evaluator import channels_last_forward, evaluate, keep_freed_memory
+from ps_worker.evaluator import channels_last_forward, evaluate
 
 
 @pytest.fixture(scope="module")
@@ -80,12 +79,6 @@ def test_a_layer_that_fails_on_channels_last_tensors_falls_back_to_the_plain_for
         with torch.inference_mode():
             channels_last_forward(model)(data.test_batch(0, 4)[0])
     assert evaluate(model, data, channels_last=True) == evaluate(model, data, channels_last=False)
-
-
-def test_glibc_keeps_freed_blocks() -> None:
-    if platform.libc_ver()[0] != "glibc":
-        pytest.skip("not glibc")
-    assert keep_freed_memory() is True
 
 
 def _autogroup_nice(pid: int) -> str:
