@@ -1,25 +1,33 @@
-"""Would pipelining a shard's update with the upload pay on this host? A probe, not the product.
+"""What a 40 MB exchange costs here, by how it is framed, and whether pipelining a shard's
+update with the upload would pay. A probe for decisions about the data plane, not the product.
 
-The data plane's gap to raw pyzmq (``bench_dataplane.py``) is the update a shard applies between
-the last gradient's arrival and its answer. One way to hide it: the worker sends its gradient in
-K chunk messages, and the shard checks each chunk and computes that chunk's new momentum and
-parameters into shadow buffers while the next chunk is still arriving; once every chunk is in
-(and all are finite) it swaps the buffers in and answers. That changes the protocol (chunked
-pushes, speculative updates that a missing chunk must undo), so before building it this
-measures the best it could do, with the same arithmetic as the shard's SGD-with-momentum step,
-one worker and one server process over loopback TCP, no protocol at all:
+The data plane's gap to raw pyzmq (``bench_dataplane.py``) is partly the update a shard applies
+between the last gradient's arrival and its answer. One way to hide it: the worker sends its
+gradient in K chunk messages, and the shard checks each chunk and computes that chunk's new
+momentum and parameters into shadow buffers while the next chunk is still arriving; once every
+chunk is in (and all are finite) it swaps the buffers in and answers. That changes the protocol
+(chunked pushes, speculative updates that a missing chunk must undo), so this measures the most
+it could give first, with the shard's SGD-with-momentum arithmetic, one client and one server
+process over loopback TCP and no protocol:
 
-- raw: the server echoes the 40 MB it received (the raw pyzmq baseline of bench_dataplane);
-- whole: the server receives the whole gradient, checks it (one torch sum), updates
-  (momentum decay, add, new parameters into a reused buffer) and sends the parameters back;
-- chunked K: the gradient comes as K messages; each is checked and its slice of momentum and
-  parameters computed into shadow buffers on arrival; after the last, swap and answer (K
-  messages back).
+- raw: the server echoes the 40 MB frame it received (bench_dataplane's raw baseline);
+- whole: the server receives the gradient in one frame, checks it (one torch sum), updates
+  (momentum decay and add, new parameters into a reused buffer) and sends the parameters back;
+- raw K / multipart K: the same bytes as K messages, or as one message of K frames, echoed;
+- chunked K: K messages, each checked and its slice of momentum and parameters computed into
+  shadow buffers on arrival; after the last, swap and answer in one message of K frames.
 
-Rounds alternate between the modes; median, mean and p95 per mode, and each mode's throughput
-against raw.
+What it showed (2 cores; ``docs/results/ddp_vs_ps/dataplane_2026-11-27/pipelining.txt``): with
+glibc's default heap one 40 MB frame took 39-67 ms and the same bytes in 2 to 32 frames or
+messages 20-32 ms, because glibc maps every block over 32 MB afresh and each receive faults its
+pages in; with the heap kept (``--keep-heap``, as ``ps_common.heap`` now keeps it in the PS
+processes) one frame took 25 ms, about as long as several. The chunked update took 0.8x the
+time of the whole one (30.8 against 38.3 ms with the heap kept), but 1.45x that of raw in as
+many messages (21.3 ms): on two cores the arithmetic does not hide behind the transfer.
+Rounds alternate between the modes; median, mean and p95 per mode.
 
     python benchmarks/bench_pipelining.py [--floats 10000000] [--rounds 30] [--chunks 4 8 16]
+        [--keep-heap]
 """
 
 from __future__ import annotations
@@ -35,9 +43,18 @@ import numpy as np
 MOMENTUM, LR = 0.9, 0.01
 
 
-def _server(endpoint_q: Any, n: int) -> None:
+def _keep_heap(keep: bool) -> None:
+    if keep:
+        from ps_common.heap import keep_freed_memory
+
+        keep_freed_memory()
+
+
+def _server(endpoint_q: Any, n: int, keep_heap: bool) -> None:
     import torch
     import zmq
+
+    _keep_heap(keep_heap)
 
     torch.set_num_threads(1)
     ctx = zmq.Context()
@@ -103,12 +120,14 @@ def _round(sock: Any, mode: str, chunks: int, grad: np.ndarray) -> float:
     return time.perf_counter() - t0
 
 
-def run(n: int, rounds: int, chunk_counts: list[int], warmup: int = 3) -> dict[str, list[float]]:
+def run(n: int, rounds: int, chunk_counts: list[int], warmup: int = 3,
+        keep_heap: bool = False) -> dict[str, list[float]]:
     import zmq
 
+    _keep_heap(keep_heap)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    server = ctx.Process(target=_server, args=(q, n), daemon=True)
+    server = ctx.Process(target=_server, args=(q, n, keep_heap), daemon=True)
     server.start()
     zctx = zmq.Context()
     sock = zctx.socket(zmq.PAIR)
@@ -142,11 +161,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--floats", type=int, default=10_000_000)
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--chunks", type=int, nargs="+", default=[4, 8, 16])
+    ap.add_argument("--keep-heap", action="store_true",
+                    help="both processes keep their freed heap, as the PS processes do (ps_common.heap)")
     args = ap.parse_args(argv)
-    times = run(args.floats, args.rounds, args.chunks)
+    times = run(args.floats, args.rounds, args.chunks, keep_heap=args.keep_heap)
     raw = statistics.median(times["raw"])
     print(f"## One worker, one server, {args.floats * 4 / 1e6:.0f} MB up and down, loopback TCP, "
-          f"{args.rounds} alternating rounds\n")
+          f"{args.rounds} alternating rounds, "
+          f"{'heap kept (ps_common.heap)' if args.keep_heap else 'glibc default heap'}\n")
     print("| mode | median ms | mean ms | p95 ms | throughput / raw (medians) |")
     print("|---|---|---|---|---|")
     for label, ts in times.items():

@@ -4,11 +4,12 @@ Why: libzmq allocates every received frame with ``malloc``, and glibc serves a b
 mmap threshold with a fresh ``mmap`` and unmaps it on ``free``, so each such frame faults all
 its pages in again. The threshold rises by itself to the largest block freed, but never above
 32 MB, so a frame over 32 MB (a shard's slice of a model over 8M float32 parameters) pays that
-on every push and every reply. Measured here (``benchmarks/bench_pipelining.py``: one 40 MB
-round trip over loopback): 55-67 ms in one frame, 28-32 ms in 2 to 32 frames, and 32 ms in one
-frame with the heap kept as below; ``bench_dataplane.py`` with one shard: a push and pull of 10M
-parameters 75.8 -> 37.4 ms. A forward pass's activations (1-2 MB each) were unmapped and
-faulted in again the same way before the threshold had risen.
+on every push and every reply. Measured here (``docs/results/ddp_vs_ps/dataplane_2026-11-27/``):
+one 40 MB round trip over loopback took 39-67 ms in one frame, 20-32 ms in 2 to 32 frames, and
+25 ms in one frame with the heap kept as below (``benchmarks/bench_pipelining.py``); a push and
+pull of 10M parameters through one shard (``bench_dataplane.py``) 82.1 -> 39.9 ms, two workers
+on it 130.4 -> 66.4 ms. A forward pass's activations (1-2 MB each) were unmapped and faulted in
+again the same way before the threshold had risen.
 
 :func:`keep_freed_memory` serves every block from the heap (``M_MMAP_MAX`` 0) and keeps what is
 freed for reuse (``M_TRIM_THRESHOLD`` 1 GiB): resident memory then stays at the process's peak,
