@@ -1,8 +1,8 @@
 """The real ps-server and ps-worker processes keep their heap (ps_common.heap), seen from outside:
 with a 40 MB model on one shard every push and every reply is a frame over glibc's 32 MB mmap
 ceiling, so a process that did not keep its heap would fault that frame's pages in on every
-iteration (hundreds of faults each even where transparent huge pages serve most of it; see
-tests/unit/test_heap.py for the same measure under both policies)."""
+iteration (about 9,800 page faults for each 40 MB frame; tests/unit/test_heap.py has the same
+measure under both policies in one process)."""
 
 from __future__ import annotations
 
@@ -35,6 +35,11 @@ def _minor_faults(pid: int) -> int:
     return int(after_name[7])
 
 
+def _rss_mb(pid: int) -> float:
+    line = next(ln for ln in Path(f"/proc/{pid}/status").read_text().splitlines() if ln.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
 @pytest.mark.timeout(240)
 def test_shard_and_worker_receive_40_mb_frames_without_faulting_them_in(procs, tmp_path):
     cfg_path, _ = write_config(tmp_path, JOB)
@@ -42,15 +47,19 @@ def test_shard_and_worker_receive_40_mb_frames_without_faulting_them_in(procs, t
     (ep,) = start_servers(procs, cfg_path, 1, run_dir)
     (worker,) = start_workers(procs, cfg_path, ep, 1, run_dir)
     shard = next(c for c in procs.children if c.role == "shard-0")
-    counts = {}
+    counts, rss = {}, {}
     deadline = time.monotonic() + 180
     for mark in (10, 30):
         while status(ep).version < mark:
             assert time.monotonic() < deadline, f"version {mark} not reached"
             time.sleep(0.01)
         counts[mark] = (status(ep).version, _minor_faults(shard.proc.pid), _minor_faults(worker.proc.pid))
+        rss[mark] = (_rss_mb(shard.proc.pid), _rss_mb(worker.proc.pid))
     wait_exit([worker, shard], timeout_s=120)
     (v0, s0, w0), (v1, s1, w1) = counts[10], counts[30]
     per_iteration = {"shard": (s1 - s0) / (v1 - v0), "worker": (w1 - w0) / (v1 - v0)}
-    print(f"\nminor page faults per iteration, versions {v0}-{v1}: {per_iteration}")
-    assert per_iteration["shard"] < 100 and per_iteration["worker"] < 100, per_iteration
+    print(f"\nminor page faults per iteration, versions {v0}-{v1}: {per_iteration}; RSS MB {rss}")
+    # A 40 MB frame faulted in is about 9,800 faults (measured with the call taken out of either
+    # process: 9,783 and 19,395 per iteration). Kept: 0-1 per iteration, and in two of 15
+    # runs about 490 in one of the two processes (2 MB of other memory mapped afresh; not a frame).
+    assert per_iteration["shard"] < 2000 and per_iteration["worker"] < 2000, per_iteration
