@@ -61,12 +61,17 @@ def job(num_shards: int, num_workers: int, iterations: int, secret_dir: Path):
     })
 
 
+def _heap(kept: bool) -> None:
+    """Keep this process's freed heap (ps_common.heap) when ``kept``."""
+    if kept:
+        from ps_common.heap import keep_freed_memory
+
+        keep_freed_memory()
+
+
 # ----- parameter server ------------------------------------------------------------------------
 def _serve(cfg, shard: int, coordinator: str | None, q, no_update: bool = False) -> None:
-    from ps_common.heap import keep_freed_memory
-    from ps_server.server import ShardServer
-
-    keep_freed_memory()  # as ps-server's main does
+    from ps_server.server import ShardServer  # which keeps its heap (ps_common.heap)
 
     srv = ShardServer(cfg, shard, port=0, coordinator=coordinator)
     if no_update:  # diagnostic (--no-update): what the protocol and the barrier cost alone
@@ -87,11 +92,10 @@ def _compute(seconds: float) -> None:
 
 
 def _ps_client(cfg, endpoint: str, iters: int, warmup: int, q, compute_s: float = 0.0) -> None:
-    from ps_common.heap import keep_freed_memory
     from ps_common.report import Telemetry
     from ps_worker.client import ShardClients
 
-    keep_freed_memory()  # as a worker without a memory limit does
+    _heap(kept=True)  # as a worker without a memory limit does
 
     c = ShardClients(zmq.Context.instance(), endpoint, timeout_s=120, connect_timeout_s=60,
                      security=cfg.security, role="worker")
@@ -144,13 +148,6 @@ def _run_ps(cfg, num_shards: int, num_workers: int, iters: int, warmup: int, no_
 
 
 # ----- raw pyzmq baseline ------------------------------------------------------------------------
-def _heap(kept: bool) -> None:
-    if kept:
-        from ps_common.heap import keep_freed_memory
-
-        keep_freed_memory()
-
-
 def _echo(nbytes: int, clients: int, rounds: int, q, kept: bool = False) -> None:
     _heap(kept)
     ctx = zmq.Context()

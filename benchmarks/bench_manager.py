@@ -214,14 +214,10 @@ def scaling_table(sizes: list[int], budget_s: float, refit_ok: bool) -> str:
                   "mean / sim. iteration", "note"], rows)
 
 
-#: added to a --compare warm-up: the measuring checkout's own finish_window() (see (a))
-STEADY = 1 << 20
-
-
 def _one_measurement(root: Path, policy: str, args: dict[str, Any], n: int, warmup: int,
                      iters: int) -> list[float]:
-    """Decision times of one (a) row, measured in a fresh process importing ``root``
-    (a ``warmup`` of STEADY + k: that checkout's finish window + k)."""
+    """Decision times of one (a) row, measured in a fresh process importing ``root``, after
+    that checkout's own finish window (see (a)) and ``warmup`` more iterations."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--root", str(root), "--one",
            json.dumps([policy, args, n, warmup, iters])]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600)
@@ -248,9 +244,9 @@ def compare_table(sizes: list[int], other: Path) -> str:
         for n in sizes:
             if args.get("predictor") == "narx" and n > 1000:
                 continue
-            # the steady state, as in (a): each checkout's own window of finish times filled
-            # (STEADY: the child adds it; NARX models fit from their 10th-12th report)
-            warmup = STEADY + 2
+            # the steady state, as in (a): past each checkout's own window of finish times
+            # (the child adds it; NARX models fit from their 10th-12th report)
+            warmup = 2
             iters = 20 if n <= 1000 or args.get("predictor") == "narx" else 10
             jobs = {"new": (ROOT, args), "old": (other, old_args)}
             res = {}
@@ -480,8 +476,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.one is not None:                 # internal: one (a) measurement, JSON on stdout
         policy, pargs, n, warmup, iters = json.loads(args.one)
-        if warmup >= STEADY:
-            warmup += finish_window() - STEADY
+        warmup += finish_window()    # internal to --compare: past this checkout's window
         print(json.dumps(measure_decisions(policy, pargs, n, warmup, iters)[0]))
         return 0
     if args.compare is not None:

@@ -21,7 +21,6 @@ first, which restores glibc's defaults and returns the free heap top to the kern
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -35,7 +34,7 @@ KEEP_BYTES = 1 << 30
 
 def _libc() -> ctypes.CDLL | None:
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL(None)   # the C library this process runs on
         libc.mallopt  # noqa: B018  (absent where the C library is not glibc)
         return libc
     except (OSError, AttributeError):

@@ -10,7 +10,6 @@ from pathlib import Path
 from ps_common.cli_util import add_common_args, load_cli_config, setup_logging, watch_parent
 from ps_common.dmlc import DmlcEnv, read_dmlc_env
 from ps_common.errors import PsError
-from ps_common.heap import keep_freed_memory
 from ps_common.security.credentials import generate_master
 from ps_server.job_config import check_job_config
 
@@ -57,7 +56,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         overrides = list(args.set) + (dmlc.overrides() if dmlc is not None else [])
         cfg = load_cli_config(args.config, overrides, args.secret_file, check=check_job_config)
-        keep_freed_memory()   # every push is a slice of the model, every reply too (ps_common.heap)
         shard = 0 if args.shard is None else args.shard
         host, port, advertise, coordinator = args.host, args.port, args.advertise, args.coordinator
         if dmlc is not None:

@@ -38,6 +38,7 @@ from ps_common import protocol as P
 from ps_common.cli_util import StopFlag
 from ps_common.config import JobConfig
 from ps_common.errors import UsageError
+from ps_common.heap import keep_freed_memory
 from ps_common.metrics import MetricsWriter, existing_for
 from ps_common.open_files import ensure_open_files, server_open_files
 from ps_common.security.sockets import close_socket
@@ -115,6 +116,7 @@ class ShardServer:
         self.metrics = MetricsWriter(self.run_dir / "metrics" / f"shard-{shard}.jsonl" if self.run_dir else None,
                                      self.metrics_existing)
         torch.set_num_threads(1)  # the coordinator's predictors (NARX, ARIMA) are tiny
+        keep_freed_memory()       # every push is a slice of the model, every reply too (ps_common.heap)
         self.ctx = ctx or zmq.Context.instance()
         full = initial_parameters(cfg)
         self.ranges = partition(full.size, S)
