@@ -46,6 +46,21 @@ def wait_for_commits(run_dir, n: int, timeout_s: float = 120.0) -> None:
     raise AssertionError(f"fewer than {n} commits streamed to the driver within {timeout_s:.0f}s")
 
 
+def shut_down(endpoint: str, security) -> None:
+    """End the job the normal way, as an operator: shard 0 stops it with one final version on
+    every shard (``ps-launch``'s own path when it is interrupted)."""
+    import zmq
+
+    from ps_common import protocol as P
+    from ps_common.transport import Connection
+
+    conn = Connection(zmq.Context.instance(), endpoint, role="operator", timeout_s=15.0, security=security)
+    try:
+        conn.request(P.Shutdown(reason="the test saw training go on"), P.Ack)
+    finally:
+        conn.close()
+
+
 def run_showing_logs(job, run_dir):
     """``job.run()``; when it fails, the last lines of every role's log, not only the failed
     one's (a shard that cannot register needs the coordinator's side to be understood)."""
@@ -171,8 +186,9 @@ def test_shards_lost_with_their_nodes_start_again_from_their_checkpoints(tmp_pat
     the shared checkpoints and every shard rolls back to their common checkpoint. Later the node
     of shard 0, the coordinator, is removed: it starts again from its checkpoint, moves the
     follower back and to its new address, and the workers and the evaluator start again pointed
-    at it. The run ends with one history; what each lost process wrote before its node went is
-    on the driver."""
+    at it. Once training has gone on, an operator's Shutdown ends the run (max_seconds is only a
+    cap). The run ends with one history; what each lost process wrote before its node went is on
+    the driver."""
     from ray.cluster_utils import Cluster
 
     from ps_common.security.settings import init_local_keys
@@ -188,7 +204,7 @@ def test_shards_lost_with_their_nodes_start_again_from_their_checkpoints(tmp_pat
     before: dict[str, list[str]] = {}
     try:
         cfg = load_config("configs/quick_synthetic.yaml", [
-            "training.max_iterations=null", "training.max_seconds=32", "training.global_batch=64",
+            "training.max_iterations=null", "training.max_seconds=120", "training.global_batch=64",
             "cluster.num_shards=2", "cluster.num_workers=2", "evaluator.enabled=true",
             "heartbeat.interval_s=0.2", "heartbeat.timeout_s=3", "transport.timeout_s=15",
             f"checkpoint.dir={tmp_path / 'shared-checkpoints'}", "checkpoint.every_iterations=20",
@@ -226,6 +242,13 @@ def test_shards_lost_with_their_nodes_start_again_from_their_checkpoints(tmp_pat
             # driver host keeps: give the keys back before that.
             (tmp_path / "keys-gone").rename(tmp_path / "keys")
             remove("shard-0", "coordinator.jsonl")
+            deadline = time.monotonic() + 120
+            while job.restarts.get("shard-0") != 1 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            commits = sum('"event"' not in ln for ln in (run_dir / "metrics" / "coordinator.jsonl").read_text()
+                          .splitlines())
+            wait_for_commits(run_dir, commits + 100)  # training again after shard 0 came back
+            shut_down(job.shard_endpoints[0], job.cfg.security)  # as an operator would; max_seconds is the cap
 
         killer = threading.Thread(target=remove_later, daemon=True)
         killer.start()
@@ -235,6 +258,7 @@ def test_shards_lost_with_their_nodes_start_again_from_their_checkpoints(tmp_pat
         ray.shutdown()
         cluster.shutdown()
     assert set(removed_at) == {"shard-0", "shard-1"}, f"not every node was removed: {removed_at}"
+    assert summary["stop_reason"].startswith("operator shutdown"), summary["stop_reason"]
     assert job.restarts == {"shard-1": 1, "shard-0": 1}, job.restarts
     assert summary["final"]["agree"] and len(summary["final"]["shards"]) == 2, summary["final"]
     for k in (0, 1):
