@@ -19,8 +19,12 @@ forward and backward) before each exchange, and only the exchange is timed: work
 before the gradients arrive (the momentum's decay) then overlaps the workers' compute, as in
 training, instead of the next push as in the default back-to-back exchanges.
 
+``--phases``: after the table, each shard's wall time per phase per iteration (its own record,
+``ps_server.timings``: decoding, handling the push, the commit's update, answering, sending) and
+its CPU, so the gap to raw can be placed.
+
     python benchmarks/bench_dataplane.py [--iters 15] [--warmup 3] [--repeats 3] [--no-update]
-        [--compute-ms 0]
+        [--compute-ms 0] [--phases]
 """
 
 from __future__ import annotations
@@ -70,7 +74,7 @@ def _heap(kept: bool) -> None:
 
 
 # ----- parameter server ------------------------------------------------------------------------
-def _serve(cfg, shard: int, coordinator: str | None, q, no_update: bool = False) -> None:
+def _serve(cfg, shard: int, coordinator: str | None, q, no_update: bool = False, phases_q=None) -> None:
     from ps_server.server import ShardServer  # which keeps its heap (ps_common.heap)
 
     srv = ShardServer(cfg, shard, port=0, coordinator=coordinator)
@@ -81,7 +85,12 @@ def _serve(cfg, shard: int, coordinator: str | None, q, no_update: bool = False)
         srv.state.optimizer.step_weighted = (  # type: ignore[method-assign]
             lambda params, grads, lr_scale=1.0, out=None: params)
     q.put(srv.endpoint)
+    cpu0 = time.process_time()
     srv.run()
+    if phases_q is not None:  # --phases: the loop's own record (ps_server.timings) and every thread's CPU
+        timings = srv.router.timings.as_dict()
+        timings["process_cpu"] = {"s": time.process_time() - cpu0, "n": 1}
+        phases_q.put((shard, timings))
 
 
 def _compute(seconds: float) -> None:
@@ -115,21 +124,23 @@ def _ps_client(cfg, endpoint: str, iters: int, warmup: int, q, compute_s: float 
 
 
 def run_ps(num_shards: int, num_workers: int, iters: int, warmup: int, no_update: bool = False,
-           compute_s: float = 0.0) -> list[float]:
+           compute_s: float = 0.0, phases: list[dict] | None = None) -> list[float]:
+    """``phases``: gets each shard's per-phase record (:class:`ps_server.timings.Timings`), by shard."""
     with tempfile.TemporaryDirectory(prefix="lbps-bench-") as secret_dir:  # the job's secret, removed after
         return _run_ps(job(num_shards, num_workers, iters + warmup, Path(secret_dir)), num_shards, num_workers,
-                       iters, warmup, no_update, compute_s)
+                       iters, warmup, no_update, compute_s, phases)
 
 
 def _run_ps(cfg, num_shards: int, num_workers: int, iters: int, warmup: int, no_update: bool,
-            compute_s: float) -> list[float]:
+            compute_s: float, phases: list[dict] | None) -> list[float]:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    servers = [ctx.Process(target=_serve, args=(cfg, 0, None, q, no_update))]
+    pq = ctx.Queue() if phases is not None else None
+    servers = [ctx.Process(target=_serve, args=(cfg, 0, None, q, no_update, pq))]
     servers[0].start()
     ep0 = q.get(timeout=120)
     for k in range(1, num_shards):
-        p = ctx.Process(target=_serve, args=(cfg, k, ep0, q, no_update))
+        p = ctx.Process(target=_serve, args=(cfg, k, ep0, q, no_update, pq))
         p.start()
         q.get(timeout=120)
         servers.append(p)
@@ -139,6 +150,8 @@ def _run_ps(cfg, num_shards: int, num_workers: int, iters: int, warmup: int, no_
     for p in clients:
         p.start()
     per_client = [rq.get(timeout=600) for _ in clients]
+    if pq is not None and phases is not None:
+        phases[:] = [t for _, t in sorted(pq.get(timeout=60) for _ in servers)]
     for p in clients + servers:
         p.join(timeout=5)
         if p.is_alive():
@@ -235,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
                          "is the protocol's and the barrier's alone")
     ap.add_argument("--compute-ms", type=float, default=0.0,
                     help="CPU-busy milliseconds each client spends before every exchange (not timed)")
+    ap.add_argument("--phases", action="store_true",
+                    help="also print each shard's wall time per phase and its CPU, per iteration (the last "
+                         "repeat of every row, warm-up included)")
     args = ap.parse_args(argv)
     compute_s = args.compute_ms / 1e3
     n = count_parameters(build_model(MODEL, seed=0))
@@ -247,17 +263,21 @@ def main(argv: list[str] | None = None) -> int:
              if compute_s else "")
           + "\n")
     rows = []
+    profiles: list[tuple[int, int, list[dict]]] = []
     for workers in (1, 2):
         for shards in (1, 2):
             raw, kept, ps = [], [], []
+            shard_phases: list[dict] = []
             for _ in range(args.repeats):
                 raw.append(statistics.median(run_raw(nbytes, workers, shards, args.iters, args.warmup, compute_s)))
                 kept.append(statistics.median(run_raw(nbytes, workers, shards, args.iters, args.warmup, compute_s,
                                                       kept=True)))
                 ps.append(statistics.median(run_ps(shards, workers, args.iters, args.warmup, args.no_update,
-                                                   compute_s)))
+                                                   compute_s, shard_phases if args.phases else None)))
             moved = 2 * nbytes * workers  # push + pull, per client
             rows.append((workers, shards, ps, raw, kept, moved))
+            if args.phases:
+                profiles.append((workers, shards, shard_phases))
     print("| workers | shards = raw connections | PS push+pull (ms) | raw pyzmq round trip (ms) | raw, heap kept "
           "(ms) | PS GB/s | raw, heap kept GB/s | PS / raw, heap kept | PS / raw |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -274,7 +294,25 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{work}; raw is the same bytes echoed with no work, with glibc's default heap and with the "
           "heap kept as the PS processes keep it (ps_common.heap: frames over 32 MB are otherwise a fresh "
           "mmap each time). Each ratio is a repeat's raw / PS, run back to back, median (min-max).")
+    for workers, shards, per_shard in profiles:
+        print(phase_table(workers, shards, per_shard))
     return 0
+
+
+def phase_table(workers: int, shards: int, per_shard: list[dict]) -> str:
+    """Each shard's wall ms per phase and iteration (its commits), and its CPU: the loop's thread
+    (``cpu_total``) and the whole process, ZeroMQ's I/O threads included (``process_cpu``)."""
+    iterations = [max(1, t.get("commit", {}).get("n", 1)) for t in per_shard]
+    names = sorted({k for t in per_shard for k in t}, key=lambda k: -max(t.get(k, {}).get("s", 0.0)
+                                                                            for t in per_shard))
+    lines = [f"\nshards' phases, {workers} worker(s), {shards} shard(s): ms per iteration "
+             f"({', '.join(f'shard {k}: {n} commits' for k, n in enumerate(iterations))})",
+             "| phase | " + " | ".join(f"shard {k}" for k in range(len(per_shard))) + " |",
+             "|---|" + "---|" * len(per_shard)]
+    for name in names:
+        cells = [f"{t[name]['s'] * 1e3 / n:.2f}" if name in t else "" for t, n in zip(per_shard, iterations)]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
