@@ -262,7 +262,10 @@ def main(argv: list[str] | None = None) -> int:
           + (f"; each client computes {args.compute_ms:g} ms before every exchange (not timed)"
              if compute_s else "")
           + "\n")
-    rows = []
+    # Each row is printed once its repeats are done (a run cut short by a time limit keeps them).
+    print("| workers | shards = raw connections | PS push+pull (ms) | raw pyzmq round trip (ms) | raw, heap kept "
+          "(ms) | PS GB/s | raw, heap kept GB/s | PS / raw, heap kept | PS / raw |")
+    print("|---|---|---|---|---|---|---|---|---|", flush=True)
     profiles: list[tuple[int, int, list[dict]]] = []
     for workers in (1, 2):
         for shards in (1, 2):
@@ -275,19 +278,14 @@ def main(argv: list[str] | None = None) -> int:
                 ps.append(statistics.median(run_ps(shards, workers, args.iters, args.warmup, args.no_update,
                                                    compute_s, shard_phases if args.phases else None)))
             moved = 2 * nbytes * workers  # push + pull, per client
-            rows.append((workers, shards, ps, raw, kept, moved))
+            ratios = [r / p for r, p in zip(raw, ps)]        # each repeat's trio, run back to back
+            kept_ratios = [r / p for r, p in zip(kept, ps)]
+            print(f"| {workers} | {shards} | {_range([p * 1e3 for p in ps], '{:.1f}')} | "
+                  f"{_range([r * 1e3 for r in raw], '{:.1f}')} | {_range([r * 1e3 for r in kept], '{:.1f}')} | "
+                  f"{moved / statistics.median(ps) / 1e9:.2f} | {moved / statistics.median(kept) / 1e9:.2f} | "
+                  f"{_range(kept_ratios, '{:.2f}')} | {_range(ratios, '{:.2f}')} |", flush=True)
             if args.phases:
                 profiles.append((workers, shards, shard_phases))
-    print("| workers | shards = raw connections | PS push+pull (ms) | raw pyzmq round trip (ms) | raw, heap kept "
-          "(ms) | PS GB/s | raw, heap kept GB/s | PS / raw, heap kept | PS / raw |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for workers, shards, ps, raw, kept, moved in rows:
-        ratios = [r / p for r, p in zip(raw, ps)]        # each repeat's trio, run back to back
-        kept_ratios = [r / p for r, p in zip(kept, ps)]
-        print(f"| {workers} | {shards} | {_range([p * 1e3 for p in ps], '{:.1f}')} | "
-              f"{_range([r * 1e3 for r in raw], '{:.1f}')} | {_range([r * 1e3 for r in kept], '{:.1f}')} | "
-              f"{moved / statistics.median(ps) / 1e9:.2f} | {moved / statistics.median(kept) / 1e9:.2f} | "
-              f"{_range(kept_ratios, '{:.2f}')} | {_range(ratios, '{:.2f}')} |")
     work = ("the shards skipped the finiteness check and the update (--no-update)" if args.no_update else
             "PS time includes the shard's finiteness check, weighted aggregation and SGD-with-momentum "
             "update of 10M parameters per iteration")

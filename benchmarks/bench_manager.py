@@ -66,10 +66,16 @@ def _setup_path(root: Path) -> None:
     sys.path.insert(0, str(root))
 
 
+def table_header(header: list[str]) -> str:
+    return "| " + " | ".join(header) + " |\n|" + "|".join("---" for _ in header) + "|"
+
+
+def table_row(cells: list[Any]) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
 def table(header: list[str], rows: list[list[Any]]) -> str:
-    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
-    return "\n".join(out)
+    return "\n".join([table_header(header), *map(table_row, rows)])
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -181,8 +187,13 @@ def measure_decisions(policy: str, args: dict[str, Any], n: int, warmup: int, it
     return out, statistics.fmean(its), note
 
 
-def scaling_table(sizes: list[int], budget_s: float, refit_ok: bool) -> str:
-    rows = []
+def scaling_table(sizes: list[int], budget_s: float, refit_ok: bool) -> None:
+    """Print (a), each row as soon as it is measured (a run cut short by a time limit keeps them)."""
+    def row(cells: list[Any]) -> None:
+        print(table_row(cells), flush=True)
+
+    print(table_header(["policy", "workers", "median ms", "mean ms", "p95 ms", "max ms", "µs per worker",
+                        "mean / sim. iteration", "note"]), flush=True)
     for label, policy, args, quota in SCALING:
         if "refit" in args and not refit_ok:
             if args["refit"] != "sync":
@@ -193,8 +204,12 @@ def scaling_table(sizes: list[int], budget_s: float, refit_ok: bool) -> str:
         per_worker_s = None
         for n in sizes:
             if model and per_worker_s is not None and per_worker_s * n > budget_s:
-                rows.append([label, f"{n:,}", "not measured", "", "", "", "", "",
-                             f"projected ~{per_worker_s * n * 1e3:,.0f} ms/iteration"])
+                row([label, f"{n:,}", "not measured", "", "", "", "", "",
+                     f"projected ~{per_worker_s * n * 1e3:,.0f} ms/iteration"])
+                continue
+            if model and per_worker_s is None and n > 1000:
+                row([label, f"{n:,}", "not measured", "", "", "", "", "",
+                     "no smaller size measured to project its time from"])
                 continue
             # Measured in the steady state of a long run: after lbbsp-cpu's window of finish
             # times (32 iterations) has filled; while it fills, rows are ragged and a decision
@@ -207,11 +222,9 @@ def scaling_table(sizes: list[int], budget_s: float, refit_ok: bool) -> str:
             ds, it_s, note = measure_decisions(policy, args, n, warmup, iters, quota)
             wall = time.perf_counter() - t0
             per_worker_s = statistics.fmean(ds) / n
-            rows.append([label, f"{n:,}", *stats_ms(ds), f"{per_worker_s * 1e6:.2f}",
-                         f"{statistics.fmean(ds) / it_s * 100:.2f}%",
-                         f"{iters} it., {wall:.1f} s wall" + (f"; {note}" if note else "")])
-    return table(["policy", "workers", "median ms", "mean ms", "p95 ms", "max ms", "µs per worker",
-                  "mean / sim. iteration", "note"], rows)
+            row([label, f"{n:,}", *stats_ms(ds), f"{per_worker_s * 1e6:.2f}",
+                 f"{statistics.fmean(ds) / it_s * 100:.2f}%",
+                 f"{iters} it., {wall:.1f} s wall" + (f"; {note}" if note else "")])
 
 
 def _one_measurement(root: Path, policy: str, args: dict[str, Any], n: int, warmup: int,
@@ -460,6 +473,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--root", type=Path, default=ROOT,
                     help="checkout whose batchsize_manager/predictors to measure (default: this one)")
     ap.add_argument("--tables", default="abcd", help="which tables to print (subset of 'abcd')")
+    ap.add_argument("--sizes", type=int, nargs="+", default=None,
+                    help="(a): these worker counts instead of 10 100 1000 10000 (NARX and ARIMA above 1,000 "
+                         "are measured only when a smaller size was, to project their time from)")
     ap.add_argument("--model-budget-s", type=float, default=2.0,
                     help="(a): skip NARX/ARIMA sizes projected above this many seconds per iteration")
     ap.add_argument("--paced-budget-s", type=float, default=20.0,
@@ -503,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
     if "a" in args.tables:
         print(f"## (a) Decision time per iteration (observe all reports + assign), tight loop, "
               f"X = {PER_SAMPLE_X}·N\n")
-        print(scaling_table(sizes, args.model_budget_s, refit_ok))
+        scaling_table(args.sizes or sizes, args.model_budget_s, refit_ok)
     if "b" in args.tables:
         print(f"\n## (b) 4 CPU-like workers, slowdowns {SLOWDOWNS}, X = {X}, overhead "
               f"{OVERHEAD * 1e3:.0f} ms, ideal = {IDEAL_S * 1e3:.0f} ms, 3% noise, {iterations} "

@@ -3,20 +3,25 @@
 # (for example the 16-core machine a session with a device is lent): on that VM every process
 # shares two cores and code idle for 50 ms runs 5-20x slower than warm (bench_decision_cold's
 # reference rows), so these say which results are the code's and which are the VM's.
-# Steps, each one to three minutes on 16 cores:
+# Sized for a lent machine's 15 minutes (start-up included): about 8 minutes in all on the
+# 16-core H100 host of 2026-11-27, where a fleet run took 13-14 s at 4 and 100 workers and
+# 24-27 s at 1,000, and one repeat of the data plane 110 s. Every table prints its rows as they
+# are measured, so a step cut by its timeout keeps what it finished. Steps:
+#   dataplane  bench_dataplane --phases: push + pull through the shards against raw pyzmq
+#   fleet      bench_fleet: the decision's share of the iteration in a real run
+#   manager    bench_manager table (a): decision time at 1,000 and 10,000 workers
 #   cold       bench_decision_cold: a decision's CPU tight, after a sleep and after a spin
-#   fleet      bench_fleet: the decision's share of the iteration in a real run, 4/100/1,000 workers
-#   dataplane  bench_dataplane: push + pull through the shards against raw pyzmq
-#   manager    bench_manager table (a): decision time up to 10,000 workers
+# Each step's arguments can be replaced: DATAPLANE_ARGS, FLEET_ARGS, MANAGER_ARGS, COLD_ARGS.
 # Logs go to OUTDIR/<step>.txt. Needs the project's dependencies importable from here:
-#   PYTHONPATH=$PWD bash scripts/speed_checks.sh OUTDIR [cold] [fleet] [dataplane] [manager]
+#   PYTHONPATH=$PWD bash scripts/speed_checks.sh OUTDIR [dataplane] [fleet] [manager] [cold]
 # (no step named: all four, in that order). On the lent device machine (Python 3.12, no pydantic
 # or orjson in its image) the missing packages travel as wheels, fetched here into an ignored .whl:
 #   echo /.whl/ >> .git/info/exclude; python3 -m pip download --no-deps --only-binary=:all: \
 #     --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
 #     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
-#     pydantic pydantic-core annotated-types typing-inspection orjson pyzmq
-# and there (carrying .whl): python3 -m pip install -q --no-index --no-deps --target /tmp/site
+#     pydantic pydantic-core annotated-types typing-inspection orjson pyzmq typing-extensions
+# (the versions this checkout's .venv has: pydantic and pydantic-core must match) and there
+# (carrying .whl): python3 -m pip install -q --no-index --no-deps --target /tmp/site
 #   .whl/*.whl && PYTHONPATH=/tmp/site:$PWD bash scripts/speed_checks.sh $OUT
 # CLIENT_PROCS sets bench_fleet's client processes
 # (default: a quarter of the cores, at least 2), so that the simulated workers do not starve
@@ -24,7 +29,7 @@
 set -uo pipefail
 out=${1:-speed-checks}
 shift || true
-steps=${*:-cold fleet dataplane manager}
+steps=${*:-dataplane fleet manager cold}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 export PYTHONUNBUFFERED=1
@@ -42,22 +47,26 @@ wants() { [[ " $steps " == *" $1 "* ]]; }
 "torch", torch.__version__, "pyzmq", zmq.__version__)'
 } 2>&1 | tee "$out/env.txt"
 
-if wants cold; then
-  step "decision CPU after idling" | tee "$out/cold.txt"
-  timeout 300 $py benchmarks/bench_decision_cold.py 2>&1 | tee -a "$out/cold.txt"
+if wants dataplane; then
+  step "data plane" | tee "$out/dataplane.txt"
+  timeout 170 $py benchmarks/bench_dataplane.py ${DATAPLANE_ARGS:---repeats 1 --iters 10 --phases} 2>&1 \
+    | tee -a "$out/dataplane.txt"
 fi
 
 if wants fleet; then
   step "real runs, $client_procs client processes" | tee "$out/fleet.txt"
-  timeout 420 $py benchmarks/bench_fleet.py --client-procs "$client_procs" --phases 2>&1 | tee -a "$out/fleet.txt"
-fi
-
-if wants dataplane; then
-  step "data plane" | tee "$out/dataplane.txt"
-  timeout 300 $py benchmarks/bench_dataplane.py 2>&1 | tee -a "$out/dataplane.txt"
+  timeout 150 $py benchmarks/bench_fleet.py --client-procs "$client_procs" \
+    ${FLEET_ARGS:---workers 4 1000 --policies last narx --iterations 80 --skip 30} 2>&1 | tee -a "$out/fleet.txt"
 fi
 
 if wants manager; then
-  step "decision time up to 10,000 workers" | tee "$out/manager.txt"
-  timeout 420 $py benchmarks/bench_manager.py --tables a 2>&1 | tee -a "$out/manager.txt"
+  step "decision time at 1,000 and 10,000 workers" | tee "$out/manager.txt"
+  timeout 120 $py benchmarks/bench_manager.py --tables a ${MANAGER_ARGS:---sizes 1000 10000} 2>&1 \
+    | tee -a "$out/manager.txt"
+fi
+
+if wants cold; then
+  step "decision CPU after idling" | tee "$out/cold.txt"
+  timeout 60 $py benchmarks/bench_decision_cold.py ${COLD_ARGS:---workers 4 100 --decisions 60} 2>&1 \
+    | tee -a "$out/cold.txt"
 fi
