@@ -82,15 +82,22 @@ def wait_exit(children: list, timeout_s: float) -> None:
         assert ch.proc.returncode == 0, f"{ch.role} exited with {ch.proc.returncode}:\n{ch.tail()}"
 
 
-def status(endpoint: str, timeout_s: float = 10) -> P.Status:
+def operator_request(endpoint: str, msg: P.Message, reply_type: type, *, security=None,
+                     timeout_s: float = 10):
+    """One request as the operator role, with the job's security as :func:`start_servers`
+    recorded it for ``endpoint`` unless ``security`` is given."""
     conn = Connection(zmq.Context.instance(), endpoint, role="operator", timeout_s=timeout_s,
-                      security=_security_for(endpoint))
+                      security=security if security is not None else _security_for(endpoint))
     try:
-        st = conn.request(P.StatusRequest(), P.Status)
-        assert isinstance(st, P.Status)
-        return st
+        reply = conn.request(msg, reply_type)
+        assert isinstance(reply, reply_type)
+        return reply
     finally:
         conn.close()
+
+
+def status(endpoint: str, timeout_s: float = 10) -> P.Status:
+    return operator_request(endpoint, P.StatusRequest(), P.Status, timeout_s=timeout_s)
 
 
 def final_params(run_dir: Path) -> tuple[np.ndarray, list[dict]]:

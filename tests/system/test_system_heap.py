@@ -10,6 +10,7 @@ import platform
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.cluster_util import start_servers, start_workers, status, wait_exit, write_config
@@ -36,8 +37,7 @@ def _minor_faults(pid: int) -> int:
 
 
 def _rss_mb(pid: int) -> float:
-    line = next(ln for ln in Path(f"/proc/{pid}/status").read_text().splitlines() if ln.startswith("VmRSS:"))
-    return int(line.split()[1]) / 1024
+    return psutil.Process(pid).memory_info().rss / 2**20
 
 
 @pytest.mark.timeout(240)

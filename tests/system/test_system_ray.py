@@ -14,7 +14,9 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'lbbsp-ps[ray]')")
 
+from ps_common import protocol as P  # noqa: E402
 from ps_common.config import load_config  # noqa: E402
+from tests.cluster_util import operator_request  # noqa: E402
 
 pytestmark = pytest.mark.system
 
@@ -44,21 +46,6 @@ def wait_for_commits(run_dir, n: int, timeout_s: float = 120.0) -> None:
             return
         time.sleep(0.2)
     raise AssertionError(f"fewer than {n} commits streamed to the driver within {timeout_s:.0f}s")
-
-
-def shut_down(endpoint: str, security) -> None:
-    """End the job the normal way, as an operator: shard 0 stops it with one final version on
-    every shard (``ps-launch``'s own path when it is interrupted)."""
-    import zmq
-
-    from ps_common import protocol as P
-    from ps_common.transport import Connection
-
-    conn = Connection(zmq.Context.instance(), endpoint, role="operator", timeout_s=15.0, security=security)
-    try:
-        conn.request(P.Shutdown(reason="the test saw training go on"), P.Ack)
-    finally:
-        conn.close()
 
 
 def run_showing_logs(job, run_dir):
@@ -248,7 +235,10 @@ def test_shards_lost_with_their_nodes_start_again_from_their_checkpoints(tmp_pat
             commits = sum('"event"' not in ln for ln in (run_dir / "metrics" / "coordinator.jsonl").read_text()
                           .splitlines())
             wait_for_commits(run_dir, commits + 100)  # training again after shard 0 came back
-            shut_down(job.shard_endpoints[0], job.cfg.security)  # as an operator would; max_seconds is the cap
+            # End the job the normal way, as an operator (ps-launch's own path when interrupted):
+            # one final version on every shard. max_seconds is only the cap.
+            operator_request(job.shard_endpoints[0], P.Shutdown(reason="the test saw training go on"), P.Ack,
+                             security=job.cfg.security, timeout_s=15.0)
 
         killer = threading.Thread(target=remove_later, daemon=True)
         killer.start()
