@@ -19,12 +19,16 @@ forward and backward) before each exchange, and only the exchange is timed: work
 before the gradients arrive (the momentum's decay) then overlaps the workers' compute, as in
 training, instead of the next push as in the default back-to-back exchanges.
 
+``--shard-threads N [N ...]``: the PS rows once per thread count of each shard's update
+(``cluster.shard_threads``), against the same raw runs of each repeat; default 1, as ps-server.
+More threads pay only where every shard has cores of its own.
+
 ``--phases``: after the table, each shard's wall time per phase per iteration (its own record,
 ``ps_server.timings``: decoding, handling the push, the commit's update, answering, sending) and
 its CPU, so the gap to raw can be placed.
 
     python benchmarks/bench_dataplane.py [--iters 15] [--warmup 3] [--repeats 3] [--no-update]
-        [--compute-ms 0] [--phases]
+        [--compute-ms 0] [--shard-threads 1] [--phases]
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ from ps_ml.models import build_model, count_parameters  # noqa: E402
 MODEL = "mlp10m"
 
 
-def job(num_shards: int, num_workers: int, iterations: int, secret_dir: Path):
+def job(num_shards: int, num_workers: int, iterations: int, secret_dir: Path, shard_threads: int = 1):
     from ps_common.security.credentials import generate_master
 
     secret = secret_dir / "job.secret"
@@ -60,7 +64,7 @@ def job(num_shards: int, num_workers: int, iterations: int, secret_dir: Path):
         "model": {"name": MODEL}, "data": {"dataset": "synthetic", "synthetic_train": 256},
         "training": {"global_batch": 64, "max_iterations": iterations},
         "optimizer": {"lr": 0.01, "momentum": 0.9},
-        "cluster": {"num_shards": num_shards, "num_workers": num_workers},
+        "cluster": {"num_shards": num_shards, "num_workers": num_workers, "shard_threads": shard_threads},
         "evaluator": {"enabled": False},
     })
 
@@ -124,11 +128,11 @@ def _ps_client(cfg, endpoint: str, iters: int, warmup: int, q, compute_s: float 
 
 
 def run_ps(num_shards: int, num_workers: int, iters: int, warmup: int, no_update: bool = False,
-           compute_s: float = 0.0, phases: list[dict] | None = None) -> list[float]:
+           compute_s: float = 0.0, phases: list[dict] | None = None, shard_threads: int = 1) -> list[float]:
     """``phases``: gets each shard's per-phase record (:class:`ps_server.timings.Timings`), by shard."""
     with tempfile.TemporaryDirectory(prefix="lbps-bench-") as secret_dir:  # the job's secret, removed after
-        return _run_ps(job(num_shards, num_workers, iters + warmup, Path(secret_dir)), num_shards, num_workers,
-                       iters, warmup, no_update, compute_s, phases)
+        cfg = job(num_shards, num_workers, iters + warmup, Path(secret_dir), shard_threads)
+        return _run_ps(cfg, num_shards, num_workers, iters, warmup, no_update, compute_s, phases)
 
 
 def _run_ps(cfg, num_shards: int, num_workers: int, iters: int, warmup: int, no_update: bool,
@@ -248,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
                          "is the protocol's and the barrier's alone")
     ap.add_argument("--compute-ms", type=float, default=0.0,
                     help="CPU-busy milliseconds each client spends before every exchange (not timed)")
+    ap.add_argument("--shard-threads", type=int, nargs="+", default=[1], metavar="N",
+                    help="PS rows once per thread count of each shard's update (cluster.shard_threads)")
     ap.add_argument("--phases", action="store_true",
                     help="also print each shard's wall time per phase and its CPU, per iteration (the last "
                          "repeat of every row, warm-up included)")
@@ -263,47 +269,50 @@ def main(argv: list[str] | None = None) -> int:
              if compute_s else "")
           + "\n")
     # Each row is printed once its repeats are done (a run cut short by a time limit keeps them).
-    print("| workers | shards = raw connections | PS push+pull (ms) | raw pyzmq round trip (ms) | raw, heap kept "
-          "(ms) | PS GB/s | raw, heap kept GB/s | PS / raw, heap kept | PS / raw |")
-    print("|---|---|---|---|---|---|---|---|---|", flush=True)
-    profiles: list[tuple[int, int, list[dict]]] = []
+    print("| workers | shards = raw connections | shard threads | PS push+pull (ms) | raw pyzmq round trip "
+          "(ms) | raw, heap kept (ms) | PS GB/s | raw, heap kept GB/s | PS / raw, heap kept | PS / raw |")
+    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    profiles: list[tuple[int, int, int, list[dict]]] = []
     for workers in (1, 2):
         for shards in (1, 2):
-            raw, kept, ps = [], [], []
-            shard_phases: list[dict] = []
+            raw, kept = [], []
+            ps: dict[int, list[float]] = {t: [] for t in args.shard_threads}
+            shard_phases: dict[int, list[dict]] = {t: [] for t in args.shard_threads}
             for _ in range(args.repeats):
                 raw.append(statistics.median(run_raw(nbytes, workers, shards, args.iters, args.warmup, compute_s)))
                 kept.append(statistics.median(run_raw(nbytes, workers, shards, args.iters, args.warmup, compute_s,
                                                       kept=True)))
-                ps.append(statistics.median(run_ps(shards, workers, args.iters, args.warmup, args.no_update,
-                                                   compute_s, shard_phases if args.phases else None)))
+                for t in args.shard_threads:
+                    ps[t].append(statistics.median(run_ps(shards, workers, args.iters, args.warmup, args.no_update,
+                                                          compute_s, shard_phases[t] if args.phases else None, t)))
             moved = 2 * nbytes * workers  # push + pull, per client
-            ratios = [r / p for r, p in zip(raw, ps)]        # each repeat's trio, run back to back
-            kept_ratios = [r / p for r, p in zip(kept, ps)]
-            print(f"| {workers} | {shards} | {_range([p * 1e3 for p in ps], '{:.1f}')} | "
-                  f"{_range([r * 1e3 for r in raw], '{:.1f}')} | {_range([r * 1e3 for r in kept], '{:.1f}')} | "
-                  f"{moved / statistics.median(ps) / 1e9:.2f} | {moved / statistics.median(kept) / 1e9:.2f} | "
-                  f"{_range(kept_ratios, '{:.2f}')} | {_range(ratios, '{:.2f}')} |", flush=True)
-            if args.phases:
-                profiles.append((workers, shards, shard_phases))
+            for t in args.shard_threads:
+                ratios = [r / p for r, p in zip(raw, ps[t])]        # each repeat's runs, back to back
+                kept_ratios = [r / p for r, p in zip(kept, ps[t])]
+                print(f"| {workers} | {shards} | {t} | {_range([p * 1e3 for p in ps[t]], '{:.1f}')} | "
+                      f"{_range([r * 1e3 for r in raw], '{:.1f}')} | {_range([r * 1e3 for r in kept], '{:.1f}')} | "
+                      f"{moved / statistics.median(ps[t]) / 1e9:.2f} | {moved / statistics.median(kept) / 1e9:.2f} | "
+                      f"{_range(kept_ratios, '{:.2f}')} | {_range(ratios, '{:.2f}')} |", flush=True)
+                if args.phases:
+                    profiles.append((workers, shards, t, shard_phases[t]))
     work = ("the shards skipped the finiteness check and the update (--no-update)" if args.no_update else
             "PS time includes the shard's finiteness check, weighted aggregation and SGD-with-momentum "
             "update of 10M parameters per iteration")
     print(f"\n{work}; raw is the same bytes echoed with no work, with glibc's default heap and with the "
           "heap kept as the PS processes keep it (ps_common.heap: frames over 32 MB are otherwise a fresh "
           "mmap each time). Each ratio is a repeat's raw / PS, run back to back, median (min-max).")
-    for workers, shards, per_shard in profiles:
-        print(phase_table(workers, shards, per_shard))
+    for workers, shards, threads, per_shard in profiles:
+        print(phase_table(workers, shards, threads, per_shard))
     return 0
 
 
-def phase_table(workers: int, shards: int, per_shard: list[dict]) -> str:
+def phase_table(workers: int, shards: int, threads: int, per_shard: list[dict]) -> str:
     """Each shard's wall ms per phase and iteration (its commits), and its CPU: the loop's thread
     (``cpu_total``) and the whole process, ZeroMQ's I/O threads included (``process_cpu``)."""
     iterations = [max(1, t.get("commit", {}).get("n", 1)) for t in per_shard]
     names = sorted({k for t in per_shard for k in t}, key=lambda k: -max(t.get(k, {}).get("s", 0.0)
                                                                             for t in per_shard))
-    lines = [f"\nshards' phases, {workers} worker(s), {shards} shard(s): ms per iteration "
+    lines = [f"\nshards' phases, {workers} worker(s), {shards} shard(s), {threads} thread(s) each: ms per iteration "
              f"({', '.join(f'shard {k}: {n} commits' for k, n in enumerate(iterations))})",
              "| phase | " + " | ".join(f"shard {k}" for k in range(len(per_shard))) + " |",
              "|---|" + "---|" * len(per_shard)]

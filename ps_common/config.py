@@ -86,6 +86,9 @@ class ClusterConfig(StrictModel):
     transport: Literal["tcp", "ipc"] = Field(
         "tcp", description="ps-launch: shards listen on TCP (cluster.host) or on Unix sockets (ipc://, "
                            "one host only, less overhead per message)")
+    shard_threads: int = Field(1, ge=1, le=256, description=(
+        "torch threads of each shard's update and finiteness check (ps-server): more pay only where "
+        "every shard has cores of its own; shards that share cores are slower with more than one"))
 
 
 class ModeConfig(StrictModel):

@@ -115,7 +115,9 @@ class ShardServer:
         self.metrics_existing = existing_for(resume=resume, overwrite=overwrite)
         self.metrics = MetricsWriter(self.run_dir / "metrics" / f"shard-{shard}.jsonl" if self.run_dir else None,
                                      self.metrics_existing)
-        torch.set_num_threads(1)  # the coordinator's predictors (NARX, ARIMA) are tiny
+        # The update and the finiteness sum split over cluster.shard_threads; the coordinator's
+        # predictors (NARX, ARIMA) are too small for torch to split, whatever the setting.
+        torch.set_num_threads(cfg.cluster.shard_threads)
         keep_freed_memory()       # every push is a slice of the model, every reply too (ps_common.heap)
         self.ctx = ctx or zmq.Context.instance()
         full = initial_parameters(cfg)

@@ -193,3 +193,27 @@ def test_all_finite_finds_one_bad_value_anywhere(dtype) -> None:
     big = np.full(8, np.finfo(dtype).max, dtype=dtype)   # finite terms whose sum overflows:
     assert not all_finite(big)                            # refused, no update could use them
     assert all_finite(np.zeros(0, dtype=dtype))
+
+
+@pytest.mark.parametrize("momentum, wd, nesterov", [(0.9, 0.0, False), (0.8, 1e-3, True)])
+def test_the_update_gives_the_same_bits_with_any_number_of_shard_threads(momentum, wd, nesterov):
+    """``cluster.shard_threads`` splits the update over torch threads: element-wise work, so the
+    parameters must not depend on the split (a reduction in the update would break this). 2M
+    elements: torch splits element-wise work above 32K, so 4 threads really run."""
+    rng = np.random.default_rng(2)
+    p0 = rng.normal(size=2_000_003).astype(np.float32)
+    steps = [[(rng.normal(size=p0.size).astype(np.float32), w) for w in (0.25, 0.75)] for _ in range(3)]
+    cfg = OptimizerConfig(lr=0.05, momentum=momentum, weight_decay=wd, nesterov=nesterov)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 4):
+            torch.set_num_threads(threads)
+            opt, p = SGD(cfg, p0.size), p0
+            for grads in steps:
+                assert all_finite(grads[0][0])
+                p = opt.step_weighted(p, grads)
+            results.append(p)
+    finally:
+        torch.set_num_threads(before)
+    np.testing.assert_array_equal(results[0], results[1])
