@@ -28,7 +28,7 @@ More threads pay only where every shard has cores of its own.
 its CPU, so the gap to raw can be placed.
 
     python benchmarks/bench_dataplane.py [--iters 15] [--warmup 3] [--repeats 3] [--no-update]
-        [--compute-ms 0] [--shard-threads 1] [--phases]
+        [--compute-ms 0] [--shard-threads 1] [--workers 1 2] [--shards 1 2] [--phases]
 """
 
 from __future__ import annotations
@@ -252,6 +252,10 @@ def main(argv: list[str] | None = None) -> int:
                          "is the protocol's and the barrier's alone")
     ap.add_argument("--compute-ms", type=float, default=0.0,
                     help="CPU-busy milliseconds each client spends before every exchange (not timed)")
+    ap.add_argument("--workers", type=int, nargs="+", default=[1, 2], choices=[1, 2],
+                    help="rows with these numbers of client processes")
+    ap.add_argument("--shards", type=int, nargs="+", default=[1, 2], choices=[1, 2],
+                    help="rows with these numbers of shards (and raw echo processes)")
     ap.add_argument("--shard-threads", type=int, nargs="+", default=[1], metavar="N",
                     help="PS rows once per thread count of each shard's update (cluster.shard_threads)")
     ap.add_argument("--phases", action="store_true",
@@ -273,8 +277,8 @@ def main(argv: list[str] | None = None) -> int:
           "(ms) | raw, heap kept (ms) | PS GB/s | raw, heap kept GB/s | PS / raw, heap kept | PS / raw |")
     print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
     profiles: list[tuple[int, int, int, list[dict]]] = []
-    for workers in (1, 2):
-        for shards in (1, 2):
+    for workers in args.workers:
+        for shards in args.shards:
             raw, kept = [], []
             ps: dict[int, list[float]] = {t: [] for t in args.shard_threads}
             shard_phases: dict[int, list[dict]] = {t: [] for t in args.shard_threads}
