@@ -44,8 +44,8 @@ PLAN_DELAY = {"LBBSP_FAULTS": '{"plan_delay": {"shard": 1, "seconds": 0.03}}'}
     ("uniform", {}, PLAN_DELAY)], ids=["uniform", "fixed", "uniform-plans-late"])
 def test_bsp_equals_single_process_sgd(procs, tmp_path, policy, args, env):
     job = {**JOB, "mode": {"sync": "bsp", "batch_policy": policy, "batch_policy_args": args}}
-    if policy == "fixed":  # shards that split their update over two threads end the same
-        job["cluster"] = {**JOB["cluster"], "shard_threads": 2}
+    if policy == "fixed":  # shards that split their update over three threads end the same
+        job["cluster"] = {**JOB["cluster"], "shard_threads": 3}
     cfg_path, cfg = write_config(tmp_path, job)
     run_dir = tmp_path / "run"
     eps = start_servers(procs, cfg_path, 2, run_dir, env=env)
@@ -60,6 +60,9 @@ def test_bsp_equals_single_process_sgd(procs, tmp_path, policy, args, env):
     init = train_reference("lenet", 11, data, 11, 100, 0, lr=0.05)
     assert rel_err(params, init) > 1e-2, "training must have moved the parameters"
     assert rel_err(params, ref) < 1e-5, f"PS result differs from single-process SGD: {rel_err(params, ref):.2e}"
+    for k in range(2):  # each shard ran its update on the threads the job gave it (3 is no default)
+        shutdown = [r for r in read_jsonl(run_dir / "metrics" / f"shard-{k}.jsonl") if r.get("event") == "shutdown"]
+        assert shutdown[-1]["torch_threads"] == (3 if policy == "fixed" else 1), shutdown[-1]
     if env is not None:
         shutdown = [r for r in read_jsonl(run_dir / "metrics" / "shard-1.jsonl") if r.get("event") == "shutdown"]
         refused = shutdown[-1]["counters"].get("refused.plan_pending", 0)
