@@ -5,11 +5,13 @@ slows a worker in a way host-wide CPU percentages cannot show: the worker runs a
 until its share of the period is spent, then not at all until the next one. The lab writes
 quotas (``ps_launcher.lab.cgroups``); a worker reads its own group here, to report the quota in
 force and the time it was throttled (:class:`CpuQuotaProbe`, used by ``ps_worker`` and the DDP
-plug-in).
+plug-in). A shard asks how many cores it may use at all (:func:`usable_cores`) before it runs its
+update on several threads.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -78,6 +80,22 @@ def own_cpu_group(proc_cgroup: Path = Path("/proc/self/cgroup"),
         if v1 is None and v2 is not None and fstype == "cgroup2":
             return 2, Path(mnt) / v2.lstrip("/")
     return None
+
+
+def usable_cores(find: Callable[[], tuple[int, Path] | None] = own_cpu_group) -> float:
+    """How many cores this process may keep busy: the CPUs it may run on, or its own cgroup's
+    quota where that is less (a container's CPU limit). The group's parents' quotas are not
+    read: the lab and container runtimes put the limit on the process's own group."""
+    cores = float(len(os.sched_getaffinity(0)))
+    found = find()
+    if found is not None:
+        try:
+            quota = read_quota_cores(found[1], found[0])
+        except (OSError, ValueError):
+            quota = None
+        if quota is not None:
+            cores = min(cores, quota)
+    return cores
 
 
 class CpuQuotaProbe:

@@ -35,6 +35,7 @@ import torch
 import zmq
 
 from ps_common import protocol as P
+from ps_common.cgroup_cpu import usable_cores
 from ps_common.cli_util import StopFlag
 from ps_common.config import JobConfig
 from ps_common.errors import UsageError
@@ -118,6 +119,10 @@ class ShardServer:
         # The update and the finiteness sum split over cluster.shard_threads; the coordinator's
         # predictors (NARX, ARIMA) are too small for torch to split, whatever the setting.
         torch.set_num_threads(cfg.cluster.shard_threads)
+        if cfg.cluster.shard_threads > 1 and cfg.cluster.shard_threads > (cores := usable_cores()):
+            log.warning("cluster.shard_threads is %d but shard %d may use %g cores: its update's "
+                        "threads will take turns, slower than %d", cfg.cluster.shard_threads, shard,
+                        cores, max(1, int(cores)))
         keep_freed_memory()       # every push is a slice of the model, every reply too (ps_common.heap)
         self.ctx = ctx or zmq.Context.instance()
         full = initial_parameters(cfg)

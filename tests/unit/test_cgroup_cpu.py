@@ -3,9 +3,10 @@ does (the real kernel's groups are exercised in tests/system/test_lab_cgroups.py
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-from ps_common.cgroup_cpu import CpuQuotaProbe, own_cpu_group, read_quota_cores, read_throttling
+from ps_common.cgroup_cpu import CpuQuotaProbe, own_cpu_group, read_quota_cores, read_throttling, usable_cores
 
 
 def v1_group(root: Path, quota_us: int, throttled_ns: int) -> Path:
@@ -60,3 +61,15 @@ def test_the_probe_reports_throttled_time_per_interval_and_follows_a_move(tmp_pa
     assert quota == 0.2 and abs(held - 0.3) < 1e-9
     v1_group(tmp_path, -1, 1_300_000_000)
     assert probe.read() == (None, None), "no quota: no throttling to speak of"
+
+
+def test_usable_cores_is_the_cpus_or_the_own_quota_whichever_is_less(tmp_path):
+    cpus = len(os.sched_getaffinity(0))
+    assert usable_cores(lambda: None) == cpus
+    g = v1_group(tmp_path, 50000, 0)                       # half a core
+    assert usable_cores(lambda: (1, g)) == 0.5
+    (g / "cpu.cfs_quota_us").write_text(f"{(cpus + 3) * 100000}\n")
+    assert usable_cores(lambda: (1, g)) == cpus            # a quota above the CPUs limits nothing
+    (g / "cpu.cfs_quota_us").write_text("-1\n")
+    assert usable_cores(lambda: (1, g)) == cpus
+    assert usable_cores(lambda: (1, tmp_path / "gone")) == cpus   # unreadable: the CPUs

@@ -1,0 +1,48 @@
+"""``cluster.shard_threads``: a shard runs its update on that many torch threads, and says so
+when the job gives it more threads than the cores it may use (the CPUs it may run on, or its
+cgroup's quota), where they would only take turns."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import zmq
+
+from ps_common.cgroup_cpu import usable_cores
+from ps_server.server import ShardServer
+from tests.cluster_util import write_config
+
+
+def _shard(tmp_path, threads: int) -> tuple[int, str]:
+    """(torch threads after the shard started, what it logged)."""
+    _, cfg = write_config(tmp_path / str(threads), {
+        "model": {"name": "mlp"}, "data": {"dataset": "synthetic", "synthetic_train": 64, "synthetic_test": 16},
+        "cluster": {"num_shards": 1, "num_workers": 1, "shard_threads": threads},
+        "evaluator": {"enabled": False},
+    })
+    ctx = zmq.Context()
+    logger = logging.getLogger("ps_server.server")
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    before = torch.get_num_threads()
+    try:
+        ShardServer(cfg, 0, port=0, ctx=ctx).close()
+        return torch.get_num_threads(), "\n".join(r.getMessage() for r in records)
+    finally:
+        logger.removeHandler(handler)
+        torch.set_num_threads(before)   # this test process's own setting
+        ctx.term()
+
+
+def test_a_shard_warns_when_given_more_threads_than_it_has_cores(tmp_path):
+    cores = usable_cores()
+    too_many = int(cores) + 1
+    threads, said = _shard(tmp_path, too_many)
+    assert threads == too_many
+    assert f"cluster.shard_threads is {too_many} but shard 0 may use {cores:g} cores" in said
+    for within in sorted({1, int(cores)}):   # as many as it has cores: nothing to say
+        threads, said = _shard(tmp_path, within)
+        assert threads == within and "shard_threads" not in said
