@@ -86,7 +86,8 @@ def usable_cores(find: Callable[[], tuple[int, Path] | None] = own_cpu_group) ->
     """How many cores this process may keep busy: the CPUs it may run on, or its own cgroup's
     quota where that is less (a container's CPU limit). The group's parents' quotas are not
     read: the lab and container runtimes put the limit on the process's own group."""
-    cores = float(len(os.sched_getaffinity(0)))
+    affinity = getattr(os, "sched_getaffinity", None)   # Linux; elsewhere every CPU counts
+    cores = float(len(affinity(0)) if affinity is not None else os.cpu_count() or 1)
     found = find()
     if found is not None:
         try:
