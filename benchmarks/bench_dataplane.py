@@ -21,14 +21,17 @@ training, instead of the next push as in the default back-to-back exchanges.
 
 ``--shard-threads N [N ...]``: the PS rows once per thread count of each shard's update
 (``cluster.shard_threads``), against the same raw runs of each repeat; default 1, as ps-server.
-More threads pay only where every shard has cores of its own.
+More threads pay only where every shard has cores of its own. The shards' threads sleep between
+updates, as ps-server's do (``OMP_WAIT_POLICY=PASSIVE``, ``ps_server/threads.py``), unless the
+environment sets a policy or ``--spinning-threads`` leaves libgomp's default (spin after each step).
 
 ``--phases``: after the table, each shard's wall time per phase per iteration (its own record,
 ``ps_server.timings``: decoding, handling the push, the commit's update, answering, sending) and
 its CPU, so the gap to raw can be placed.
 
     python benchmarks/bench_dataplane.py [--iters 15] [--warmup 3] [--repeats 3] [--no-update]
-        [--compute-ms 0] [--shard-threads 1] [--workers 1 2] [--shards 1 2] [--phases]
+        [--compute-ms 0] [--shard-threads 1] [--spinning-threads] [--workers 1 2] [--shards 1 2]
+        [--phases]
 """
 
 from __future__ import annotations
@@ -258,10 +261,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="rows with these numbers of shards (and raw echo processes)")
     ap.add_argument("--shard-threads", type=int, nargs="+", default=[1], metavar="N",
                     help="PS rows once per thread count of each shard's update (cluster.shard_threads)")
+    ap.add_argument("--spinning-threads", action="store_true",
+                    help="leave libgomp's default wait policy to the shards, whose update threads then spin "
+                         "after each step (ps-server sets OMP_WAIT_POLICY=PASSIVE: ps_server/threads.py)")
     ap.add_argument("--phases", action="store_true",
                     help="also print each shard's wall time per phase and its CPU, per iteration (the last "
                          "repeat of every row, warm-up included)")
     args = ap.parse_args(argv)
+    if not args.spinning_threads:
+        from ps_server.threads import sleep_between_updates
+
+        sleep_between_updates()   # as ps-server does; the spawned processes inherit it
     compute_s = args.compute_ms / 1e3
     n = count_parameters(build_model(MODEL, seed=0))
     nbytes = n * 4

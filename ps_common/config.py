@@ -88,8 +88,8 @@ class ClusterConfig(StrictModel):
                            "one host only, less overhead per message)")
     shard_threads: int = Field(1, ge=1, le=256, description=(
         "torch threads of each shard's update and finiteness check (ps-server): more pay only where "
-        "every shard has cores of its own (shards that share cores are slower with more than one), and "
-        "the extra threads spin between updates: the process uses about that many cores"))
+        "every shard has cores of its own; ps-server lets them sleep between updates "
+        "(OMP_WAIT_POLICY=PASSIVE, unless the environment sets a policy)"))
 
 
 class ModeConfig(StrictModel):

@@ -12,6 +12,7 @@ from ps_common.dmlc import DmlcEnv, read_dmlc_env
 from ps_common.errors import PsError
 from ps_common.security.credentials import generate_master
 from ps_server.job_config import check_job_config
+from ps_server.threads import sleep_between_updates
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if dmlc is not None and dmlc.role == "worker":
         return _run_worker(args, dmlc)
+    sleep_between_updates()   # before anything imports torch (ps_server.threads)
     try:
         overrides = list(args.set) + (dmlc.overrides() if dmlc is not None else [])
         cfg = load_cli_config(args.config, overrides, args.secret_file, check=check_job_config)

@@ -62,6 +62,7 @@ from ps_server.roles import SHARD_PERMISSIONS
 from ps_server.router import Limits, Refused, RouterLoop
 from ps_server.shard import GradientRejected, ShardState
 from ps_server.sync import sync_policy_for
+from ps_server.threads import WAIT_POLICY
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +218,8 @@ class ShardServer:
         self.metrics.write(event="shutdown", version=self.state.version, log_hash=self.state.log_hash,
                            samples_applied=self.state.samples_applied, dropped=self.state.dropped,
                            counters=dict(self.counters), finished=self.finished,
-                           timings=self.router.timings.as_dict())
+                           timings=self.router.timings.as_dict(), torch_threads=torch.get_num_threads(),
+                           omp_wait_policy=os.environ.get(WAIT_POLICY))
         self.metrics.close()
         self.role.close()
         close_socket(self.sock)

@@ -11,12 +11,16 @@
 # are measured, so a step cut by its timeout keeps what it finished. Steps:
 #   dataplane  bench_dataplane --phases: push + pull through the shards against raw pyzmq, with
 #              1 and 8 threads per shard's update (cluster.shard_threads)
+#   passive    the 2-shard data-plane rows with 1, 4 and 8 threads per shard, spinning after
+#              each step (libgomp's default, --spinning-threads) and sleeping between updates
+#              (OMP_WAIT_POLICY=PASSIVE, as ps-server sets it); not in the default steps: name it
 #   fleet      bench_fleet: the decision's share of the iteration in a real run
 #   manager    bench_manager table (a): decision time at 1,000 and 10,000 workers
 #   cold       bench_decision_cold: a decision's CPU tight, after a sleep and after a spin
-# Each step's arguments can be replaced: DATAPLANE_ARGS, FLEET_ARGS, MANAGER_ARGS, COLD_ARGS.
+# Each step's arguments can be replaced: DATAPLANE_ARGS, PASSIVE_ARGS, FLEET_ARGS, MANAGER_ARGS,
+# COLD_ARGS.
 # Logs go to OUTDIR/<step>.txt. Needs the project's dependencies importable from here:
-#   PYTHONPATH=$PWD bash scripts/speed_checks.sh OUTDIR [dataplane] [fleet] [manager] [cold]
+#   PYTHONPATH=$PWD bash scripts/speed_checks.sh OUTDIR [dataplane] [passive] [fleet] [manager] [cold]
 # (no step named: all four, in that order). On the lent device machine (Python 3.12, no pydantic
 # or orjson in its image) the missing packages travel as wheels, fetched here into an ignored .whl:
 #   echo /.whl/ >> .git/info/exclude; python3 -m pip download --no-deps --only-binary=:all: \
@@ -54,6 +58,15 @@ if wants dataplane; then
   step "data plane" | tee "$out/dataplane.txt"
   timeout 240 $py benchmarks/bench_dataplane.py ${DATAPLANE_ARGS:---repeats 1 --iters 8 --shard-threads 1 8 --phases} 2>&1 \
     | tee -a "$out/dataplane.txt"
+fi
+
+if wants passive; then
+  for wait in --spinning-threads ""; do
+    step "data plane, two shards, ${wait:-threads sleeping between updates, as in ps-server}" \
+      | tee -a "$out/passive.txt"
+    timeout 200 $py benchmarks/bench_dataplane.py $wait ${PASSIVE_ARGS:---repeats 1 --iters 8 --shards 2 \
+      --shard-threads 1 4 8 --phases} 2>&1 | tee -a "$out/passive.txt"
+  done
 fi
 
 if wants fleet; then

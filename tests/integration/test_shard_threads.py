@@ -11,6 +11,7 @@ import zmq
 
 from ps_common.cgroup_cpu import usable_cores
 from ps_server.server import ShardServer
+from ps_server.threads import sleep_between_updates
 from tests.cluster_util import write_config
 
 
@@ -46,3 +47,12 @@ def test_a_shard_warns_when_given_more_threads_than_it_has_cores(tmp_path):
     for within in sorted({1, int(cores)}):   # as many as it has cores: nothing to say
         threads, said = _shard(tmp_path, within)
         assert threads == within and "shard_threads" not in said
+
+
+def test_shard_threads_sleep_between_updates_unless_the_environment_says_otherwise():
+    env: dict[str, str] = {}
+    sleep_between_updates(env)
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    env = {"OMP_WAIT_POLICY": "ACTIVE"}
+    sleep_between_updates(env)
+    assert env == {"OMP_WAIT_POLICY": "ACTIVE"}, "a policy the user chose is kept"

@@ -7,6 +7,8 @@ the same order, for uniform and uneven per-worker batch sizes.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -63,6 +65,8 @@ def test_bsp_equals_single_process_sgd(procs, tmp_path, policy, args, env):
     for k in range(2):  # each shard ran its update on the threads the job gave it (3 is no default)
         shutdown = [r for r in read_jsonl(run_dir / "metrics" / f"shard-{k}.jsonl") if r.get("event") == "shutdown"]
         assert shutdown[-1]["torch_threads"] == (3 if policy == "fixed" else 1), shutdown[-1]
+        # ps-server lets the update threads sleep between updates, unless the environment chose
+        assert shutdown[-1]["omp_wait_policy"] == os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
     if env is not None:
         shutdown = [r for r in read_jsonl(run_dir / "metrics" / "shard-1.jsonl") if r.get("event") == "shutdown"]
         refused = shutdown[-1]["counters"].get("refused.plan_pending", 0)
