@@ -5,6 +5,8 @@ cgroup's quota), where they would only take turns."""
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 
 import torch
 import zmq
@@ -56,3 +58,12 @@ def test_shard_threads_sleep_between_updates_unless_the_environment_says_otherwi
     env = {"OMP_WAIT_POLICY": "ACTIVE"}
     sleep_between_updates(env)
     assert env == {"OMP_WAIT_POLICY": "ACTIVE"}, "a policy the user chose is kept"
+
+
+def test_ps_server_sets_the_wait_policy_before_torch_is_loaded():
+    """The runtime reads OMP_WAIT_POLICY once, when torch loads it: ps-server's module (and what
+    it imports) must leave torch unloaded until main() has set the policy."""
+    code = ("import sys, ps_server.cli; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "False", "ps_server.cli imports torch before main() runs"
