@@ -17,37 +17,33 @@ from ps_server.threads import sleep_between_updates
 from tests.cluster_util import write_config
 
 
-def _shard(tmp_path, threads: int) -> tuple[int, str]:
-    """(torch threads after the shard started, what it logged)."""
+def _shard(tmp_path, caplog, threads: int) -> tuple[int, str]:
+    """(torch threads after the shard started, the warnings it logged)."""
     _, cfg = write_config(tmp_path / str(threads), {
         "model": {"name": "mlp"}, "data": {"dataset": "synthetic", "synthetic_train": 64, "synthetic_test": 16},
         "cluster": {"num_shards": 1, "num_workers": 1, "shard_threads": threads},
         "evaluator": {"enabled": False},
     })
     ctx = zmq.Context()
-    logger = logging.getLogger("ps_server.server")
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = records.append  # type: ignore[method-assign]
-    logger.addHandler(handler)
     before = torch.get_num_threads()
+    caplog.clear()
     try:
-        ShardServer(cfg, 0, port=0, ctx=ctx).close()
-        return torch.get_num_threads(), "\n".join(r.getMessage() for r in records)
+        with caplog.at_level(logging.WARNING, logger="ps_server.server"):
+            ShardServer(cfg, 0, port=0, ctx=ctx).close()
+        return torch.get_num_threads(), caplog.text
     finally:
-        logger.removeHandler(handler)
         torch.set_num_threads(before)   # this test process's own setting
         ctx.term()
 
 
-def test_a_shard_warns_when_given_more_threads_than_it_has_cores(tmp_path):
+def test_a_shard_warns_when_given_more_threads_than_it_has_cores(tmp_path, caplog):
     cores = usable_cores()
     too_many = int(cores) + 1
-    threads, said = _shard(tmp_path, too_many)
+    threads, said = _shard(tmp_path, caplog, too_many)
     assert threads == too_many
     assert f"cluster.shard_threads is {too_many} but shard 0 may use {cores:g} cores" in said
     for within in sorted({1, int(cores)}):   # as many as it has cores: nothing to say
-        threads, said = _shard(tmp_path, within)
+        threads, said = _shard(tmp_path, caplog, within)
         assert threads == within and "shard_threads" not in said
 
 

@@ -62,15 +62,15 @@ def test_bsp_equals_single_process_sgd(procs, tmp_path, policy, args, env):
     init = train_reference("lenet", 11, data, 11, 100, 0, lr=0.05)
     assert rel_err(params, init) > 1e-2, "training must have moved the parameters"
     assert rel_err(params, ref) < 1e-5, f"PS result differs from single-process SGD: {rel_err(params, ref):.2e}"
-    for k in range(2):  # each shard ran its update on the threads the job gave it (3 is no default)
-        shutdown = [r for r in read_jsonl(run_dir / "metrics" / f"shard-{k}.jsonl") if r.get("event") == "shutdown"]
-        assert shutdown[-1]["torch_threads"] == (3 if policy == "fixed" else 1), shutdown[-1]
+    shutdown = [[r for r in read_jsonl(run_dir / "metrics" / f"shard-{k}.jsonl") if r.get("event") == "shutdown"][-1]
+                for k in range(2)]
+    for rec in shutdown:  # each shard ran its update on the threads the job gave it (3 is no default)
+        assert rec["torch_threads"] == (3 if policy == "fixed" else 1), rec
         # ps-server lets the update threads sleep between updates, unless the environment chose
-        assert shutdown[-1]["omp_wait_policy"] == os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
+        assert rec["omp_wait_policy"] == os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
     if env is not None:
-        shutdown = [r for r in read_jsonl(run_dir / "metrics" / "shard-1.jsonl") if r.get("event") == "shutdown"]
-        refused = shutdown[-1]["counters"].get("refused.plan_pending", 0)
-        assert refused > 0, f"no push reached shard 1 before its plan: {shutdown[-1]['counters']}"
+        refused = shutdown[1]["counters"].get("refused.plan_pending", 0)
+        assert refused > 0, f"no push reached shard 1 before its plan: {shutdown[1]['counters']}"
         print(f"\nshard 1 refused {refused} pushes with plan_pending; the workers sent them again")
 
     # The coordinator's assignment log: batch sizes as the policy says, samples exactly once per epoch.
