@@ -53,6 +53,14 @@ MAX_OUTSTANDING = 3
 CHUNK_SPEED_WEIGHT = 0.2
 
 
+class JoinRefused(PsError):
+    """A Join the job cannot take; ``code`` goes back as the Error's."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 class NotReassigned(PsError):
     """A worker's request to change what it computes (an out-of-memory report, a chunk claim)
     that the coordinator cannot act on; ``code`` goes back as the Error's."""
@@ -193,7 +201,10 @@ class Coordinator:
     # ----- membership -------------------------------------------------------------------
     def join(self, name: str, instance: str, device: str = "cpu", memory_fits: int = 0,
              memory_fails: int = 0) -> int:
-        """A new member; a Join from a process that already is one replaces that membership."""
+        """A new member; a Join from a process that already is one replaces that membership.
+        Raises :class:`JoinRefused` when one more member could not be given ``min_batch``
+        samples (nor its start-up probe's cap), which would leave no split of X possible."""
+        self._check_admissible(instance, memory_fits)
         for wid, info in list(self.members.records.items()):
             if instance and info.instance == instance:
                 self.leave(wid, "joined again (same process)")
@@ -209,6 +220,22 @@ class Coordinator:
                                 "fails": memory_fails, "cap": self.manager.memory_caps.get(wid)})
         log.info("worker %d (%s) joined; %d live", wid, name, len(self.members))
         return wid
+
+    def _check_admissible(self, instance: str, memory_fits: int) -> None:
+        """Refuse a member no split could include: past X / min_batch members, or one whose
+        memory holds fewer than min_batch samples. Without this check, enough Joins (any holder
+        of the worker credential can send them) would leave the next decision no split at all."""
+        min_batch = self.manager.min_batch
+        if 0 < memory_fits < min_batch:
+            raise JoinRefused("cannot_fit", f"this worker's memory holds {memory_fits} samples, fewer "
+                                            f"than min_batch={min_batch}")
+        again = bool(instance) and any(i.instance == instance for i in self.members.records.values())
+        n = len(self.members) + (0 if again else 1)
+        total = self.policy.planned_total(self._global_batch_for(n), n)
+        if n * min_batch > total:
+            raise JoinRefused("job_full", f"the job has {n - 1} workers: a global batch of {total} gives "
+                                          f"at most {total // min_batch} of them min_batch={min_batch} "
+                                          "samples each")
 
     def token(self, worker_id: int) -> str:
         return member_token(self.member_key, worker_id)
@@ -314,10 +341,13 @@ class Coordinator:
 
     def current_global_batch(self) -> int:
         """X for the next plan: constant, or worker_batch x live workers (elastic.keep)."""
+        return self._global_batch_for(len(self.members))
+
+    def _global_batch_for(self, members: int) -> int:
         e = self.cfg.elastic
         if e.keep == "worker_batch" and self.policy.plans_rounds:
             wb = e.worker_batch or max(1, self.global_batch // self.cfg.cluster.num_workers)
-            return wb * max(1, len(self.members))
+            return wb * max(1, members)
         return self.global_batch
 
     def drain_events(self) -> list[dict]:
@@ -352,14 +382,22 @@ class Coordinator:
             return b
         return a + (b - a) * min(1.0, (iteration - start + 1) / ramp)
 
-    def _split(self, live: list[int]) -> tuple[dict[int, int], int]:
+    def _split(self, live: list[int]) -> tuple[dict[int, int], int] | None:
         """Batch sizes for ``live`` (the manager's members too) and their sum, which the sync
-        policy sets from X (backup workers: N + b shares of X / N)."""
+        policy sets from X (backup workers: N + b shares of X / N). None when no split exists
+        (the workers' memory caps add up to less than X, or the survivors of losses cannot
+        hold it within max_batch): the job then stops at its current version, with the
+        reason, instead of the coordinator failing in the middle of a commit."""
         total = self.policy.planned_total(self.current_global_batch(), len(live))
         self.manager.global_batch = total
-        return self.manager.assign(), total
+        try:
+            return self.manager.assign(), total
+        except ValueError as exc:
+            log.error("no split of %d samples over workers %s: %s", total, live, exc)
+            self.request_stop(f"no split of the global batch possible: {exc}")
+            return None
 
-    def _planned_split(self, live: list[int]) -> tuple[dict[int, int], int]:
+    def _planned_split(self, live: list[int]) -> tuple[dict[int, int], int] | None:
         """The split prepared ahead for these members (plan_ahead), or one decided now."""
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead[0] == tuple(live):
@@ -400,7 +438,9 @@ class Coordinator:
             return
         stale = self._ahead is None or self._ahead[0] != tuple(live)
         if stale or (fresh and not self.policy.plans_rounds):  # async: every assignment uses the newest split
-            self._ahead = (tuple(live), self._split(live))
+            split = self._split(live)
+            if split is not None:
+                self._ahead = (tuple(live), split)
 
     def _plan(self, iteration: int) -> Plan | None:
         self.iteration = iteration
@@ -410,7 +450,11 @@ class Coordinator:
             self.plan = {}
             self.replan_pending = True
             return None
-        sizes, total = self._planned_split(live)
+        split = self._planned_split(live)
+        if split is None:          # the job stops: nothing to plan
+            self.plan = {}
+            return None
+        sizes, total = split
         self.plan_lr = self._lr_factor(iteration, self.current_global_batch())
         self.plan = {w: Assignment(iteration=iteration, batch_size=x, ranges=self.cursor.take(x),
                                    global_batch=total)
@@ -444,9 +488,12 @@ class Coordinator:
         if not policy.pull_ready({w: i.clock for w, i in records.items()}, records, key):
             return None
         live = self.live()
-        sizes, total = self._planned_split(live)
+        split = self._planned_split(live)
+        if split is None:          # the job stops
+            return None
+        sizes, total = split
         if self.cfg.mode.plan_ahead:
-            self._ahead = (tuple(live), (sizes, total))  # holds until background_work replans
+            self._ahead = (tuple(live), split)  # holds until background_work replans
         x = sizes[worker_id]
         a = Assignment(iteration=key, batch_size=x, ranges=self.cursor.take(x), global_batch=total)
         mine[key] = a

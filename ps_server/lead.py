@@ -26,7 +26,7 @@ from ps_common.report import Telemetry
 from ps_ml.datasets import dataset_from_config
 from ps_server.checkpoint import list_checkpoints
 from ps_server.control import Followers
-from ps_server.coordinator import CommitDecision, Coordinator, NotReassigned
+from ps_server.coordinator import CommitDecision, Coordinator, JoinRefused, NotReassigned
 from ps_server.pulls import PendingPull
 from ps_server.router import Refused
 from ps_server.shard import next_log_hash
@@ -251,8 +251,13 @@ class Lead:
             return
         policy = server.policy
         for ident, role, join in self.pending_joins:
-            wid = (coord.join(join.name, join.instance, join.device, max(0, join.memory_fits),
-                              max(0, join.memory_fails)) if role == "worker" else -1)
+            try:
+                wid = (coord.join(join.name, join.instance, join.device, max(0, join.memory_fits),
+                                  max(0, join.memory_fails)) if role == "worker" else -1)
+            except JoinRefused as exc:
+                log.warning("join of %r refused: %s", join.name, exc)
+                server.router_reply(ident, P.Error(code=exc.code, message=str(exc)))
+                continue
             version = server.state.version
             if wid >= 0:  # ids follow join order: the records say which name each one is
                 self.metrics.write(event="worker_joined", worker=wid, name=join.name, device=join.device,

@@ -392,6 +392,55 @@ def test_a_start_up_probe_caps_the_first_plan():
     assert sizes(c) == {0: 12, 1: 48}
 
 
+# ----- joins no split could include, and splits that stop existing ----------------------------
+@pytest.mark.parametrize("sync", ["bsp", "asp"])
+def test_joins_past_x_over_min_batch_are_refused_and_the_job_goes_on(sync):
+    from ps_server.coordinator import JoinRefused
+
+    c = coordinator(sync, workers=3)
+    for i in range(3, 60):                       # X = 60, min_batch 1: room for 60 members
+        c.join(f"w{i}", f"instance-{i}")
+    with pytest.raises(JoinRefused) as err:
+        c.join("one-too-many", "instance-60")
+    assert err.value.code == "job_full" and "60 workers" in str(err.value)
+    assert len(c.members) == 60
+    c.join("w5", "instance-5")                   # the same process again replaces itself: no new seat
+    assert len(c.members) == 60
+    live = c.live()
+    if sync == "asp":
+        assert c.assignment(live[0], 0).batch_size == 1
+    else:
+        for w in list(c.plan):                   # iteration 0 was planned for the first 3
+            push(c, w)
+        (d,) = c.decide()
+        assert d.next_plan.workers == live and d.next_plan.batch_sizes == [1] * 60
+
+
+def test_a_join_whose_memory_holds_fewer_than_min_batch_samples_is_refused():
+    from ps_server.coordinator import JoinRefused
+
+    cfg = validate({"training": {"global_batch": 60, "max_iterations": 10}, "cluster": {"num_workers": 2}})
+    c = Coordinator(cfg, 1000, BatchSizeManager("uniform", 60, min_batch=4), BSP(), num_shards=S)
+    with pytest.raises(JoinRefused) as err:
+        c.join("tiny", "i0", memory_fits=3, memory_fails=4)
+    assert err.value.code == "cannot_fit" and len(c.members) == 0
+    c.join("enough", "i1", memory_fits=4, memory_fails=5)
+    assert len(c.members) == 1
+
+
+def test_memory_caps_that_add_up_to_less_than_x_stop_the_job_at_its_version():
+    c = coordinator()
+    for w in range(3):                              # each holds 10 of its 20 samples: 30 < 60
+        c.out_of_memory(w, 0, 20)
+    for w in range(3):
+        push(c, w)
+    (d,) = c.decide()
+    assert d.entries == [[0, 10], [1, 10], [2, 10]], "iteration 0 still commits what was computed"
+    assert d.next_plan is None and c.stop and c.stop_version == d.version
+    assert "no split" in c.stop_reason and "caps" in c.stop_reason
+    assert c.decide() == [] and c.assignment(0, 1) is None
+
+
 # ----- membership: one owner (the coordinator), read by the manager and the batch policy -------
 class _Recording(UniformPolicy):
     """Uniform splits; records what the policy hears of membership."""

@@ -1,0 +1,71 @@
+"""Joins past what the global batch can feed, against a real shard 0: refused with ``job_full``,
+and the run goes on to its own end.
+
+A worker credential is enough to join, and every member must get at least ``min_batch``
+samples of X, so X / min_batch members is the most any split can include. Before joins were
+checked against it, the member past that bound was admitted and shard 0 died with a traceback
+at the next plan (no split exists), taking the job with it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import zmq
+
+from ps_common import protocol as P
+from ps_common.metrics import read_jsonl
+from ps_common.transport import RemoteError
+from ps_worker.client import ShardClients
+from tests.cluster_util import committed_batches, consistent_end, joined_member, start_servers, wait_exit, write_config
+from tests.system.test_system_memory import start_indexed_workers
+
+pytestmark = pytest.mark.system
+
+SEED = 5
+N_TRAIN = 256
+X = 4
+
+
+@pytest.mark.timeout(240)
+def test_a_join_past_x_over_min_batch_is_refused_and_the_run_goes_on(procs, tmp_path):
+    cfg_path, cfg = write_config(tmp_path, {
+        "run": {"name": "admission", "seed": SEED},
+        "model": {"name": "mlp"},
+        "data": {"dataset": "synthetic", "synthetic_train": N_TRAIN, "synthetic_test": 64},
+        "training": {"global_batch": X, "max_iterations": 30},
+        "optimizer": {"lr": 0.05, "momentum": 0.9},
+        "cluster": {"num_shards": 1, "num_workers": 2},
+        "evaluator": {"enabled": False},
+    })
+    run = tmp_path / "run"
+    (ep,) = start_servers(procs, cfg_path, 1, run)
+    honest = start_indexed_workers(procs, cfg_path, ep, 1, run)
+    extra = [ShardClients(zmq.Context.instance(), ep, timeout_s=30, connect_timeout_s=30,
+                          security=cfg.security) for _ in range(3)]
+    try:
+        with joined_member(cfg, ep) as m:              # the job starts: the honest worker and m
+            ids = []
+            for k, c in enumerate(extra[:2]):          # members 3 and 4 of X = 4: admitted
+                ids.append((c, c.join(f"extra-{k}", cfg.job_digest(), "cpu").worker_id))
+            with pytest.raises(RemoteError) as err:    # member 5: no split could give it a sample
+                extra[2].join("extra-2", cfg.job_digest(), "cpu")
+            assert err.value.code == "job_full", err.value
+            for c, wid in ids:
+                c.send_to_coordinator(P.Leave(worker_id=wid, token=c.token, reason="test done"), P.Ack)
+            # m's push completes iteration 0; the next plan is made over the members left.
+            grads = np.zeros_like(m.params)
+            res = m.client.push_pull(grads, m.params, worker_id=m.worker_id, assignment=m.assignment,
+                                     loss=0.0, telemetry={})
+            assert res.version == m.assignment.iteration + 1
+    finally:
+        for c in extra:
+            c.close()
+    wait_exit(honest, timeout_s=180)
+    wait_exit([c for c in procs.children if c.role.startswith("shard")], timeout_s=60)
+    _, version = consistent_end(run, 1)
+    assert version == 30
+    recs = [r for r in read_jsonl(run / "metrics" / "coordinator.jsonl") if "event" not in r]
+    sums = [sum(r["batch_sizes"].values()) for r in sorted(recs, key=lambda r: r["version"])]
+    assert max(sums) == X and sums[-1] == X, "an iteration a member left commits fewer, never more"
+    committed_batches(recs, SEED, N_TRAIN)
