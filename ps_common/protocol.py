@@ -326,7 +326,8 @@ class Commit(Message):
 
     Every shard applies the same commits in the same order; ``log_hash`` is the digest the
     coordinator got after applying it, so a follower that disagrees stops instead of
-    diverging. ``drops`` names gradients ([worker, iteration]) that will never be applied.
+    diverging. ``drops`` names gradients that will never be applied: [worker, iteration] at any
+    size, [worker, iteration, batch_size] only at that size.
     """
 
     TYPE: ClassVar[str] = "commit"

@@ -633,11 +633,14 @@ class Coordinator:
         if g is None:
             if self.expected(worker_id, iteration) != batch_size or self.stop:
                 self._count("have.unexpected")
-                self._pending_drops.append([worker_id, iteration])
+                # Sized: the assigned gradient may reach other shards under the same key before
+                # this drop does, and must survive it.
+                self._pending_drops.append([worker_id, iteration, batch_size])
                 return
             g = self.ledger[key] = _Gradient(batch_size)
         elif g.batch_size != batch_size:
             self._count("have.conflict")
+            self._pending_drops.append([worker_id, iteration, batch_size])  # not the ledger's size
             return
         if shard in g.shards:
             return

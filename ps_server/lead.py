@@ -226,6 +226,8 @@ class Lead:
                 conn.close()
 
     def close(self) -> None:
+        # What the coordinator refused or discarded along the way (have.unexpected, ...).
+        self.metrics.write(event="counters", counters=dict(self.coord.counters))
         self.metrics.close()
 
     # ----- membership -------------------------------------------------------------------------
@@ -374,6 +376,7 @@ class Lead:
         msg = P.Commit(version=d.version, iteration=d.iteration, entries=d.entries, lr_scale=d.lr_scale,
                        drops=d.drops, next_plan=d.next_plan, checkpoint=d.checkpoint,
                        log_hash=next_log_hash(st.log_hash, d.version, d.iteration, d.entries, d.lr_scale))
+        st.check_holds(d.iteration, d.entries)  # never send a commit this shard cannot apply
         self.followers.broadcast(msg)  # first: the followers apply in parallel with us
         applied = st.apply(d.iteration, d.entries, d.lr_scale)
         if applied.version != d.version or applied.log_hash != msg.log_hash:

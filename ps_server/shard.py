@@ -114,10 +114,20 @@ class ShardState:
         return [[w, t, h.batch_size] for (w, t), h in self.held.items()]
 
     def drop(self, keys: Iterable[Sequence[int]]) -> int:
+        """Forget the named gradients: ``[worker, iteration]`` whatever its size, ``[worker,
+        iteration, batch_size]`` only where held at that size. The sized form discards a push
+        that one shard held at a size nobody assigned without touching the assigned one that
+        another shard may already hold under the same key (async modes: the drop and the
+        worker's next pushes race)."""
         n = 0
-        for w, t in keys:
-            self._settle(int(w), int(t))
-            if self._forget((int(w), int(t))):
+        for key in keys:
+            w, t = int(key[0]), int(key[1])
+            if len(key) > 2:
+                h = self.held.get((w, t))
+                if h is None or h.batch_size != int(key[2]):
+                    continue
+            self._settle(w, t)
+            if self._forget((w, t)):
                 n += 1
         self.dropped += n
         return n
@@ -141,9 +151,8 @@ class ShardState:
         return True
 
     # ----- applying ---------------------------------------------------------------------------
-    def apply(self, iteration: int, entries: Sequence[Sequence[int]], lr_scale: float) -> Applied:
-        """Apply one commit: version + 1. Raises MissingGradient (state unchanged) when a named
-        gradient is not held here with that batch size."""
+    def check_holds(self, iteration: int, entries: Sequence[Sequence[int]]) -> list[Held]:
+        """The held gradients a commit names; MissingGradient if one is not held at its size."""
         grads = []
         for w, x in entries:
             h = self.held.get((int(w), iteration))
@@ -151,6 +160,12 @@ class ShardState:
                 raise MissingGradient(f"shard {self.shard} does not hold worker {w}'s gradient of "
                                       f"iteration {iteration} (batch size {x})")
             grads.append(h)
+        return grads
+
+    def apply(self, iteration: int, entries: Sequence[Sequence[int]], lr_scale: float) -> Applied:
+        """Apply one commit: version + 1. Raises MissingGradient (state unchanged) when a named
+        gradient is not held here with that batch size."""
+        grads = self.check_holds(iteration, entries)
         total = sum(h.batch_size for h in grads)
         if total > 0:
             self.params = self.optimizer.step_weighted(

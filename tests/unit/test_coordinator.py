@@ -136,6 +136,51 @@ def test_async_commits_each_complete_gradient_that_matches_its_assignment():
     assert c.decide() == [] and c.counters["have.unexpected"] >= 1
 
 
+@pytest.mark.parametrize("have_first", [True, False], ids=["drop-queued-first", "conflict"])
+def test_async_a_push_at_an_unassigned_size_is_dropped_where_held_and_the_assigned_one_survives(have_first):
+    """A member pushes its gradient to shard 1 at a size nobody assigned, then at the assigned
+    size to shard 0, while another worker's commit carries the drop of the first. Every shard
+    must end up applying the same commits: the drop names the wrong size, so shard 0 keeps the
+    assigned gradient (an unsized drop took it, and shard 0 then failed on the commit that named
+    it after the followers had applied it)."""
+    import numpy as np
+
+    from ps_common.config import OptimizerConfig
+    from ps_server.shard import ShardState
+
+    c = coordinator("asp", workers=2)
+    states = [ShardState(k, np.zeros(4, np.float32), OptimizerConfig(lr=0.1, momentum=0.9)) for k in range(S)]
+    g = np.ones(4, np.float32)
+
+    def hold(k, w, it, x):
+        states[k].receive(w, it, x, g)
+        c.on_gradient(k, w, it, x)
+
+    def commit_everywhere():
+        for d in c.decide():
+            for st in states:
+                st.apply(d.iteration, d.entries, d.lr_scale)
+                st.drop(d.drops)
+
+    a0, a1 = c.assignment(0, 0), c.assignment(1, 0)
+    if have_first:                                  # shard 1's Have arrives before shard 0's
+        hold(1, 0, 0, a0.batch_size - 1)
+        hold(0, 0, 0, a0.batch_size)
+    else:                                           # after it: the ledger has the assigned size
+        hold(0, 0, 0, a0.batch_size)
+        hold(1, 0, 0, a0.batch_size - 1)
+    for k in range(S):                              # worker 1's commit carries the drop
+        hold(k, 1, 0, a1.batch_size)
+    commit_everywhere()
+    assert (0, 0) in states[0].held and (0, 0) not in states[1].held
+    for k in (1, 2):                                # worker 0 completes at the assigned size
+        hold(k, 0, 0, a0.batch_size)
+    commit_everywhere()
+    assert [st.version for st in states] == [2, 2, 2]
+    assert len({st.log_hash for st in states}) == 1 and all(not st.held for st in states)
+    assert c.counters["have.unexpected" if have_first else "have.conflict"] == 1
+
+
 def test_async_assignments_are_bounded_and_ssp_waits_for_the_slowest():
     c = coordinator("ssp", workers=2, mode={"sync": "ssp", "staleness": 1})
     for clock in range(2):
