@@ -202,8 +202,9 @@ class TransportConfig(StrictModel):
     timeout_s: float = Field(120.0, gt=0)
     connect_timeout_s: float = Field(60.0, gt=0)
     hwm: int = Field(100, ge=1, description="ZeroMQ high-water mark (messages) per peer and direction")
-    max_pending_pulls_per_peer: int = Field(4, ge=1)
-    max_pending_pulls: int = Field(4096, ge=1)
+    max_pending_pulls_per_peer: int = Field(4, ge=1, description="waiting pulls per connection, and per worker id")
+    max_pending_pulls: int = Field(256, ge=1, description="waiting pulls without a worker id (evaluator, "
+                                                          "observers), all connections together")
     max_frames: int = Field(4, ge=1, description="frames per message")
     shard_sync_s: float = Field(1.0, gt=0, description="how often a follower shard reports to shard 0")
 

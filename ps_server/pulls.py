@@ -1,4 +1,5 @@
-"""Pulls waiting for a version: bounded per peer and overall, scanned only when state changes."""
+"""Pulls waiting for a version: bounded per connection, per member and for everyone else; scanned
+only when state changes."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Callable, TypeVar
 from ps_server.router import Refused
 
 R = TypeVar("R")
+K = TypeVar("K")
 
 
 @dataclass
@@ -23,26 +25,56 @@ class PendingPull:
     explained: bool = False  # a long wait has been logged with its reason
 
 
-class PendingPulls:
-    """A legitimate peer waits on one pull at a time (two while a re-pull crosses an answer);
-    ``per_peer`` and ``total`` bound what a misbehaving one can make the server hold."""
+def _bump(counter: Counter[K], key: K, step: int) -> None:
+    counter[key] += step
+    if not counter[key]:
+        del counter[key]
 
-    def __init__(self, per_peer: int, total: int) -> None:
+
+class PendingPulls:
+    """Pulls waiting for an answer, with bounds a misbehaving client cannot turn against the
+    members. A legitimate peer waits on one pull at a time (two while a re-pull crosses an
+    answer); every connection holds at most ``per_peer``. A member's pulls (a worker id whose
+    token was checked) are also bounded by ``per_peer`` per worker id, so the members' pulls are
+    bounded by the membership; pulls without a worker id (the evaluator, observers: anyone with
+    a credential) share ``others``. Before, one total bounded both, and a credential holder
+    with enough connections filled it with pulls that never come due, after which every
+    member's push-and-pull was refused."""
+
+    def __init__(self, per_peer: int, others: int) -> None:
         self.per_peer = per_peer
-        self.total = total
+        self.others = others
         self._pulls: list[PendingPull] = []
         self._per_ident: Counter[bytes] = Counter()
+        self._per_worker: Counter[int] = Counter()
+        self._anonymous = 0
 
     def __len__(self) -> int:
         return len(self._pulls)
 
-    def add(self, pull: PendingPull) -> None:
-        if self._per_ident[pull.ident] >= self.per_peer:
+    def check_room(self, ident: bytes, worker_id: int) -> None:
+        """Refuse (``too_many_pulls``) a pull that would pass a bound; checked before a push
+        whose pull rides on it is held, so that a refused push holds nothing."""
+        if self._per_ident[ident] >= self.per_peer:
             raise Refused("too_many_pulls", f"at most {self.per_peer} pulls may wait per connection")
-        if len(self._pulls) >= self.total:
-            raise Refused("too_many_pulls", f"the server holds {self.total} waiting pulls already")
+        if worker_id >= 0:
+            if self._per_worker[worker_id] >= self.per_peer:
+                raise Refused("too_many_pulls", f"at most {self.per_peer} pulls may wait per worker")
+        elif self._anonymous >= self.others:
+            raise Refused("too_many_pulls", f"the server holds {self.others} waiting pulls without a "
+                                            "worker id already")
+
+    def add(self, pull: PendingPull) -> None:
+        self.check_room(pull.ident, pull.worker_id)
         self._pulls.append(pull)
-        self._per_ident[pull.ident] += 1
+        self._count(pull, 1)
+
+    def _count(self, pull: PendingPull, step: int) -> None:
+        _bump(self._per_ident, pull.ident, step)
+        if pull.worker_id >= 0:
+            _bump(self._per_worker, pull.worker_id, step)
+        else:
+            self._anonymous += step
 
     def take_ready(self, answer: Callable[[PendingPull], R | None]) -> list[tuple[PendingPull, R]]:
         """Remove and return the pulls that ``answer`` can answer now, with their answers."""
@@ -55,9 +87,7 @@ class PendingPulls:
                 still.append(p)
             else:
                 out.append((p, reply))
-                self._per_ident[p.ident] -= 1
-                if not self._per_ident[p.ident]:
-                    del self._per_ident[p.ident]
+                self._count(p, -1)
         self._pulls = still
         return out
 
@@ -71,4 +101,6 @@ class PendingPulls:
     def clear(self) -> list[PendingPull]:
         out, self._pulls = self._pulls, []
         self._per_ident.clear()
+        self._per_worker.clear()
+        self._anonymous = 0
         return out

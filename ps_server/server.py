@@ -278,6 +278,8 @@ class ShardServer:
 
     def _on_push(self, ident: bytes, role: str, msg: P.Push) -> None:
         late = self.role.check_push(msg)
+        if msg.pull:
+            self.pulls.check_room(ident, msg.worker_id)  # a refused push must hold nothing
         if late:
             self.counters["pushes_late"] += 1
         elif not self.role.stopped():
