@@ -55,10 +55,16 @@ def _finite_positive(raw: Any) -> float:
     return v if 0.0 < v < math.inf else 0.0
 
 
+#: Learned searches kept at most (the oldest go first): names come from the workers, and a client
+#: that joins and leaves under ever new names must not grow this, nor each decision's pass over it.
+MAX_NAMES = 10_000
+
+
 class MemoryCaps:
     """Configured, probed and learned caps per worker name (see the module docstring)."""
 
-    def __init__(self, configured: Mapping[Any, int] | None = None, margin: float = 0.05) -> None:
+    def __init__(self, configured: Mapping[Any, int] | None = None, margin: float = 0.05,
+                 max_names: int = MAX_NAMES) -> None:
         if not (0.0 <= margin < 1.0):
             raise ValueError(f"oom_margin must be in [0, 1), got {margin}")
         self.margin = float(margin)
@@ -68,7 +74,17 @@ class MemoryCaps:
                 raise ValueError(f"memory cap of worker {k!r} must be >= 1, got {v}")
             self.configured[str(k)] = int(v)
         self._search: dict[str, _Search] = {}
+        self.max_names = max_names
         self.version = 0        #: bumped whenever any cap may have changed (callers cache on it)
+
+    def _entry(self, name: str) -> _Search:
+        """``name``'s search, made if new (the oldest made goes when there are ``max_names``)."""
+        s = self._search.get(name)
+        if s is None:
+            if len(self._search) >= self.max_names:
+                del self._search[next(iter(self._search))]
+            s = self._search[name] = _Search()
+        return s
 
     # ----- what is known ----------------------------------------------------------------------
     def cap(self, name: str) -> int | None:
@@ -109,7 +125,7 @@ class MemoryCaps:
         when one sample failed."""
         if batch_size <= 1:
             raise CannotFit(f"worker {name!r} ran out of memory with a single sample")
-        s = self._search.setdefault(name, _Search())
+        s = self._entry(name)
         s.fails = batch_size if s.fails is None else min(s.fails, batch_size)
         if s.fits >= s.fails:
             s.fits = 0          # what fitted before fails now: the memory shrank, search again
@@ -127,7 +143,7 @@ class MemoryCaps:
         if s is None:
             if headroom is None:
                 return          # the common case: nothing to learn, nothing stored
-            s = self._search.setdefault(name, _Search())
+            s = self._entry(name)
         before = (s.fits, s.headroom_cap)
         if batch_size > s.fits and (s.fails is None or batch_size < s.fails):
             s.fits = batch_size
@@ -141,7 +157,7 @@ class MemoryCaps:
 
     def probed(self, name: str, fits: int, fails: int | None = None) -> None:
         """A start-up probe found that ``fits`` samples fit (and ``fails`` did not)."""
-        s = self._search.setdefault(name, _Search())
+        s = self._entry(name)
         s.fits = max(0, int(fits))
         s.fails = None if fails is None or fails <= s.fits else int(fails)
         self.version += 1

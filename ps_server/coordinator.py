@@ -177,7 +177,6 @@ class Coordinator:
         self.updates = 0
         self.reports: dict[int, WorkerReport] = {}
         self.losses: dict[int, float] = {}
-        self.lost: list[tuple[int, str, float]] = []
         self.replan_pending = False
         self.resumed = False
         self.elapsed_at_resume = 0.0
@@ -253,7 +252,9 @@ class Coordinator:
             return
         self._sent.pop(worker_id, None)
         self.chunk_speeds.pop(worker_id, None)
-        self.lost.append((worker_id, reason, self.clock()))
+        if not self.policy.plans_rounds:   # round modes start these afresh with every plan
+            self.reports.pop(worker_id, None)
+            self.losses.pop(worker_id, None)
         log.info("worker %d %s; %d live", worker_id, reason, len(self.members))
         for clock, a in sorted(self.outstanding.pop(worker_id, {}).items()):
             g = self.ledger.get((worker_id, clock))

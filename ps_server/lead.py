@@ -36,6 +36,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: Longest worker name, instance, device or leave reason taken in (they go into logs, records,
+#: checkpoints and the memory caps' keys).
+MAX_TEXT = 256
+
 MAX_PENDING_JOINS = 1024
 
 
@@ -240,6 +244,9 @@ class Lead:
 
     def _on_join(self, ident: bytes, role: str, msg: P.Join) -> None:
         self._check_digest(msg.job_digest)
+        for what, text in (("name", msg.name), ("instance", msg.instance), ("device", msg.device)):
+            if len(text) > MAX_TEXT:
+                raise Refused("bad_join", f"a worker's {what} has at most {MAX_TEXT} characters")
         if len(self.pending_joins) >= MAX_PENDING_JOINS:
             raise Refused("busy", "too many joins are waiting for the shards to register")
         self.pending_joins.append((ident, role, msg))
@@ -310,7 +317,8 @@ class Lead:
 
     def _on_leave(self, ident: bytes, role: str, msg: P.Leave) -> P.Message:
         self._member(msg.worker_id, msg.token)
-        self.remove_worker(msg.worker_id, f"left ({msg.reason or 'no reason given'})")
+        reason = msg.reason[:MAX_TEXT] or "no reason given"   # it goes into the log and the records
+        self.remove_worker(msg.worker_id, f"left ({reason})")
         return P.Ack(what="leave")
 
     def remove_worker(self, worker_id: int, reason: str) -> None:

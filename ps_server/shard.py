@@ -23,6 +23,10 @@ from ps_common.errors import PsError
 from ps_server.optimizer import SGD, all_finite
 
 GENESIS_HASH = "0" * 16
+#: Workers whose last settled iteration a shard remembers, the least recently settled forgotten
+#: first. An async pull waits for its own push's entry, settled one commit before it is answered;
+#: the rest are departed workers', which nothing else would ever remove.
+MAX_SETTLED = 100_000
 
 
 def next_log_hash(prev: str, version: int, iteration: int, entries: Sequence[Sequence[int]],
@@ -134,7 +138,10 @@ class ShardState:
 
     def _settle(self, worker: int, iteration: int) -> None:
         if self.settled.get(worker, 0) <= iteration:
+            self.settled.pop(worker, None)      # re-inserted last: the order is recency
             self.settled[worker] = iteration + 1
+            if len(self.settled) > MAX_SETTLED:  # worker ids are never reused: departed ones go
+                del self.settled[next(iter(self.settled))]
 
     def drop_through(self, iteration: int) -> int:
         """Round modes: gradients of iterations up to ``iteration`` can never be applied now."""

@@ -1,7 +1,8 @@
 """Room for the members, against real shards: what a client holding a worker's credential can
 ask for is bounded so that the members' own requests always fit, and the run goes on to its end.
 
-Joins past what the global batch can feed are refused with ``job_full``.
+Joins past what the global batch can feed are refused with ``job_full``; names and reasons
+longer than 256 characters are refused or cut.
 
 A worker credential is enough to join, and every member must get at least ``min_batch``
 samples of X, so X / min_batch members is the most any split can include. Before joins were
@@ -59,8 +60,11 @@ def test_a_join_past_x_over_min_batch_is_refused_and_the_run_goes_on(procs, tmp_
             with pytest.raises(RemoteError) as err:    # member 5: no split could give it a sample
                 extra[2].join("extra-2", cfg.job_digest(), "cpu")
             assert err.value.code == "job_full", err.value
-            for c, wid in ids:
-                c.send_to_coordinator(P.Leave(worker_id=wid, token=c.token, reason="test done"), P.Ack)
+            with pytest.raises(RemoteError) as err:    # names go into logs, records, checkpoints
+                extra[2].join("n" * 257, cfg.job_digest(), "cpu")
+            assert err.value.code == "bad_join", err.value
+            for c, wid in ids:                         # so do reasons: kept to their first 256
+                c.send_to_coordinator(P.Leave(worker_id=wid, token=c.token, reason="r" * 100_000), P.Ack)
             # m's push completes iteration 0; the next plan is made over the members left.
             grads = np.zeros_like(m.params)
             res = m.client.push_pull(grads, m.params, worker_id=m.worker_id, assignment=m.assignment,
@@ -73,7 +77,10 @@ def test_a_join_past_x_over_min_batch_is_refused_and_the_run_goes_on(procs, tmp_
     wait_exit([c for c in procs.children if c.role.startswith("shard")], timeout_s=60)
     _, version = consistent_end(run, 1)
     assert version == 30
-    recs = [r for r in read_jsonl(run / "metrics" / "coordinator.jsonl") if "event" not in r]
+    events = list(read_jsonl(run / "metrics" / "coordinator.jsonl"))
+    removed = [r["reason"] for r in events if r.get("event") == "worker_removed"]
+    assert sorted(map(len, removed))[-2:] == [len("left ()") + 256] * 2
+    recs = [r for r in events if "event" not in r]
     sums = [sum(r["batch_sizes"].values()) for r in sorted(recs, key=lambda r: r["version"])]
     assert max(sums) == X and sums[-1] == X, "an iteration a member left commits fewer, never more"
     committed_batches(recs, SEED, N_TRAIN)

@@ -71,3 +71,13 @@ def test_probe_configured_caps_state_round_trip_and_bad_input():
         MemoryCaps(margin=1.0)
     with pytest.raises(ValueError, match=">= 1"):
         MemoryCaps({"a": 0})
+
+
+def test_the_names_searched_are_bounded_and_the_oldest_go_first():
+    caps = MemoryCaps(max_names=3)
+    for k in range(5):                       # a client joining under ever new names
+        caps.probed(f"name-{k}", fits=8)
+    assert caps.names() == {"name-2", "name-3", "name-4"}
+    caps.out_of_memory("name-3", 8)          # a known name stays where it is
+    caps.completed("name-5", 4)              # nothing to learn: nothing stored, nothing evicted
+    assert caps.names() == {"name-2", "name-3", "name-4"} and caps.cap("name-3") < 8

@@ -181,6 +181,16 @@ def test_async_a_push_at_an_unassigned_size_is_dropped_where_held_and_the_assign
     assert c.counters["have.unexpected" if have_first else "have.conflict"] == 1
 
 
+def test_async_a_leaver_leaves_no_report_behind():
+    c = coordinator("asp", workers=2)
+    a = c.assignment(1, 0)
+    c.record_report(WorkerReport(worker_id=1, iteration=0, batch_size=a.batch_size,
+                                 telemetry=Telemetry(compute_s=0.1)), loss=0.5)
+    assert 1 in c.reports and 1 in c.losses
+    c.leave(1, "left")
+    assert 1 not in c.reports and 1 not in c.losses
+
+
 def test_async_assignments_are_bounded_and_ssp_waits_for_the_slowest():
     c = coordinator("ssp", workers=2, mode={"sync": "ssp", "staleness": 1})
     for clock in range(2):

@@ -86,6 +86,27 @@ def test_a_worker_can_hold_only_a_few_uncommitted_gradients():
     s.receive(7, 2, 1, g([1, 1]))  # room again once one is committed
 
 
+def test_a_drop_with_a_size_takes_only_a_gradient_held_at_that_size():
+    s = make_shard(2)
+    s.receive(0, 0, 4, g([1.0, 1.0]))
+    assert s.drop([[0, 0, 3]]) == 0 and (0, 0) in s.held and 0 not in s.settled
+    assert s.drop([[0, 0, 4]]) == 1 and not s.held and s.settled[0] == 1
+    s.receive(1, 0, 4, g([1.0, 1.0]))
+    assert s.drop([[1, 0]]) == 1, "without a size: whatever is held"
+
+
+def test_settled_iterations_are_forgotten_least_recently_settled_first(monkeypatch):
+    import ps_server.shard as shard
+
+    monkeypatch.setattr(shard, "MAX_SETTLED", 3)
+    s = make_shard(2)
+    for w in range(4):
+        s.drop([[w, 0]])
+    s.drop([[1, 5]])                          # worker 1 settles again: the most recent now
+    s.drop([[9, 0]])
+    assert list(s.settled) == [3, 1, 9] and s.settled[1] == 6
+
+
 def test_equal_log_hashes_mean_equal_histories():
     def history(commits):
         s = make_shard(3)
