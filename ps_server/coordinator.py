@@ -651,6 +651,21 @@ class Coordinator:
             self._completed.append(key)
             self._note_finish(worker_id, iteration)
 
+    def shard_started_empty(self, shard: int) -> list[int]:
+        """Follower ``shard`` registered as a fresh process (no --resume) at the job's version:
+        whatever an earlier process of that index held is gone, so no gradient counts as held
+        there any more. Returns the workers whose uncommitted gradients it was credited with,
+        in order: none of those can complete now (a worker pushes once), so the caller removes
+        them and they join again. Without this, the next commit named a gradient the new
+        process never received and it stopped rather than diverge, for good."""
+        hit = sorted({w for (w, _), g in self.ledger.items() if shard in g.shards})
+        for g in self.ledger.values():
+            if shard in g.shards:
+                g.shards.discard(shard)
+                g.complete = False
+        self._completed = [k for k in self._completed if k in self.ledger and self.ledger[k].complete]
+        return hit
+
     def assignment_answered(self, worker_id: int, iteration: int) -> None:
         """Shard 0 has just sent ``worker_id`` its parameters with the assignment of
         ``iteration``: the start of that worker's iteration, as the barrier sees it."""

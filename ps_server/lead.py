@@ -471,6 +471,9 @@ class Lead:
         server.router_reply(ident, P.Registered(member_key=coord.member_key, incarnation=server.incarnation,
                                                 version=server.state.version, plan=coord.current_plan(),
                                                 stop_version=coord.stop_version))
+        if not msg.resumed:   # after the reply: what removing them commits goes to this shard too
+            for w in coord.shard_started_empty(msg.shard):
+                self.remove_worker(w, f"its gradient was on shard {msg.shard}, which started again empty")
         self._admit_joins()
         return None
 

@@ -258,3 +258,38 @@ def test_shard_killed_and_resumed_from_checkpoint(procs, tmp_path, sync):
     unfinished = 0 if sync == "bsp" else 2 * MAX_OUTSTANDING * 30  # 2 workers, x = 30
     assert_exactly_once_per_epoch(updates, 2, 600, unfinished)
     print(f"{sync}: resume took {resume_s:.2f}s after restart")
+
+
+@pytest.mark.timeout(240)
+def test_a_follower_restarted_empty_before_the_first_commit_loses_no_sample(procs, tmp_path):
+    """A follower that dies at version 0, before any checkpoint, starts again without --resume
+    and registers at the job's version. The gradients the dead process held are gone: shard 0
+    stops counting them and removes their workers, who join again. Before, the next commit
+    named a gradient the new process never received: it stopped rather than diverge, for good,
+    and no restart could register (the job had moved past version 0)."""
+    cfg_path, cfg = write_config(tmp_path, job(cluster={"num_workers": 2}, training={"max_iterations": 20},
+                                               heartbeat={"interval_s": 0.2, "timeout_s": 8.0}))
+    run = tmp_path / "run"
+    eps = start_servers(procs, cfg_path, 2, run)
+    # worker-1 pushes iteration 0 to shard 0 only and dies; worker-0's gradient is whole on
+    # both shards, and iteration 0 waits for worker-1 to be declared lost (8 s).
+    fault = {"LBBSP_FAULTS": json.dumps({"kill_in_push": {"worker": "worker-1", "iteration": 0,
+                                                          "shards": [0], "delay_s": 0.2}})}
+    workers = start_workers(procs, cfg_path, eps[0], 2, run, env=fault)
+    assert workers[1].proc.wait(timeout=60) == -signal.SIGKILL
+    time.sleep(0.5)
+    assert status(eps[0]).version == 0
+    shard1 = next(c for c in procs.children if c.role == "shard-1")
+    os.kill(shard1.proc.pid, signal.SIGKILL)
+    shard1.proc.wait(timeout=10)
+    again = procs.start("shard-1b", "ps_server.cli", ["--config", str(cfg_path), "--run-dir", str(run),
+                                                       "--shard", "1", "--port", "0", "--coordinator", eps[0]])
+    procs.wait_endpoint(again, 60)
+    wait_exit(workers[:1], timeout_s=180)
+    shards_exit(procs)
+    params, version = consistent_end(run, 2)
+    assert version == 20
+    updates, events = coordinator_records(run)
+    removed = [e for e in events if e["event"] == "worker_removed"]
+    assert any("started again empty" in e["reason"] for e in removed), removed
+    assert_exactly_once_per_epoch(updates, 2, 600, 0)

@@ -80,6 +80,21 @@ def test_a_gradient_that_reached_some_shards_is_applied_nowhere_and_its_samples_
     assert c.decide() == []
 
 
+def test_a_shard_that_started_again_empty_holds_nothing_and_names_whose_gradients_it_lost():
+    c = coordinator()
+    push(c, 0)                       # complete: on every shard, shard 2 included
+    push(c, 1, shards=[0, 2])
+    push(c, 2, shards=[0, 1])
+    assert c.shard_started_empty(2) == [0, 1]
+    for w in (0, 1):                 # what the server then does with them
+        c.leave(w, "its gradient was on shard 2, which started again empty")
+    assert c.decide() == []
+    push(c, 2, shards=[2])
+    (d,) = c.decide()
+    assert d.entries == [[2, 20]] and [0, 0] in d.drops and [1, 0] in d.drops, \
+        "nothing of the old shard 2's gradients is committed; they are dropped everywhere"
+
+
 def test_a_worker_lost_after_pushing_everywhere_still_counts():
     c = coordinator()
     push(c, 0)
