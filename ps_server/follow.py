@@ -196,6 +196,11 @@ class Follow:
                 self._rollback(msg.version)
             elif isinstance(msg, P.Finish):
                 self.server.finish(msg.reason)
+            elif isinstance(msg, P.Error) and msg.code == "unregistered":
+                # Shard 0 started again at its address and does not know this shard (its
+                # Rollback request did not reach us): register again, which rolls us back.
+                log.warning("shard 0 does not know this shard (it restarted?): registering again")
+                self.relink_to = self.coordinator_endpoint
             elif isinstance(msg, P.Error):
                 log.error("the coordinator refused: [%s] %s", msg.code, msg.message)
         st = self.server.state

@@ -446,12 +446,16 @@ class Lead:
         if not 0 < msg.shard < self.cfg.cluster.num_shards:
             raise Refused("bad_shard", f"shard index {msg.shard} out of range")
         own = server.state.version
-        if msg.version != own and not msg.resumed:
-            raise Refused("needs_resume",
-                          f"shard {msg.shard} is at version {msg.version} but the job is at {own}: "
-                          "restart a shard of a running job with --resume")
         target = None
-        if msg.resumed:
+        if msg.version != own and not msg.resumed:
+            if not (server.resumed and msg.version > own):
+                raise Refused("needs_resume",
+                              f"shard {msg.shard} is at version {msg.version} but the job is at {own}: "
+                              "restart a shard of a running job with --resume")
+            # This shard 0 resumed from a checkpoint that a follower which kept running is past
+            # (its Rollback request did not reach it): the follower goes back to it too.
+            target = own
+        elif msg.resumed:
             # Even at the same version the restarted shard lost the gradients it held: everyone
             # goes back to a checkpoint they all have, and the workers join again.
             common = self._common_checkpoints(min(own, msg.version))
@@ -463,14 +467,14 @@ class Lead:
             self.rollback_all(target, f"shard {msg.shard} resumed from version {msg.version}")
         self.shard_endpoints[msg.shard] = msg.endpoint
         self.followers.register(msg.shard, ident, msg.endpoint, msg.version)
-        if target is not None and target != msg.version:
-            self.followers.send(msg.shard, P.Rollback(version=target))
         log.info("shard %d registered at %s (version %d)", msg.shard, msg.endpoint, msg.version)
         self.metrics.write(event="shard_registered", shard=msg.shard, endpoint=msg.endpoint,
                            version=msg.version, resumed=msg.resumed)
         server.router_reply(ident, P.Registered(member_key=coord.member_key, incarnation=server.incarnation,
                                                 version=server.state.version, plan=coord.current_plan(),
                                                 stop_version=coord.stop_version))
+        if target is not None and target != msg.version:   # after the reply it waits for
+            self.followers.send(msg.shard, P.Rollback(version=target))
         if not msg.resumed:   # after the reply: what removing them commits goes to this shard too
             for w in coord.shard_started_empty(msg.shard):
                 self.remove_worker(w, f"its gradient was on shard {msg.shard}, which started again empty")

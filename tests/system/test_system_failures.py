@@ -293,3 +293,50 @@ def test_a_follower_restarted_empty_before_the_first_commit_loses_no_sample(proc
     removed = [e for e in events if e["event"] == "worker_removed"]
     assert any("started again empty" in e["reason"] for e in removed), removed
     assert_exactly_once_per_epoch(updates, 2, 600, 0)
+
+
+def _wait_in_log(child, text: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if text in child.log_path.read_text(errors="replace"):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{child.role} never logged {text!r}")
+
+
+@pytest.mark.timeout(300)
+def test_a_follower_that_misses_shard_0s_rollback_registers_again_and_follows(procs, tmp_path):
+    """Shard 0 is killed and started again with --resume at its address; its Rollback request
+    to the follower fails (the follower is stopped for it). The follower's link reconnects by
+    itself and shard 0 answers it ``unregistered``: it registers again, is rolled back to shard
+    0's checkpoint, and the run ends as one uninterrupted process would. Before, the follower
+    only logged the refusal, and shard 0 waited for it (and so admitted no worker) for good."""
+    cfg_path, cfg = write_config(tmp_path, job(cluster={"num_workers": 2}, checkpoint={"every_iterations": 10},
+                                               training={"max_iterations": 60}))
+    run = tmp_path / "run"
+    # Shard 0 stalls at version 25 or just past it, and is killed there: it resumes from its
+    # checkpoint at 20, which the follower is past.
+    stall = {"LBBSP_FAULTS": json.dumps({"coordinator_stall": {"version": 25, "seconds": 60}})}
+    eps = start_servers(procs, cfg_path, 2, run, env=stall)
+    workers = start_workers(procs, cfg_path, eps[0], 2, run)
+    shard0, shard1 = (next(c for c in procs.children if c.role == f"shard-{k}") for k in (0, 1))
+    _wait_in_log(shard0, "coordinator loop stalls", 120)
+    os.kill(shard0.proc.pid, signal.SIGKILL)
+    shard0.proc.wait(timeout=10)
+    os.kill(shard1.proc.pid, signal.SIGSTOP)           # it cannot answer the Rollback request
+    try:
+        again = procs.start("shard-0b", "ps_server.cli", ["--config", str(cfg_path), "--run-dir", str(run),
+                                                           "--shard", "0", "--port", eps[0].rsplit(":", 1)[1],
+                                                           "--resume"])
+        _wait_in_log(again, "not told to roll back", 60)
+        time.sleep(1.0)      # logged before the request's socket closes: its message goes with it
+    finally:
+        os.kill(shard1.proc.pid, signal.SIGCONT)
+    wait_exit(workers, timeout_s=240)
+    shards_exit(procs)
+    params, version = consistent_end(run, 2)
+    assert version == 60
+    assert "registering again" in shard1.log_path.read_text(errors="replace")
+    data = load_dataset("synthetic", seed=2, synthetic_train=600, synthetic_test=300)
+    ref = train_reference("mlp", 2, data, 2, 60, 60, lr=0.05, momentum=0.9)
+    assert np.linalg.norm(params - ref) / np.linalg.norm(ref) < 1e-5, "one history, as one process"
