@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Generic, Iterator, Mapping, Protocol, TypeVar
+from typing import Generic, ItemsView, Iterator, Mapping, Protocol, TypeVar
 
 import numpy as np
 
@@ -127,6 +127,10 @@ class Membership(Generic[R]):
     def name_of(self, worker_id: int) -> str | None:
         record = self._records.get(worker_id)
         return None if record is None else record.name
+
+    def names(self) -> ItemsView[str, set[int]]:
+        """(name, its live ids) for every name a live worker has."""
+        return self._ids_of.items()
 
     def ids_named(self, name: str) -> set[int]:
         """The live ids under ``name`` (usually one; empty if none)."""

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from itertools import chain
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 from ps_common.errors import PsError
 
@@ -55,8 +56,9 @@ def _finite_positive(raw: Any) -> float:
     return v if 0.0 < v < math.inf else 0.0
 
 
-#: Learned searches kept at most (the oldest go first): names come from the workers, and a client
-#: that joins and leaves under ever new names must not grow this, nor each decision's pass over it.
+#: Learned searches kept at most: names come from the workers, and a client that joins and leaves
+#: under ever new names must not grow this. Past it, the oldest search of a name nobody live uses
+#: goes (a live worker's cap is never forgotten).
 MAX_NAMES = 10_000
 
 
@@ -64,7 +66,7 @@ class MemoryCaps:
     """Configured, probed and learned caps per worker name (see the module docstring)."""
 
     def __init__(self, configured: Mapping[Any, int] | None = None, margin: float = 0.05,
-                 max_names: int = MAX_NAMES) -> None:
+                 max_names: int = MAX_NAMES, in_use: Callable[[str], bool] = lambda name: False) -> None:
         if not (0.0 <= margin < 1.0):
             raise ValueError(f"oom_margin must be in [0, 1), got {margin}")
         self.margin = float(margin)
@@ -75,14 +77,19 @@ class MemoryCaps:
             self.configured[str(k)] = int(v)
         self._search: dict[str, _Search] = {}
         self.max_names = max_names
+        #: is a live worker called this? (the manager's membership answers)
+        self.in_use = in_use
         self.version = 0        #: bumped whenever any cap may have changed (callers cache on it)
 
     def _entry(self, name: str) -> _Search:
-        """``name``'s search, made if new (the oldest made goes when there are ``max_names``)."""
+        """``name``'s search, made if new; with ``max_names`` of them, the oldest one whose name
+        no live worker has goes first."""
         s = self._search.get(name)
         if s is None:
             if len(self._search) >= self.max_names:
-                del self._search[next(iter(self._search))]
+                gone = next((n for n in self._search if not self.in_use(n)), None)
+                if gone is not None:
+                    del self._search[gone]
             s = self._search[name] = _Search()
         return s
 
@@ -107,6 +114,14 @@ class MemoryCaps:
     def names(self) -> set[str]:
         """Every name with a configured or learned cap."""
         return set(self.configured) | set(self._search)
+
+    def capped_count(self) -> int:
+        """How many names :meth:`capped_names` gives (a name may count twice)."""
+        return len(self.configured) + len(self._search)
+
+    def capped_names(self) -> Iterator[str]:
+        """Every name with a configured or learned cap, without a copy (a name may repeat)."""
+        return chain(self.configured, self._search)
 
     def tracks_any(self) -> bool:
         return bool(self._search)

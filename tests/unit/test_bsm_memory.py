@@ -73,11 +73,32 @@ def test_probe_configured_caps_state_round_trip_and_bad_input():
         MemoryCaps({"a": 0})
 
 
-def test_the_names_searched_are_bounded_and_the_oldest_go_first():
-    caps = MemoryCaps(max_names=3)
+def test_the_names_searched_are_bounded_and_a_live_workers_search_is_never_the_one_forgotten():
+    live = {"name-0"}
+    caps = MemoryCaps(max_names=3, in_use=lambda name: name in live)
     for k in range(5):                       # a client joining under ever new names
         caps.probed(f"name-{k}", fits=8)
-    assert caps.names() == {"name-2", "name-3", "name-4"}
+    assert caps.names() == {"name-0", "name-3", "name-4"}, "the oldest departed ones went"
     caps.out_of_memory("name-3", 8)          # a known name stays where it is
     caps.completed("name-5", 4)              # nothing to learn: nothing stored, nothing evicted
-    assert caps.names() == {"name-2", "name-3", "name-4"} and caps.cap("name-3") < 8
+    assert caps.names() == {"name-0", "name-3", "name-4"} and caps.cap("name-3") < 8
+    live.update({"name-3", "name-4"})        # every name in use: the bound gives way, nothing is lost
+    caps.probed("name-6", fits=8)
+    assert caps.names() == {"name-0", "name-3", "name-4", "name-6"}
+
+
+def test_churn_under_new_names_keeps_the_live_workers_caps():
+    from batchsize_manager import BatchSizeManager
+
+    m = BatchSizeManager("uniform", 512)
+    m.memory.max_names = 8
+    m.join(0, "keeper")
+    m.join(1, "other")
+    m.out_of_memory(0, 256)
+    kept = m.memory_caps[0]
+    for k in range(2, 200):                  # join, run out of memory, leave: under a new name each time
+        m.join(k, f"churn-{k}")
+        m.out_of_memory(k, 2)
+        m.leave(k)
+    assert m.memory_caps == {0: kept} and len(m.memory.names()) <= 8
+    assert m.assign() == {0: kept, 1: 512 - kept}
