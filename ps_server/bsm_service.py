@@ -93,7 +93,7 @@ class BatchSizeService:
         }
         routes: dict[type, Callable[[bytes, str, Any], P.Message | None]] = {}
         if self.exchange is not None:
-            self.handlers[P.ExchangeOpen] = self._on_exchange_open
+            routes[P.ExchangeOpen] = self._dispatch_open  # may also tell an abandoned iteration's ranks
             routes[P.ExchangePush] = self._dispatch_push  # answered later, to every rank at once
         routes.update({kind: self._dispatch for kind in self.handlers})
         # With credentials, workers report and the operator may do anything but send gradients;
@@ -162,6 +162,11 @@ class BatchSizeService:
     def _dispatch(self, ident: bytes, role: str, msg: P.Message) -> P.Message:
         return _guarded(msg, lambda: self.handlers[type(msg)](msg))
 
+    def _dispatch_open(self, ident: bytes, role: str, msg: P.ExchangeOpen) -> None:
+        assert self.exchange is not None
+        exchange = self.exchange
+        _guarded(msg, lambda: self._send(exchange.open(ident, msg.worker_id, msg.iteration)))
+
     def _dispatch_push(self, ident: bytes, role: str, msg: P.ExchangePush) -> None:
         assert self.exchange is not None
         exchange = self.exchange
@@ -196,8 +201,9 @@ class BatchSizeService:
         w = _worker_id(msg.worker_id)
         if msg.iteration < 0:
             raise Refused("bad_request", f"iteration must be >= 0, got {msg.iteration}")
-        if msg.batch_size < 0:
-            raise Refused("bad_request", f"batch_size must be >= 0, got {msg.batch_size}")
+        if not 0 <= msg.batch_size <= self.manager.global_batch:   # no worker's share exceeds X
+            raise Refused("bad_request", f"batch_size must be in [0, {self.manager.global_batch}], "
+                                         f"got {msg.batch_size}")
         if not self.manager.is_live(w):
             raise Refused("unknown_worker", f"worker {w} is not live (join it first)")
         self.manager.observe(WorkerReport(worker_id=w, iteration=msg.iteration,
@@ -219,10 +225,6 @@ class BatchSizeService:
         ws = sorted(sizes)
         return P.BsmAssignment(workers=ws, batch_sizes=[int(sizes[w]) for w in ws],
                                global_batch=m.global_batch, decision_s=float(m.last_decision_s))
-
-    def _on_exchange_open(self, msg: P.ExchangeOpen) -> P.Message:
-        assert self.exchange is not None
-        return self.exchange.open(msg.worker_id, msg.iteration)
 
     def _send(self, replies: list[tuple[bytes, P.Message]]) -> None:
         for ident, reply in replies:

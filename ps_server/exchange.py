@@ -102,22 +102,27 @@ class GradientExchange:
         self.abandoned = 0   # iterations failed or abandoned
 
     # ----- what a rank asks ----------------------------------------------------------------
-    def open(self, rank: int, iteration: int) -> P.ExchangePlan:
-        """The split of ``iteration`` and a token for ``rank``; starts ``iteration`` if nothing of
-        the open one is held (the start, or a restart after a failure)."""
+    def open(self, ident: bytes, rank: int, iteration: int) -> list[Reply]:
+        """The split of ``iteration`` and a fresh token for ``rank`` (to ``ident``), starting
+        ``iteration`` if it is not the open one. A rank opens only when its process starts, so
+        an open of another iteration while this one holds buckets, or of this one by a rank
+        whose buckets are already in, comes from a restarted job (torchrun restarts every
+        rank): the open iteration is abandoned at once, its waiters told, and what the dead
+        incarnation held goes with it. Before, a restart within ``stale_s`` of the crash was
+        refused (``wrong_iteration``) or given the dead rank's token, whose first push was then
+        a ``duplicate``, and torchrun's restart failed."""
         self._rank(rank)
         if iteration < 0:
             raise Refused("bad_request", f"iteration must be >= 0, got {iteration}")
+        told: list[Reply] = []
+        if self._busy() and (iteration != self.iteration or rank in self._senders()):
+            told = self._fail(f"iteration {self.iteration} abandoned: rank {rank} opened iteration "
+                              f"{iteration} (a restarted job)")
         if iteration != self.iteration or self.failed is not None:
-            if self._busy():
-                raise Refused("wrong_iteration",
-                              f"iteration {self.iteration} is in progress (ranks "
-                              f"{self._senders()} sent buckets); it cannot open {iteration} "
-                              f"until it completes or is abandoned after {self.stale_s:g} s")
             self._start(iteration, self._decide())
-        if rank not in self._senders() or rank not in self.tokens:
-            self.tokens[rank] = self.new_token()  # a restarted rank gets a fresh one
-        return P.ExchangePlan(iteration=iteration, batch_sizes=list(self.plan), token=self.tokens[rank])
+        self.tokens[rank] = self.new_token()
+        return told + [(ident, P.ExchangePlan(iteration=iteration, batch_sizes=list(self.plan),
+                                              token=self.tokens[rank]))]
 
     def push(self, ident: bytes, msg: P.ExchangePush) -> list[Reply]:
         """Hold one bucket of one rank; the replies once the bucket (or the iteration) is done."""

@@ -103,6 +103,7 @@ def test_bad_input_gets_errors_and_the_service_keeps_working(service):
             ((-1, 0, 10, ok), "bad_request"),
             ((0, -3, 10, ok), "bad_request"),
             ((0, 0, -10, ok), "bad_request"),
+            ((0, 0, X + 1, ok), "bad_request"),       # no worker's share exceeds X
             # fields of the report itself: refused by the protocol's decode, like any bad field
             ((0, 0, 10, Telemetry(compute_s=-0.1)), "malformed"),
             ((0, 0, 10, Telemetry(compute_s=math.nan)), "malformed"),

@@ -225,6 +225,27 @@ def test_forged_exchange_messages_against_the_real_service(procs):
             res = conn.recv(timeout_s=5)
             assert isinstance(res, P.ExchangeResult) and res.next_batch_sizes == [32, 32]
             np.testing.assert_array_equal(res.arrays[0], np.full(4, 2.0, np.float32))
+        # torchrun restarts every rank seconds after a crash: rank 0 of the dead incarnation has
+        # iteration 1's bucket in when the new ranks open iteration 0. The open iteration is
+        # abandoned at once (not after --stale-s), and the new ranks exchange from scratch.
+        _push(a, 0, plan_a.token, np.full(4, 100.0, np.float32), iteration=1, batch_size=32)
+        a2, b2 = (Connection(ctx, endpoint, role="worker", timeout_s=5) for _ in range(2))
+        try:
+            new_a = a2.request(P.ExchangeOpen(worker_id=0, iteration=0), P.ExchangePlan)
+            with pytest.raises(RemoteError) as err:
+                a.recv(timeout_s=5)
+            assert err.value.code == "iteration_failed" and "restarted job" in str(err.value)
+            new_b = b2.request(P.ExchangeOpen(worker_id=1, iteration=0), P.ExchangePlan)
+            x0, x1 = new_b.batch_sizes
+            _push(a2, 0, new_a.token, np.full(4, 1.0, np.float32), batch_size=x0)
+            _push(b2, 1, new_b.token, np.full(4, 5.0, np.float32), batch_size=x1)
+            want = np.float32((x0 * 1.0 + x1 * 5.0) / (x0 + x1))    # the dead rank's 100s nowhere
+            for conn in (a2, b2):
+                res = conn.recv(timeout_s=5)
+                np.testing.assert_allclose(res.arrays[0], np.full(4, want, np.float32), rtol=1e-6)
+        finally:
+            a2.close()
+            b2.close()
     finally:
         for c in (a, b, forger):
             c.close()

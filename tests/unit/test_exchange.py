@@ -48,8 +48,15 @@ def push(ex: GradientExchange, rank: int, grad, *, bucket: int = 0, last: bool =
     return ex.push(f"id{rank}".encode(), msg)
 
 
+def open_rank(ex: GradientExchange, rank: int, iteration: int = 0) -> P.ExchangePlan:
+    """Open as ``rank``; its plan (what the others were told is checked where it matters)."""
+    *_, (ident, plan) = ex.open(f"id{rank}".encode(), rank, iteration)
+    assert ident == f"id{rank}".encode() and isinstance(plan, P.ExchangePlan)
+    return plan
+
+
 def open_all(ex: GradientExchange, iteration: int = 0) -> list[P.ExchangePlan]:
-    return [ex.open(r, iteration) for r in range(ex.world)]
+    return [open_rank(ex, r, iteration) for r in range(ex.world)]
 
 
 def grads(world: int = 3, n: int = 5, dtype=np.float32) -> list[np.ndarray]:
@@ -197,26 +204,48 @@ def test_a_stalled_iteration_is_abandoned_and_its_waiters_told():
     open_all(ex)
     g = grads()
     push(ex, 0, g[0])
-    with pytest.raises(Refused) as err:  # a restart cannot open another iteration meanwhile
-        ex.open(1, 7)
-    assert err.value.code == "wrong_iteration"
     clock.now = 4.0
     assert ex.expire() == []
     clock.now = 9.5
     out = ex.expire()
     assert [(i, m.code) for i, m in out] == [(b"id0", "iteration_failed")]
     assert "ranks [1, 2]" in out[0][1].message
-    plan = ex.open(1, 7)                 # now a restarted job may open its own iteration
+    plan = open_rank(ex, 1, 7)           # a restarted job opens its own iteration
     assert ex.iteration == 7 and plan.iteration == 7
 
 
-def test_reopening_keeps_a_token_while_the_rank_has_buckets_in():
+@pytest.mark.parametrize("crash_at", [0, 3])
+def test_a_restarted_job_opens_at_once_and_the_dead_incarnations_buckets_go(crash_at):
+    """torchrun restarts every rank within seconds of a crash, long before ``stale_s``: the
+    first open of the restarted job abandons the open iteration, whose waiting ranks are told,
+    and nothing the dead ranks sent is summed with what the new ones send."""
+    ex, clock = make(stale_s=60.0)
+    open_all(ex, crash_at)
+    old = grads()
+    push(ex, 0, old[0], iteration=crash_at)
+    push(ex, 1, old[1], iteration=crash_at)
+    clock.now = 2.0                      # rank 2 crashed; torchrun restarts all three
+    restart = 0   # from the start: another iteration (crash at 3), or the same one (crash at 0)
+    told = ex.open(b"new0", 0, restart)
+    assert [(i, m.code) for i, m in told[:-1]] == [(b"id0", "iteration_failed"), (b"id1", "iteration_failed")]
+    assert "restarted job" in told[0][1].message and isinstance(told[-1][1], P.ExchangePlan)
+    tokens = {told[-1][1].token} | {open_rank(ex, r, restart).token for r in (1, 2)}
+    assert len(tokens) == 3 and ex.iteration == restart and not ex.buckets
+    new = [g + 10.0 for g in grads()]
+    for r in range(3):
+        out = push(ex, r, new[r], iteration=restart)
+    mean = out[0][1].arrays[0]
+    want = sum(PLAN[r] / X * new[r].astype(np.float64) for r in range(3)).astype(np.float32)
+    np.testing.assert_array_equal(mean, want)   # the dead ranks' buckets are nowhere in it
+    assert ex.abandoned == 1 and ex.completed == 1
+
+
+def test_opening_again_without_buckets_in_gives_a_fresh_token_and_abandons_nothing():
     ex, _ = make()
     open_all(ex)
     push(ex, 0, grads()[0])
-    token0 = ex.tokens[0]
-    assert ex.open(0, 0).token == token0          # in flight: same token
-    assert ex.open(1, 0).token != "tok1"          # nothing in flight: a fresh one
+    before = ex.tokens[1]
+    assert open_rank(ex, 1).token != before and ex.buckets, "rank 1 sent nothing: nothing is abandoned"
 
 
 def test_held_bytes_and_open_buckets_are_bounded():
@@ -237,7 +266,7 @@ def test_world_and_arguments_are_checked():
         GradientExchange(manager, 2, stale_s=0)
     ex, _ = make()
     with pytest.raises(Refused) as err:
-        ex.open(0, -1)
+        ex.open(b"id0", 0, -1)
     assert err.value.code == "bad_request"
 
 
