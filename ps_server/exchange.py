@@ -107,19 +107,19 @@ class GradientExchange:
         ``iteration`` if it is not the open one. A rank opens only when its process starts, so
         an open of another iteration while this one holds buckets, or of this one by a rank
         whose buckets are already in, comes from a restarted job (torchrun restarts every
-        rank): the open iteration is abandoned at once, its waiters told, and what the dead
-        incarnation held goes with it. Before, a restart within ``stale_s`` of the crash was
-        refused (``wrong_iteration``) or given the dead rank's token, whose first push was then
-        a ``duplicate``, and torchrun's restart failed."""
+        rank, within seconds, long before ``stale_s``): the open iteration is abandoned at once,
+        its waiters told, and what the dead incarnation held goes with it."""
         self._rank(rank)
         if iteration < 0:
             raise Refused("bad_request", f"iteration must be >= 0, got {iteration}")
-        told: list[Reply] = []
-        if self._busy() and (iteration != self.iteration or rank in self._senders()):
-            told = self._fail(f"iteration {self.iteration} abandoned: rank {rank} opened iteration "
-                              f"{iteration} (a restarted job)")
-        if iteration != self.iteration or self.failed is not None:
-            self._start(iteration, self._decide())
+        restart = self._busy() and (iteration != self.iteration or rank in self._senders())
+        plan = None
+        if restart or iteration != self.iteration or self.failed is not None:
+            plan = self._decide()       # first: a refusal here leaves everything as it was
+        told = self._fail(f"iteration {self.iteration} abandoned: rank {rank} opened iteration "
+                          f"{iteration} (a restarted job)") if restart else []
+        if plan is not None:
+            self._start(iteration, plan)
         self.tokens[rank] = self.new_token()
         return told + [(ident, P.ExchangePlan(iteration=iteration, batch_sizes=list(self.plan),
                                               token=self.tokens[rank]))]

@@ -37,9 +37,8 @@ class PendingPulls:
     answer); every connection holds at most ``per_peer``. A member's pulls (a worker id whose
     token was checked) are also bounded by ``per_peer`` per worker id, so the members' pulls are
     bounded by the membership; pulls without a worker id (the evaluator, observers: anyone with
-    a credential) share ``others``. Before, one total bounded both, and a credential holder
-    with enough connections filled it with pulls that never come due, after which every
-    member's push-and-pull was refused."""
+    a credential) share ``others``, so that no flood of pulls that never come due can take the
+    room the members' push-and-pulls need."""
 
     def __init__(self, per_peer: int, others: int) -> None:
         self.per_peer = per_peer
