@@ -111,10 +111,6 @@ class MemoryCaps:
         search = safe if fits >= safe else max(1, min(safe, max(fits, (fits + s.fails) // 2)))
         return search if head is None else min(search, head)
 
-    def names(self) -> set[str]:
-        """Every name with a configured or learned cap."""
-        return set(self.configured) | set(self._search)
-
     def capped_count(self) -> int:
         """How many names :meth:`capped_names` gives (a name may count twice)."""
         return len(self.configured) + len(self._search)

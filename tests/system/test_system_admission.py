@@ -36,17 +36,22 @@ N_TRAIN = 256
 X = 4
 
 
-@pytest.mark.timeout(240)
-def test_a_join_past_x_over_min_batch_is_refused_and_the_run_goes_on(procs, tmp_path):
-    cfg_path, cfg = write_config(tmp_path, {
-        "run": {"name": "admission", "seed": SEED},
+def _job(name: str, num_workers: int) -> dict:
+    """One shard, an MLP on synthetic data, X = 4 for 30 iterations."""
+    return {
+        "run": {"name": name, "seed": SEED},
         "model": {"name": "mlp"},
         "data": {"dataset": "synthetic", "synthetic_train": N_TRAIN, "synthetic_test": 64},
         "training": {"global_batch": X, "max_iterations": 30},
         "optimizer": {"lr": 0.05, "momentum": 0.9},
-        "cluster": {"num_shards": 1, "num_workers": 2},
+        "cluster": {"num_shards": 1, "num_workers": num_workers},
         "evaluator": {"enabled": False},
-    })
+    }
+
+
+@pytest.mark.timeout(240)
+def test_a_join_past_x_over_min_batch_is_refused_and_the_run_goes_on(procs, tmp_path):
+    cfg_path, cfg = write_config(tmp_path, _job("admission", num_workers=2))
     run = tmp_path / "run"
     (ep,) = start_servers(procs, cfg_path, 1, run)
     honest = start_indexed_workers(procs, cfg_path, ep, 1, run)
@@ -88,16 +93,8 @@ def test_a_join_past_x_over_min_batch_is_refused_and_the_run_goes_on(procs, tmp_
 
 @pytest.mark.timeout(240)
 def test_a_flood_of_pulls_without_a_worker_id_leaves_the_members_room(procs, tmp_path):
-    cfg_path, cfg = write_config(tmp_path, {
-        "run": {"name": "pull-flood", "seed": SEED},
-        "model": {"name": "mlp"},
-        "data": {"dataset": "synthetic", "synthetic_train": N_TRAIN, "synthetic_test": 64},
-        "training": {"global_batch": X, "max_iterations": 30},
-        "optimizer": {"lr": 0.05, "momentum": 0.9},
-        "cluster": {"num_shards": 1, "num_workers": 1},
-        "transport": {"max_pending_pulls": 8, "max_pending_pulls_per_peer": 4},
-        "evaluator": {"enabled": False},
-    })
+    cfg_path, cfg = write_config(tmp_path, {**_job("pull-flood", num_workers=1),
+                                            "transport": {"max_pending_pulls": 8, "max_pending_pulls_per_peer": 4}})
     run = tmp_path / "run"
     (ep,) = start_servers(procs, cfg_path, 1, run)
     flood = [Connection(zmq.Context.instance(), ep, role="worker", timeout_s=10, security=cfg.security)

@@ -22,22 +22,12 @@ from tests.cluster_util import (
     joined_member,
     operator_request,
     start_servers,
-    status,
     wait_exit,
     write_config,
 )
+from tests.system.test_system_failures import wait_version
 
 pytestmark = pytest.mark.system
-
-
-def _wait_version(endpoint: str, above: int, timeout_s: float = 30) -> int:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        v = status(endpoint).version
-        if v > above:
-            return v
-        time.sleep(0.05)
-    raise AssertionError(f"shard 0 stayed at version {above} for {timeout_s}s")
 
 
 @pytest.mark.timeout(120)
@@ -73,7 +63,7 @@ def test_a_push_at_an_unassigned_size_is_dropped_without_the_assigned_one(procs,
                                  assignment=b.assignment, loss=0.0, telemetry={})
         assert res.version >= 1
         push(1, a.batch_size)         # the follower's copy was dropped: this one is held
-        _wait_version(eps[0], 1)      # and completes the odd member's gradient: version 2
+        wait_version(eps[0], 2, timeout_s=30)   # and completes the odd member's gradient
     operator_request(eps[0], P.Shutdown(reason="the test is done"), P.Ack)
     wait_exit([c for c in procs.children if c.role.startswith("shard")], timeout_s=60)
     params, version = consistent_end(run, 2)   # both shards: the same version and history
