@@ -34,7 +34,7 @@ from ps_common.frozen import fill, plain_defaults
 from ps_common.report import Telemetry
 
 MAGIC = b"LBPS"
-VERSION = 6
+VERSION = 7
 HEADER_PREFIX = MAGIC + bytes([VERSION])
 MAX_HEADER_BYTES = 1 << 20
 ALLOWED_DTYPES = frozenset({"<f4", "<f8", "<i8", "<i4", "|u1"})
@@ -430,31 +430,49 @@ class Error(Message):
 
 # ----- batch-size manager service (ps-bsm, ps_server/bsm_service.py) ----------------------
 # A BatchSizeManager served over this protocol, for training loops in other processes or
-# frameworks. Join, leave and report are answered with Ack, errors with Error.
+# frameworks. A join is answered with the worker's token (BsmWelcome), leave and report, which
+# must carry it, with Ack; errors with Error.
 
 
 @dataclass
 class BsmJoin(Message):
-    """A worker became live: it gets a share of the global batch from the next assignment on."""
+    """A worker became live: it gets a share of the global batch from the next assignment on.
+
+    Joining an id that is live already is a restart of that worker: the answer carries a fresh
+    token and the one given before is void."""
 
     TYPE: ClassVar[str] = "bsm_join"
     worker_id: int = -1
 
 
 @dataclass
+class BsmWelcome(Message):
+    """The answer to :class:`BsmJoin`: ``token`` proves the worker in its leave and reports."""
+
+    TYPE: ClassVar[str] = "bsm_welcome"
+    worker_id: int = -1
+    token: str = ""
+
+
+@dataclass
 class BsmLeave(Message):
-    """A worker left or was declared lost (unknown ids are acknowledged and ignored)."""
+    """A worker left or was declared lost (unknown ids are acknowledged and ignored).
+
+    A live worker's leave carries its token; the operator role may evict without one."""
 
     TYPE: ClassVar[str] = "bsm_leave"
     worker_id: int = -1
+    token: str = ""
 
 
 @dataclass
 class BsmReport(Message):
-    """One worker's measurements of one finished iteration (a ``WorkerReport`` on the wire)."""
+    """One worker's measurements of one finished iteration (a ``WorkerReport`` on the wire),
+    with the worker's token."""
 
     TYPE: ClassVar[str] = "bsm_report"
     worker_id: int = -1
+    token: str = ""
     iteration: int = 0
     batch_size: int = 0
     telemetry: Telemetry = Telemetry()
@@ -506,6 +524,7 @@ class BsmStatsReply(Message):
     total_decision_s: float = 0.0
     reports: int = 0          # reports accepted and fed to the manager
     ignored_reports: int = 0  # reports the manager dropped (counted by the manager)
+    rejoins: int = 0          # joins of a live id (a restart, or another process under its id)
     requests: int = 0         # messages received, malformed ones included
     malformed: int = 0        # messages that did not decode
     errors_sent: int = 0      # Error replies of any kind
@@ -579,7 +598,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         Have, ShardSync,
         Commit, PlanMessage, Stop, Finish, Rollback,
         StatusRequest, Status, EvalReport, Shutdown, Error,
-        BsmJoin, BsmLeave, BsmReport, BsmAssign, BsmAssignment, BsmStats, BsmStatsReply,
+        BsmJoin, BsmWelcome, BsmLeave, BsmReport, BsmAssign, BsmAssignment, BsmStats, BsmStatsReply,
         ExchangeOpen, ExchangePlan, ExchangePush, ExchangeResult,
     )
 }

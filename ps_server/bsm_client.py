@@ -8,6 +8,11 @@ For training loops in another process or framework: no torch, only ZeroMQ and th
         ...train sizes[rank] samples...
         bsm.report(rank, it, sizes[rank], Telemetry(compute_s=..., iteration_s=...))
 
+``join`` returns the worker's token, and the client keeps it: ``leave`` and ``report`` of that
+worker carry it. Another process that reports for the worker (a proxy) passes ``token=``.
+Joining an id that is live again (a restarted worker) voids its earlier token, so a stale
+process under that id gets ``bad_token``.
+
 A refused request raises :class:`~ps_common.transport.RemoteError` (``.code`` says why, e.g.
 ``unknown_worker``, ``no_workers``, ``bad_request``, ``malformed`` for a report field out of its
 range); no reply within ``timeout_s`` raises
@@ -49,6 +54,7 @@ class BatchSizeClient:
         self.max_array_bytes = int(max_array_bytes)  # the largest array an answer may carry
         self.ctx = ctx or zmq.Context.instance()
         self.last_decision_s = math.nan  #: the manager's decision time of the last assign()
+        self.tokens: dict[int, str] = {}  #: the token of every worker this client joined
         self._conn: Connection | None = self._connect()
 
     def _connect(self) -> Connection:
@@ -94,18 +100,33 @@ class BatchSizeClient:
             raise
 
     # ----- membership --------------------------------------------------------------------
-    def join(self, worker_id: int) -> None:
-        """Make ``worker_id`` live (joining twice is a no-op)."""
-        self.request(P.BsmJoin(worker_id=int(worker_id)), P.Ack)
+    def join(self, worker_id: int) -> str:
+        """Make ``worker_id`` live and return its token (kept here for its leave and reports).
+        Joining a live id again is a restart: the earlier token is void."""
+        w = int(worker_id)
+        welcome = self.request(P.BsmJoin(worker_id=w), P.BsmWelcome)
+        if welcome.worker_id != w:
+            raise P.ProtocolError(f"{self.endpoint}: joined worker {w}, welcomed {welcome.worker_id}")
+        self.tokens[w] = welcome.token
+        return str(welcome.token)
 
-    def leave(self, worker_id: int) -> None:
-        """``worker_id`` left (unknown ids are ignored by the service)."""
-        self.request(P.BsmLeave(worker_id=int(worker_id)), P.Ack)
+    def _token(self, worker_id: int, token: str | None) -> str:
+        return token if token is not None else self.tokens.get(worker_id, "")
+
+    def leave(self, worker_id: int, token: str | None = None) -> None:
+        """``worker_id`` left (unknown ids are ignored by the service); an operator's client may
+        evict a worker without its token."""
+        w = int(worker_id)
+        self.request(P.BsmLeave(worker_id=w, token=self._token(w, token)), P.Ack)
+        self.tokens.pop(w, None)
 
     # ----- reports and decisions ---------------------------------------------------------
-    def report(self, worker_id: int, iteration: int, batch_size: int, telemetry: Telemetry) -> None:
-        """One worker's measurements of a finished iteration (the fields of ``WorkerReport``)."""
-        self.request(P.BsmReport(worker_id=int(worker_id), iteration=int(iteration),
+    def report(self, worker_id: int, iteration: int, batch_size: int, telemetry: Telemetry,
+               token: str | None = None) -> None:
+        """One worker's measurements of a finished iteration (the fields of ``WorkerReport``),
+        with its token (the one this client's ``join`` got, unless ``token`` is given)."""
+        w = int(worker_id)
+        self.request(P.BsmReport(worker_id=w, token=self._token(w, token), iteration=int(iteration),
                                   batch_size=int(batch_size), telemetry=telemetry), P.Ack)
 
     def observe(self, report: Any) -> None:

@@ -5,6 +5,14 @@ Training loops in other processes or frameworks (a DDP job, a JAX loop, a shell 
 change membership, ``BsmReport`` feeds one worker's measurements of a finished iteration,
 ``BsmAssign`` returns the next split (``BsmAssignment``) and ``BsmStats`` the counters.
 
+Clients choose worker ids (a DDP rank, a host's index), so an id proves nothing: a join answers
+with a random token, and a leave or report of a live worker must carry it. Joining a live id is
+a restart of that worker (a process that comes back under its rank has lost its token): it gets
+a fresh token and the old one is void, so an earlier incarnation, or a second process started
+with the same id by mistake, is refused (``bad_token``) instead of mixing its reports in. That
+is a rule against stale and confused clients, not against a holder of the worker credential,
+who can take any id over by joining it; the takeover is logged and counted (``rejoins``).
+
 With ``world_size`` (``ps-bsm --world-size N``) it also exchanges the gradients of a DDP job's
 N ranks (:mod:`ps_server.exchange`): ``ExchangeOpen``/``ExchangePush`` replace the ring
 all-reduce, the split of every iteration is decided here and rides on the last bucket's answer.
@@ -22,6 +30,7 @@ import argparse
 import json
 import logging
 import os
+import secrets
 import signal
 import sys
 import threading
@@ -83,8 +92,11 @@ class BatchSizeService:
         self.stop_event = StopFlag()
         self.started = time.monotonic()
         self.reports = 0
+        self.rejoins = 0        # joins of a live id: a restarted worker, or a takeover
         self._closed = False
-        self.handlers: dict[type[P.Message], Callable[[Any], P.Message]] = {
+        #: The token of every live worker (at most X / min_batch of them).
+        self._tokens: dict[int, str] = {}
+        self.handlers: dict[type[P.Message], Callable[[Any, str], P.Message]] = {
             P.BsmJoin: self._on_join,
             P.BsmLeave: self._on_leave,
             P.BsmReport: self._on_report,
@@ -160,7 +172,7 @@ class BatchSizeService:
         self.router.handle(frames)
 
     def _dispatch(self, ident: bytes, role: str, msg: P.Message) -> P.Message:
-        return _guarded(msg, lambda: self.handlers[type(msg)](msg))
+        return _guarded(msg, lambda: self.handlers[type(msg)](msg, role))
 
     def _dispatch_open(self, ident: bytes, role: str, msg: P.ExchangeOpen) -> None:
         assert self.exchange is not None
@@ -179,7 +191,7 @@ class BatchSizeService:
                                            f"{self.exchange.world} ranks, which decides its own "
                                            f"membership and splits: {what} is not accepted")
 
-    def _on_join(self, msg: P.BsmJoin) -> P.Message:
+    def _on_join(self, msg: P.BsmJoin, role: str) -> P.Message:
         self._fixed_world("bsm_join")
         w = _worker_id(msg.worker_id)
         m = self.manager
@@ -188,15 +200,34 @@ class BatchSizeService:
             raise Refused("too_many_workers",
                           f"{len(m.live_workers)} workers are live; X={m.global_batch} with "
                           f"min_batch={m.min_batch} cannot be split over more than {limit}")
-        m.join(w)
-        return P.Ack(what="bsm_join")
+        if m.is_live(w):
+            self.rejoins += 1
+            log.info("worker %d joined again: a restart (or another process under its id); "
+                     "its previous token is void", w)
+        else:
+            m.join(w)
+        token = self._tokens[w] = secrets.token_hex(16)
+        return P.BsmWelcome(worker_id=w, token=token)
 
-    def _on_leave(self, msg: P.BsmLeave) -> P.Message:
+    def _check_token(self, w: int, token: str) -> None:
+        """``token`` is live worker ``w``'s current one."""
+        held = self._tokens.get(w)
+        if held is None or not secrets.compare_digest(held.encode(), token.encode()):
+            raise Refused("bad_token", f"the request does not carry worker {w}'s token: it is "
+                                       f"given by bsm_join, and a later join of worker {w} (a "
+                                       f"restart under that id) voids the earlier ones")
+
+    def _on_leave(self, msg: P.BsmLeave, role: str) -> P.Message:
         self._fixed_world("bsm_leave")
-        self.manager.leave(_worker_id(msg.worker_id))
+        w = _worker_id(msg.worker_id)
+        if self.manager.is_live(w):
+            if role != "operator":          # the operator may evict a worker that died
+                self._check_token(w, msg.token)
+            self.manager.leave(w)
+            self._tokens.pop(w, None)
         return P.Ack(what="bsm_leave")
 
-    def _on_report(self, msg: P.BsmReport) -> P.Message:
+    def _on_report(self, msg: P.BsmReport, role: str) -> P.Message:
         self._fixed_world("bsm_report")
         w = _worker_id(msg.worker_id)
         if msg.iteration < 0:
@@ -206,12 +237,13 @@ class BatchSizeService:
                                          f"got {msg.batch_size}")
         if not self.manager.is_live(w):
             raise Refused("unknown_worker", f"worker {w} is not live (join it first)")
+        self._check_token(w, msg.token)
         self.manager.observe(WorkerReport(worker_id=w, iteration=msg.iteration,
                                           batch_size=msg.batch_size, telemetry=msg.telemetry))
         self.reports += 1
         return P.Ack(what="bsm_report")
 
-    def _on_assign(self, msg: P.BsmAssign) -> P.Message:
+    def _on_assign(self, msg: P.BsmAssign, role: str) -> P.Message:
         self._fixed_world("bsm_assign")
         m = self.manager
         if not m.live_workers:
@@ -230,7 +262,7 @@ class BatchSizeService:
         for ident, reply in replies:
             self.router.reply(ident, reply)
 
-    def _on_stats(self, msg: P.BsmStats) -> P.Message:
+    def _on_stats(self, msg: P.BsmStats, role: str) -> P.Message:
         m = self.manager
         last = m.last_assignment
         return P.BsmStatsReply(
@@ -239,7 +271,8 @@ class BatchSizeService:
             last_workers=sorted(last), last_batch_sizes=[int(last[w]) for w in sorted(last)],
             decisions=m.decisions, last_decision_s=float(m.last_decision_s),
             mean_decision_s=float(m.mean_decision_s), total_decision_s=float(m.total_decision_s),
-            reports=self.reports, ignored_reports=m.ignored_reports, requests=self.requests,
+            reports=self.reports, ignored_reports=m.ignored_reports, rejoins=self.rejoins,
+            requests=self.requests,
             malformed=self.malformed, errors_sent=self.errors_sent,
             uptime_s=time.monotonic() - self.started,
             state=_plain_state(m.state_dict()) if msg.include_state else {})

@@ -59,7 +59,9 @@ def test_join_assign_rebalance_leave(service):
     with BatchSizeClient(svc.endpoint, timeout_s=5) as c:
         for w in range(3):
             c.join(w)
-        c.join(1)                                     # joining twice is a no-op
+        old_token = c.tokens[1]
+        c.join(1)                                     # joining again is a restart: a new token
+        assert c.tokens[1] != old_token
         first = c.assign()
         assert sorted(first) == [0, 1, 2] and sum(first.values()) == X
         assert max(first.values()) - min(first.values()) <= 1   # cold start: uniform
@@ -72,7 +74,7 @@ def test_join_assign_rebalance_leave(service):
 
         st = c.stats(include_state=True)
         assert st["policy"] == "lbbsp-cpu" and st["global_batch"] == X and st["live"] == [0, 1, 2]
-        assert st["reports"] == 15 and st["ignored_reports"] == 0
+        assert st["reports"] == 15 and st["ignored_reports"] == 0 and st["rejoins"] == 1
         assert st["decisions"] == 7 and st["last_assignment"] == sizes
         assert 0 <= st["last_decision_s"] < 1 and st["mean_decision_s"] > 0
         assert st["state"]["live"] == [0, 1, 2] and st["state"]["policy"] == "lbbsp-cpu"
@@ -221,3 +223,19 @@ def test_curve_clients_must_be_allowed(tmp_path):
         with BatchSizeClient(svc.endpoint, timeout_s=0.5, ctx=ctx) as plain:
             with pytest.raises(TransportTimeout):
                 plain.join(1)
+
+
+@pytest.mark.timeout(20)
+def test_the_operator_may_evict_a_worker_without_its_token_and_a_worker_may_not(tmp_path):
+    with curve_service(tmp_path / "keys") as (svc, sec, ctx):
+        with BatchSizeClient(svc.endpoint, timeout_s=5, security=sec, ctx=ctx) as worker, \
+                BatchSizeClient(svc.endpoint, timeout_s=5, security=sec, ctx=ctx) as other, \
+                BatchSizeClient(svc.endpoint, timeout_s=5, security=sec, ctx=ctx, role="operator") as op:
+            worker.join(0)
+            worker.join(1)
+            with pytest.raises(RemoteError) as e:
+                other.leave(0)                         # the worker role needs the token
+            assert e.value.code == "bad_token"
+            assert worker.stats()["live"] == [0, 1]
+            op.leave(0)                                # an operator evicts a worker that died
+            assert worker.assign() == {1: X}

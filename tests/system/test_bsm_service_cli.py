@@ -8,7 +8,8 @@ import signal
 
 import pytest
 
-from ps_server.bsm_client import BatchSizeClient
+from ps_common.report import Telemetry
+from ps_server.bsm_client import BatchSizeClient, RemoteError
 from tests.integration.test_bsm_service import X, run_iterations
 
 
@@ -28,3 +29,46 @@ def test_cli_serves_and_stops_on_sigterm(procs):
     os.killpg(child.proc.pid, signal.SIGTERM)
     assert child.proc.wait(timeout=5) == 0, child.tail()
     assert "ps-bsm stopping" in child.tail(), child.tail()
+
+
+def _refused(code: str, call, *args, **kw) -> None:
+    with pytest.raises(RemoteError) as e:
+        call(*args, **kw)
+    assert e.value.code == code, (call, args, kw, e.value)
+
+
+@pytest.mark.timeout(30)
+def test_tokens_keep_foreign_and_stale_clients_out(procs):
+    """Clients choose worker ids, so a join's token proves the worker: a client that did not
+    join an id, or whose join a restart under that id has voided, changes nothing."""
+    child = procs.start("ps-bsm", "ps_server.bsm_service",
+                        ["--policy", "lbbsp-cpu", "--global-batch", str(X),
+                         "--policy-args", '{"predictor": "ema"}', "--port", "0"])
+    endpoint = procs.wait_endpoint(child, 15)
+    tel = Telemetry(compute_s=0.1, iteration_s=0.12)
+    with BatchSizeClient(endpoint, timeout_s=5) as first, BatchSizeClient(endpoint, timeout_s=5) as forger, \
+            BatchSizeClient(endpoint, timeout_s=5) as restarted:
+        first.join(0)
+        first.join(1)
+        _refused("bad_token", forger.report, 0, 0, 64, tel)                      # no token
+        _refused("bad_token", forger.report, 0, 0, 64, tel, token=first.tokens[1])  # another's
+        _refused("bad_token", forger.report, 0, 0, 64, tel, token="0" * 32)
+        _refused("bad_token", forger.leave, 1)
+        st = first.stats()
+        assert st["live"] == [0, 1] and st["reports"] == 0
+        first.report(0, 0, 64, tel)
+        first.report(1, 0, 64, tel)
+
+        restarted.join(0)                  # worker 0's process came back: the old token is void
+        _refused("bad_token", first.report, 0, 1, 64, tel)
+        _refused("bad_token", first.leave, 0)
+        restarted.report(0, 1, 64, tel)
+        first.report(1, 1, 64, tel)        # worker 1 is untouched
+        st = first.stats()
+        assert st["live"] == [0, 1] and st["reports"] == 4 and st["rejoins"] == 1
+
+        restarted.leave(0)
+        _refused("unknown_worker", first.report, 0, 2, 64, tel)
+        assert first.assign() == {1: X}
+    os.killpg(child.proc.pid, signal.SIGTERM)
+    assert child.proc.wait(timeout=5) == 0, child.tail()
