@@ -81,7 +81,9 @@ def check_run(run_dir, cfg, partial_seen: bool = True, late_ok: bool = False) ->
             rows = list(read_jsonl(path))
             if rows:
                 ids[w] = max(r["iteration"] for r in rows) + 1  # the iteration it was killed in
-    dropped = {tuple(d) for r in recs for d in r["drops"]}
+    # (worker, iteration) of each drop; a drop of a late push under backup workers also names
+    # its size ([worker, iteration, batch_size]: see Coordinator.on_gradient)
+    dropped = {(d[0], d[1]) for r in recs for d in r["drops"]}
     for w in lost:
         killed_in = ids.get(w, 0)
         if partial_seen:  # with backup workers the next assignment may skip iterations
