@@ -133,14 +133,19 @@ def delay_available() -> str | None:
     return None
 
 
-def tbf_args(rate_mbit: float) -> list[str]:
-    """``tbf`` parameters for ``rate_mbit``: the bucket holds at least 4 ms of traffic (timer
-    granularity) and the queue 50 ms, enough for one TCP flow to fill the link."""
+def tbf_burst(rate_mbit: float) -> int:
+    """The ``tbf`` bucket for ``rate_mbit``, in bytes: at least 4 ms of traffic (timer
+    granularity), and 16 KiB."""
     if not rate_mbit > 0:
         raise ValueError(f"rate_mbit must be > 0 or None, got {rate_mbit!r}")
-    bps = rate_mbit * 1e6 / 8
-    burst = max(16 * 1024, int(bps * 0.004))
-    limit = burst + max(64 * 1024, int(bps * 0.05))
+    return max(16 * 1024, int(rate_mbit * 1e6 / 8 * 0.004))
+
+
+def tbf_args(rate_mbit: float) -> list[str]:
+    """``tbf`` parameters for ``rate_mbit``: the bucket of :func:`tbf_burst` and a queue of 50
+    ms, enough for one TCP flow to fill the link."""
+    burst = tbf_burst(rate_mbit)
+    limit = burst + max(64 * 1024, int(rate_mbit * 1e6 / 8 * 0.05))
     return ["tbf", "rate", f"{int(rate_mbit * 1000)}kbit", "burst", str(burst), "limit", str(limit)]
 
 
@@ -200,7 +205,15 @@ class Host:
                 _run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], check=False)
         else:
             args = tbf_args(rate_mbit)
+            # A changed tbf keeps its queue, and it sends a packet only once its bucket holds the
+            # packet's length: a queued packet (GSO frames are cut to the old bucket's size)
+            # longer than a new, smaller bucket would wait forever, and the link with it (seen
+            # lowering 40 to 10 Mbit/s: bucket 20,000 to 16,384 bytes, a worker lost and hung).
+            # So a smaller bucket comes with a fresh qdisc; the queue it drops is resent by TCP.
+            fresh = self.rate_mbit is not None and tbf_burst(rate_mbit) < tbf_burst(self.rate_mbit)
             for ns, dev in ((self.ns, HOST_IF), (br, self.veth_br)):
+                if fresh:
+                    _run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], check=False)
                 _run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", *args])
         self.rate_mbit = rate_mbit
 

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -117,6 +118,33 @@ def test_rate_limit_applies_both_directions_and_changes(lab):
     assert 25.0 <= up50 <= 60.0, f"upload at 50 Mbit/s measured {up50:.1f}"
     slow.set_rate(None)
     assert mbit(slow, server, "down", 20 << 20) > 100.0
+
+
+@pytest.mark.timeout(60)
+def test_lowering_the_rate_under_load_leaves_the_link_working(lab):
+    """A changed tbf keeps its queue and sends a packet only once its bucket holds it: packets
+    queued under a large bucket (100 Mbit/s: 50,000 bytes) would never leave a small one (20
+    Mbit/s: 16,384), and the link would be dead for good. Lowered mid-transfer, in both
+    directions, the transfers finish at about the new rate."""
+    server = lab.add_host("server")
+    slow = lab.add_host("slow", rate_mbit=100)
+    start_server(server)
+    for direction in ("down", "up"):
+        slow.set_rate(100)
+        nbytes = 6 << 20
+        p = slow.popen([sys.executable, PROBE, "bulk", server.ip, "--port", str(PORT),
+                        "--direction", direction, "--bytes", str(nbytes)],
+                       stdout=subprocess.PIPE, text=True)  # fmt: skip
+        time.sleep(0.15)                                   # the queue is full of large frames
+        slow.set_rate(20)
+        try:
+            out, _ = p.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            slow.stop(p)
+            pytest.fail(f"{direction}: the transfer stalled after the rate was lowered")
+        assert p.returncode == 0, direction
+        got = json.loads(out)["mbit_s"]
+        assert 15.0 <= got <= 60.0, f"{direction}: {got:.1f} Mbit/s"
 
 
 @pytest.mark.timeout(60)
