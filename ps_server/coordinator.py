@@ -820,8 +820,12 @@ class Coordinator:
         self.applied_samples = int(d["applied_samples"])
         self.last_accuracy = float(d["last_accuracy"])
         self.elapsed_at_resume = float(d.get("elapsed", 0.0))
+        # Worker ids never repeat within this process (``_next_id`` only grows), and the members
+        # are cleared: a token of before the rollback names no member and no plan. So the
+        # membership key stays, as the followers rolled back over their links keep it (a new key
+        # here left them refusing every worker that joined again). A restarted shard 0 has a
+        # key of its own, from ``__init__``, which every follower learns when it registers.
         self._next_id = max(self._next_id, int(d["next_id"]))
-        self.member_key = os.urandom(16).hex()  # tokens of the old incarnation are void
         if d.get("policy") is not None:  # its members of the old incarnation have left
             try:
                 self.manager.load_state_dict(d["policy"])

@@ -207,38 +207,43 @@ def test_coordinator_stall_longer_than_the_heartbeat_timeout_loses_no_worker(pro
         c for c in procs.children if c.role == "shard-0").log_path.read_text()
 
 
-@pytest.mark.parametrize("sync", ["bsp", "ssp", "asp"])
-def test_shard_killed_and_resumed_from_checkpoint(procs, tmp_path, sync):
+@pytest.mark.parametrize("sync, shards", [("bsp", 2), ("ssp", 2), ("asp", 2), ("bsp", 3)],
+                         ids=["bsp", "ssp", "asp", "bsp-3-shards"])
+def test_shard_killed_and_resumed_from_checkpoint(procs, tmp_path, sync, shards):
     """Checkpoints are a consistent cut in every mode (versions are the same commits on every
     shard): a follower killed and restarted with --resume brings every shard back to a common
-    checkpoint, and the run ends with one history everywhere."""
-    cfg_path, cfg = write_config(tmp_path, job(cluster={"num_workers": 2}, checkpoint={"every_iterations": 10},
+    checkpoint, and the run ends with one history everywhere. With 3 shards, the follower that
+    stayed up is rolled back over its link and must accept the workers that join again (it
+    once kept the membership key of before the rollback and refused them all)."""
+    cfg_path, cfg = write_config(tmp_path, job(cluster={"num_workers": 2, "num_shards": shards},
+                                               checkpoint={"every_iterations": 10},
                                                training={"max_iterations": 60}, mode={"sync": sync}))
     run = tmp_path / "run"
-    eps = start_servers(procs, cfg_path, 2, run)
+    eps = start_servers(procs, cfg_path, shards, run)
     workers = start_workers(procs, cfg_path, eps[0], 2, run)
     wait_version(eps[0], 25)
-    shard1 = next(c for c in procs.children if c.role == "shard-1")
-    os.kill(shard1.proc.pid, signal.SIGKILL)
-    shard1.proc.wait(timeout=10)
-    ckpts = sorted((run / "checkpoints").glob("shard-1-v*.npz"))
-    assert ckpts, "shard 1 wrote no checkpoint"
+    k = shards - 1                                           # the victim: the last follower
+    victim = next(c for c in procs.children if c.role == f"shard-{k}")
+    os.kill(victim.proc.pid, signal.SIGKILL)
+    victim.proc.wait(timeout=10)
+    ckpts = sorted((run / "checkpoints").glob(f"shard-{k}-v*.npz"))
+    assert ckpts, f"shard {k} wrote no checkpoint"
     resumed_version = int(ckpts[-1].stem.split("-v")[1])
-    # Equal versions hold equal histories on both shards (the cut is consistent).
+    # Equal versions hold equal histories on every shard (the cut is consistent).
     from ps_server.checkpoint import load_checkpoint
 
     _, m1 = load_checkpoint(ckpts[-1])
-    _, m0 = load_checkpoint(run / "checkpoints" / ckpts[-1].name.replace("shard-1", "shard-0"))
+    _, m0 = load_checkpoint(run / "checkpoints" / ckpts[-1].name.replace(f"shard-{k}", "shard-0"))
     assert m0["version"] == m1["version"] and m0["log_hash"] == m1["log_hash"]
     t0 = time.monotonic()
-    again = procs.start("shard-1b", "ps_server.cli", ["--config", str(cfg_path), "--run-dir", str(run),
-                                                       "--shard", "1", "--port", "0", "--coordinator", eps[0],
-                                                       "--resume"])
+    again = procs.start(f"shard-{k}b", "ps_server.cli", ["--config", str(cfg_path), "--run-dir", str(run),
+                                                          "--shard", str(k), "--port", "0", "--coordinator", eps[0],
+                                                          "--resume"])
     procs.wait_endpoint(again, 60)
     wait_exit(workers, timeout_s=180)
     resume_s = time.monotonic() - t0
     shards_exit(procs)
-    params, version = consistent_end(run, 2)
+    params, version = consistent_end(run, shards)
     updates, events = coordinator_records(run)
     rollbacks = [e for e in events if e["event"] == "rollback"]
     assert [e["version"] for e in rollbacks] == [resumed_version]
