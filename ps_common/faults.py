@@ -7,6 +7,9 @@
   gradient to the listed shards only, waits ``delay_s`` (the frames leave, or stay in flight on
   a slow link), then SIGKILLs itself: a death between two sends of one push. ">=", not "==":
   with backup workers a late worker's next assignment can skip iteration T.
+- ``"nan_in_push": {"worker": NAME, "iteration": T, "shard": K}``: worker NAME's push of
+  iteration T (once per process) carries a NaN in shard K's slice of its gradient, as a
+  diverging loss or a bad batch would (refused ``nonfinite`` there, accepted by the others).
 - ``"coordinator_stall": {"version": V, "seconds": S}``: shard 0's message loop sleeps S
   seconds once, when it reaches version V (a refit burst, a slow disk).
 - ``"plan_delay": {"shard": K, "seconds": S}``: follower K takes each plan from shard 0 into
@@ -24,7 +27,7 @@ from functools import lru_cache
 from typing import Any
 
 ENV = "LBBSP_FAULTS"
-_KNOWN = {"kill_in_push", "coordinator_stall", "plan_delay"}
+_KNOWN = {"kill_in_push", "nan_in_push", "coordinator_stall", "plan_delay"}
 
 
 @lru_cache(maxsize=1)
@@ -45,6 +48,14 @@ def fault(name: str) -> Any:
     if name not in _KNOWN:
         raise KeyError(name)
     return _armed(os.environ.get(ENV, "")).get(name)
+
+
+def nan_in_push(worker: str, iteration: int) -> int | None:
+    """The shard whose slice gets a NaN in this worker's push of this iteration, if armed."""
+    spec = fault("nan_in_push")
+    if spec and spec.get("worker") == worker and int(spec.get("iteration", -1)) == iteration:
+        return int(spec["shard"])
+    return None
 
 
 def kill_in_push(worker: str, iteration: int) -> dict[str, Any] | None:

@@ -19,7 +19,7 @@ import zmq
 
 from ps_common import protocol as P
 from ps_common.errors import PsError
-from ps_common.faults import kill_in_push
+from ps_common.faults import kill_in_push, nan_in_push
 from ps_common.report import Telemetry
 from ps_common.security.settings import SecurityConfig
 from ps_common.timeouts import DEFAULT_TIMEOUTS, Timeouts
@@ -123,6 +123,8 @@ class ShardClients:
         parameters that include it. ``grads`` must not change until this returns."""
         self.comm_delay(grads.nbytes)
         kill = kill_in_push(self.name, assignment.iteration)
+        if (k_nan := nan_in_push(self.name, assignment.iteration)) is not None:
+            grads[self.ranges[k_nan][0]] = np.nan
 
         def push_to(k: int) -> None:
             a, b = self.ranges[k]
@@ -208,8 +210,17 @@ class ShardClients:
                         # The coordinator ended this membership (rolled back, declared lost): the
                         # worker joins again on new connections, so nothing left queued on these
                         # can be mistaken for a later answer, and a shard that died is not waited for.
-                        self._drain(waiting - {0}, 0.2)
+                        self._drain(waiting - {k}, 0.2)
                         raise
+                    if push_again is not None:
+                        # A shard refused this push for good (a NaN in its slice, a size or plan
+                        # it does not hold, its bounds): the gradient can never be whole, so no
+                        # shard will answer until the transport timeout, and a round would wait
+                        # that long for it (120 s by default). Join again at once: the new Join
+                        # ends this membership, the coordinator drops what the other shards hold
+                        # of the gradient, and its samples are served again.
+                        self._drain(waiting - {k}, 0.2)
+                        raise PullAborted(f"shard {k} refused the push: [{exc.code}] {exc}") from None
                     # Keep draining the other shards' answers, so none is left queued to be
                     # mistaken for the answer to a later request.
                     error = error or exc

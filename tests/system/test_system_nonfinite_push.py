@@ -64,3 +64,42 @@ def test_a_members_nonfinite_pushes_are_refused_and_change_nothing(procs, tmp_pa
     first = min(recs, key=lambda r: r["version"])
     assert first["batch_sizes"][str(wid)] == a.batch_size and sum(first["batch_sizes"].values()) == 64
     committed_batches(recs, SEED, N_TRAIN)
+
+
+@pytest.mark.timeout(100)
+def test_a_real_workers_nan_in_one_followers_slice_costs_one_rejoin_not_the_transport_timeout(procs, tmp_path):
+    """A real worker's gradient with a NaN in shard 1's slice only (``nan_in_push``): shard 1
+    refuses it, shard 0 holds its finite slice and waits for a gradient that can never be whole.
+    The worker must not wait for shard 0 until the transport timeout (120 s here, longer than
+    this test may take: every other worker waits as long under BSP); it joins again at once, its
+    samples are served again, and the run ends as single-process SGD over what was committed."""
+    from ps_ml.datasets import load_dataset
+    from ps_ml.reference import train_reference_batches
+    from tests.cluster_util import start_workers
+
+    cfg_path, cfg = write_config(tmp_path, {
+        "run": {"name": "nan-in-push", "seed": SEED},
+        "model": {"name": "mlp"},
+        "data": {"dataset": "synthetic", "synthetic_train": N_TRAIN, "synthetic_test": 100},
+        "training": {"global_batch": 64, "max_iterations": 20},
+        "optimizer": {"lr": 0.05, "momentum": 0.9},
+        "cluster": {"num_shards": 2, "num_workers": 2},
+        "evaluator": {"enabled": False},
+        "transport": {"timeout_s": 120},
+    })
+    run = tmp_path / "run"
+    eps = start_servers(procs, cfg_path, 2, run)
+    fault = {"LBBSP_FAULTS": '{"nan_in_push": {"worker": "worker-1", "iteration": 4, "shard": 1}}'}
+    workers = start_workers(procs, cfg_path, eps[0], 1, run) + \
+        [procs.start("worker-1", "ps_worker.cli", ["--config", str(cfg_path), "--server", eps[0], "--run-dir",
+                                                   str(run), "--name", "worker-1"], env=fault)]
+    wait_exit(workers, timeout_s=80)
+    wait_exit([c for c in procs.children if c.role.startswith("shard")], timeout_s=30)
+    assert "refused the push: [nonfinite]" in workers[1].log_path.read_text()
+    params, version = consistent_end(run, 2)
+    assert version == 20 and np.isfinite(params).all()
+    recs = [r for r in read_jsonl(run / "metrics" / "coordinator.jsonl") if "event" not in r]
+    batches = committed_batches(recs, SEED, N_TRAIN)       # no sample applied twice, none lost
+    data = load_dataset("synthetic", seed=SEED, synthetic_train=N_TRAIN, synthetic_test=100)
+    ref = train_reference_batches("mlp", SEED, data, batches, lr=0.05, momentum=0.9)
+    assert float(np.linalg.norm(params - ref) / np.linalg.norm(ref)) < 1e-5
