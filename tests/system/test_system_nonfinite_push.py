@@ -23,17 +23,22 @@ SEED = 9
 N_TRAIN = 400
 
 
-@pytest.mark.timeout(300)
-def test_a_members_nonfinite_pushes_are_refused_and_change_nothing(procs, tmp_path):
-    cfg_path, cfg = write_config(tmp_path, {
-        "run": {"name": "nonfinite", "seed": SEED},
-        "model": {"name": "lenet"},
+def _job(name: str, model: str, iterations: int) -> dict:
+    """Two shards, two workers, BSP on synthetic data."""
+    return {
+        "run": {"name": name, "seed": SEED},
+        "model": {"name": model},
         "data": {"dataset": "synthetic", "synthetic_train": N_TRAIN, "synthetic_test": 100},
-        "training": {"global_batch": 64, "max_iterations": 6},
+        "training": {"global_batch": 64, "max_iterations": iterations},
         "optimizer": {"lr": 0.05, "momentum": 0.9},
         "cluster": {"num_shards": 2, "num_workers": 2},
         "evaluator": {"enabled": False},
-    })
+    }
+
+
+@pytest.mark.timeout(300)
+def test_a_members_nonfinite_pushes_are_refused_and_change_nothing(procs, tmp_path):
+    cfg_path, cfg = write_config(tmp_path, _job("nonfinite", "lenet", 6))
     run = tmp_path / "run"
     eps = start_servers(procs, cfg_path, 2, run)
     honest = start_indexed_workers(procs, cfg_path, eps[0], 1, run)
@@ -77,16 +82,7 @@ def test_a_real_workers_nan_in_one_followers_slice_costs_one_rejoin_not_the_tran
     from ps_ml.reference import train_reference_batches
     from tests.cluster_util import start_workers
 
-    cfg_path, cfg = write_config(tmp_path, {
-        "run": {"name": "nan-in-push", "seed": SEED},
-        "model": {"name": "mlp"},
-        "data": {"dataset": "synthetic", "synthetic_train": N_TRAIN, "synthetic_test": 100},
-        "training": {"global_batch": 64, "max_iterations": 20},
-        "optimizer": {"lr": 0.05, "momentum": 0.9},
-        "cluster": {"num_shards": 2, "num_workers": 2},
-        "evaluator": {"enabled": False},
-        "transport": {"timeout_s": 120},
-    })
+    cfg_path, cfg = write_config(tmp_path, {**_job("nan-in-push", "mlp", 20), "transport": {"timeout_s": 120}})
     run = tmp_path / "run"
     eps = start_servers(procs, cfg_path, 2, run)
     fault = {"LBBSP_FAULTS": '{"nan_in_push": {"worker": "worker-1", "iteration": 4, "shard": 1}}'}
