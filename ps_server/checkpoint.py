@@ -87,6 +87,18 @@ def checkpoint_meta(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from None
 
 
+def drop_checkpoints_after(directory: str | Path, shard: int, version: int) -> list[int]:
+    """Delete this shard's checkpoints above ``version``; the versions deleted. After a rollback to
+    ``version`` they hold the abandoned history, and a later ``--resume`` (which takes the
+    newest file) must not load one of them."""
+    dropped = []
+    for v, path in list_checkpoints(directory, shard):
+        if v > version:
+            path.unlink(missing_ok=True)
+            dropped.append(v)
+    return dropped
+
+
 def find_checkpoint(directory: str | Path, shard: int, version: int | None = None) -> Path:
     """The newest checkpoint of ``shard`` (or the one at ``version``)."""
     found = list_checkpoints(directory, shard)

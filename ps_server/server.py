@@ -49,6 +49,7 @@ from ps_ml.models import FlatParameters, build_model
 from ps_server.checkpoint import (
     CheckpointError,
     CheckpointWriter,
+    drop_checkpoints_after,
     find_checkpoint,
     list_checkpoints,
     load_checkpoint,
@@ -371,6 +372,10 @@ class ShardServer:
         if meta.get("job_digest") != self.job_digest:
             raise CheckpointError(f"{path} belongs to another job (digest {meta.get('job_digest')})")
         self.state.restore(arrays, meta)
+        if version is not None and (dropped := drop_checkpoints_after(self.checkpoint_dir, self.shard_id, version)):
+            self.metrics.write(event="checkpoints_dropped", versions=dropped)
+            log.info("shard %d dropped the checkpoints of the abandoned history: versions %s",
+                     self.shard_id, dropped)
         for p in self.pulls.clear():
             self.router_reply(p.ident, P.Error(code="rolled_back",
                                                message=f"the job went back to version {self.state.version}"))
