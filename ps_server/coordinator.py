@@ -203,7 +203,7 @@ class Coordinator:
         """A new member; a Join from a process that already is one replaces that membership.
         Raises :class:`JoinRefused` when one more member could not be given ``min_batch``
         samples (nor its start-up probe's cap), which would leave no split of X possible."""
-        self._check_admissible(instance, memory_fits)
+        self._check_admissible(name, instance, memory_fits)
         for wid, info in list(self.members.records.items()):
             if instance and info.instance == instance:
                 self.leave(wid, "joined again (same process)")
@@ -220,10 +220,21 @@ class Coordinator:
         log.info("worker %d (%s) joined; %d live", wid, name, len(self.members))
         return wid
 
-    def _check_admissible(self, instance: str, memory_fits: int) -> None:
+    def _check_admissible(self, name: str, instance: str, memory_fits: int) -> None:
         """Refuse a member no split could include: past X / min_batch members, or one whose
         memory holds fewer than min_batch samples. Without this check, enough Joins (any holder
-        of the worker credential can send them) would leave the next decision no split at all."""
+        of the worker credential can send them) would leave the next decision no split at all.
+
+        Refuse a name a live member of another process has: the memory caps learned about a
+        worker are kept by its name (so a restart keeps them), and a second member under that
+        name could set them with its probe, its out-of-memory reports and its headroom (a
+        client once capped a live worker at min_batch this way). A restarted worker gets in
+        once its old membership is declared lost; the worker retries for that long."""
+        taken = [w for w in self.members.ids_named(name) if self.members.records[w].instance != instance]
+        if name and taken:
+            raise JoinRefused("name_in_use", f"worker {taken[0]} of another process is called {name!r}; "
+                                             "the memory caps learned about a worker are kept by its name, "
+                                             "so two live workers cannot share one")
         min_batch = self.manager.min_batch
         if 0 < memory_fits < min_batch:
             raise JoinRefused("cannot_fit", f"this worker's memory holds {memory_fits} samples, fewer "

@@ -211,8 +211,7 @@ class Worker:
             finally:
                 self.memory.lift()  # threads started before training are not training's
         fits, fails = self.memory_probe or (0, 0)
-        welcome = self.client.join(self.name, self.cfg.job_digest(), str(self.device),
-                                   memory_fits=fits, memory_fails=fails)
+        welcome = self._join_when_name_is_free(fits, fails)
         self.worker_id = welcome.worker_id
         try:
             self._joined(welcome)
@@ -222,6 +221,25 @@ class Worker:
         log.info("worker %d (%s) joined at version %d on %s", self.worker_id, self.name,
                  welcome.version, self.device)
         return welcome
+
+    def _join_when_name_is_free(self, fits: int, fails: int) -> P.Welcome:
+        """Join; while a member of another process holds this worker's name (this worker's
+        previous process, not yet declared lost), wait for the coordinator to declare it lost
+        (its heartbeat timeout) and join again. Past twice that, the name belongs to a worker
+        that is alive: a configuration error, raised."""
+        deadline = time.monotonic() + 2 * self.cfg.heartbeat.timeout_s + 1.0
+        attempt = 0
+        while True:
+            try:
+                return self.client.join(self.name, self.cfg.job_digest(), str(self.device),
+                                        memory_fits=fits, memory_fails=fails)
+            except RemoteError as exc:
+                if exc.code != "name_in_use" or time.monotonic() > deadline:
+                    raise
+                delay = self.timeouts.rejoin.delay(attempt, self._jitter)
+                log.warning("%s; joining again in %.2fs", exc, delay)
+                time.sleep(delay)
+                attempt += 1
 
     def _joined(self, welcome: P.Welcome) -> None:
         """What a new membership needs before training: checks, the scenario, the records."""

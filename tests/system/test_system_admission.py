@@ -65,6 +65,9 @@ def test_a_join_past_x_over_min_batch_is_refused_and_the_run_goes_on(procs, tmp_
             with pytest.raises(RemoteError) as err:    # member 5: no split could give it a sample
                 extra[2].join("extra-2", cfg.job_digest(), "cpu")
             assert err.value.code == "job_full", err.value
+            with pytest.raises(RemoteError) as err:    # a live worker's name, with a probe to cap it
+                extra[2].join("worker-0", cfg.job_digest(), "cpu", memory_fits=1, memory_fails=2)
+            assert err.value.code == "name_in_use", err.value
             with pytest.raises(RemoteError) as err:    # names go into logs, records, checkpoints
                 extra[2].join("n" * 257, cfg.job_digest(), "cpu")
             assert err.value.code == "bad_join", err.value

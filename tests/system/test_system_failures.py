@@ -151,6 +151,34 @@ def test_worker_joins_mid_run_and_gets_a_share(procs, tmp_path):
     assert_exactly_once_per_epoch(updates, 2, 600)
 
 
+@pytest.mark.timeout(150)
+def test_a_worker_restarted_at_once_under_its_name_joins_when_its_old_membership_is_lost(procs, tmp_path):
+    """A worker's name keys what was learned about its memory, so no two live members share one
+    (``name_in_use``). A worker SIGKILLed and started again at once, under its name, is refused
+    while its old membership lives (heartbeat timeout 8 s here, longer than the new process
+    takes to start), waits, joins once the old one is declared lost, and the run ends."""
+    cfg_path, cfg = write_config(tmp_path, job(cluster={"num_workers": 2},
+                                               training={"max_iterations": 1_000_000, "max_seconds": 30},
+                                               heartbeat={"interval_s": 0.2, "timeout_s": 8.0}))
+    run = tmp_path / "run"
+    eps = start_servers(procs, cfg_path, 2, run)
+    workers = start_workers(procs, cfg_path, eps[0], 2, run)
+    wait_version(eps[0], 10)
+    os.kill(workers[1].proc.pid, signal.SIGKILL)
+    workers[1].proc.wait(timeout=10)
+    again = procs.start("worker-1b", "ps_worker.cli", ["--config", str(cfg_path), "--server", eps[0],
+                                                       "--run-dir", str(run), "--name", "worker-1"])
+    wait_exit([workers[0], again], timeout_s=120)
+    shards_exit(procs)
+    assert "name_in_use" in again.log_path.read_text(), again.tail()
+    consistent_end(run, 2)
+    updates, events = coordinator_records(run)
+    joins = [e["worker"] for e in events if e["event"] == "worker_joined" and e["name"] == "worker-1"]
+    assert len(joins) == 2, joins
+    assert any(joins[1] in r["accepted"] for r in updates), "the restarted worker never trained"
+    assert_exactly_once_per_epoch(updates, 2, 600)
+
+
 def test_a_worker_that_joins_again_replaces_itself(procs, tmp_path):
     """Two worker processes of a three-worker job wait so long for the start that their pulls time
     out and they join again: each still counts once, so the job does not start until a third

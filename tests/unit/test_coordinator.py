@@ -486,6 +486,25 @@ def test_joins_past_x_over_min_batch_are_refused_and_the_job_goes_on(sync):
         assert d.next_plan.workers == live and d.next_plan.batch_sizes == [1] * 60
 
 
+def test_a_name_a_live_member_of_another_process_has_is_refused_so_its_memory_cap_stays():
+    """Caps are kept by name: a second member under a live worker's name could set them."""
+    from ps_server.coordinator import JoinRefused
+
+    cfg = validate({"training": {"global_batch": 60, "max_iterations": 10}, "cluster": {"num_workers": 2}})
+    c = Coordinator(cfg, 1000, BatchSizeManager("uniform", 60, min_batch=4), BSP(), num_shards=S)
+    w = c.join("gpu-a", "i0", memory_fits=40, memory_fails=41)
+    cap = c.manager.memory_caps[w]
+    with pytest.raises(JoinRefused) as err:
+        c.join("gpu-a", "forger", memory_fits=4, memory_fails=5)
+    assert err.value.code == "name_in_use" and len(c.members) == 1
+    assert c.manager.memory_caps == {w: cap}
+    again = c.join("gpu-a", "i0")                 # the same process again replaces itself
+    assert len(c.members) == 1 and c.manager.memory_caps == {again: cap}
+    c.leave(again, "lost")
+    c.join("gpu-a", "i1")                         # a restart, once the old membership is gone
+    assert len(c.members) == 1
+
+
 def test_a_join_whose_memory_holds_fewer_than_min_batch_samples_is_refused():
     from ps_server.coordinator import JoinRefused
 
