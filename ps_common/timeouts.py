@@ -72,6 +72,9 @@ class Timeouts:
     """A goodbye on the way out; the heartbeat timeout covers a lost one."""
     rejoin: Backoff = field(default_factory=lambda: Backoff(initial_s=0.25, max_s=5.0, factor=2.0, jitter=0.2))
     """A dropped worker's wait before joining again, growing while the coordinator is away."""
+    name_in_use: Backoff = field(default_factory=lambda: Backoff(initial_s=0.25, max_s=1.0, factor=2.0, jitter=0.2))
+    """A restarted worker whose old membership (same name) is not declared lost yet: it joins
+    again within a second of that, while the heartbeat timeout runs."""
     plan_pending_backoff: Backoff = field(default_factory=lambda: Backoff(initial_s=0.005, max_s=0.2))
     """A follower that got a push before shard 0's plan for it (``plan_pending``): the push goes
     again after 5 ms, doubling to 0.2 s, until the pull's own deadline."""

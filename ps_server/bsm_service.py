@@ -202,8 +202,9 @@ class BatchSizeService:
                           f"min_batch={m.min_batch} cannot be split over more than {limit}")
         if m.is_live(w):
             self.rejoins += 1
-            log.info("worker %d joined again: a restart (or another process under its id); "
-                     "its previous token is void", w)
+            if self.rejoins <= 50 or self.rejoins % 1000 == 0:   # a flood of joins is not a flood of lines
+                log.info("worker %d joined again: a restart (or another process under its id); "
+                         "its previous token is void (%d rejoins so far)", w, self.rejoins)
         else:
             m.join(w)
         token = self._tokens[w] = secrets.token_hex(16)

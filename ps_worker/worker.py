@@ -236,7 +236,7 @@ class Worker:
             except RemoteError as exc:
                 if exc.code != "name_in_use" or time.monotonic() > deadline:
                     raise
-                delay = self.timeouts.rejoin.delay(attempt, self._jitter)
+                delay = self.timeouts.name_in_use.delay(attempt, self._jitter)
                 log.warning("%s; joining again in %.2fs", exc, delay)
                 time.sleep(delay)
                 attempt += 1

@@ -158,7 +158,7 @@ def test_a_worker_restarted_at_once_under_its_name_joins_when_its_old_membership
     while its old membership lives (heartbeat timeout 8 s here, longer than the new process
     takes to start), waits, joins once the old one is declared lost, and the run ends."""
     cfg_path, cfg = write_config(tmp_path, job(cluster={"num_workers": 2},
-                                               training={"max_iterations": 1_000_000, "max_seconds": 30},
+                                               training={"max_iterations": 1_000_000, "max_seconds": 18},
                                                heartbeat={"interval_s": 0.2, "timeout_s": 8.0}))
     run = tmp_path / "run"
     eps = start_servers(procs, cfg_path, 2, run)
