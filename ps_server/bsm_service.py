@@ -195,12 +195,13 @@ class BatchSizeService:
         self._fixed_world("bsm_join")
         w = _worker_id(msg.worker_id)
         m = self.manager
+        live = m.is_live(w)
         limit = m.global_batch // m.min_batch  # more workers than this can never be assigned
-        if not m.is_live(w) and len(m.live_workers) >= limit:
+        if not live and len(m.live_workers) >= limit:
             raise Refused("too_many_workers",
                           f"{len(m.live_workers)} workers are live; X={m.global_batch} with "
                           f"min_batch={m.min_batch} cannot be split over more than {limit}")
-        if m.is_live(w):
+        if live:
             self.rejoins += 1
             if self.rejoins <= 50 or self.rejoins % 1000 == 0:   # a flood of joins is not a flood of lines
                 log.info("worker %d joined again: a restart (or another process under its id); "

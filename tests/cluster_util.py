@@ -219,3 +219,32 @@ def joined_member(cfg: JobConfig, endpoint: str, name: str = "forger") -> Iterat
         if beat is not None:
             beat.stop()
         me.close()
+
+
+def small_checkpointing_job(tmp_path: Path, num_shards: int) -> JobConfig:
+    """An MLP on synthetic data that checkpoints every iteration: for shards run in this process."""
+    _, cfg = write_config(tmp_path, {
+        "model": {"name": "mlp"}, "data": {"dataset": "synthetic", "synthetic_train": 256, "synthetic_test": 64},
+        "training": {"global_batch": 32, "max_iterations": 5},
+        "cluster": {"num_shards": num_shards, "num_workers": 1}, "evaluator": {"enabled": False},
+        "checkpoint": {"every_iterations": 1},
+    })
+    return cfg
+
+
+@contextmanager
+def in_process_shard_0(cfg: JobConfig, run_dir: Path, **kw):
+    """Shard 0 in this process, in a ZeroMQ context of its own (a closed server's ZAP handler
+    leaves its inproc endpoint asynchronously, so a second server must not share it); closed
+    with its authenticator afterwards."""
+    from ps_common.security.authenticator import stop_authenticators
+    from ps_server.server import ShardServer
+
+    ctx = zmq.Context()
+    server = ShardServer(cfg, 0, ctx=ctx, run_dir=run_dir, **kw)
+    try:
+        yield server
+    finally:
+        server.close()
+        stop_authenticators(ctx)
+        ctx.destroy(linger=0)
