@@ -107,7 +107,8 @@ def _compute(seconds: float) -> None:
         pass
 
 
-def _ps_client(cfg, endpoint: str, iters: int, warmup: int, q, compute_s: float = 0.0) -> None:
+def _ps_client(cfg, endpoint: str, iters: int, warmup: int, q, compute_s: float = 0.0,
+               index: int = 0) -> None:
     from ps_common.report import Telemetry
     from ps_worker.client import ShardClients
 
@@ -115,7 +116,7 @@ def _ps_client(cfg, endpoint: str, iters: int, warmup: int, q, compute_s: float 
 
     c = ShardClients(zmq.Context.instance(), endpoint, timeout_s=120, connect_timeout_s=60,
                      security=cfg.security, role="worker")
-    w = c.join("bench", cfg.job_digest(), "cpu")
+    w = c.join(f"bench-{index}", cfg.job_digest(), "cpu")  # one name per live worker
     params = np.empty(w.num_params, dtype=np.float32)
     grads = np.random.default_rng(0).normal(scale=1e-3, size=w.num_params).astype(np.float32)
     res = c.pull(params, worker_id=w.worker_id, min_version=0)
@@ -152,8 +153,8 @@ def _run_ps(cfg, num_shards: int, num_workers: int, iters: int, warmup: int, no_
         q.get(timeout=120)
         servers.append(p)
     rq = ctx.Queue()
-    clients = [ctx.Process(target=_ps_client, args=(cfg, ep0, iters, warmup, rq, compute_s))
-               for _ in range(num_workers)]
+    clients = [ctx.Process(target=_ps_client, args=(cfg, ep0, iters, warmup, rq, compute_s, i))
+               for i in range(num_workers)]
     for p in clients:
         p.start()
     per_client = [rq.get(timeout=600) for _ in clients]
