@@ -34,7 +34,7 @@ from ps_common.frozen import fill, plain_defaults
 from ps_common.report import Telemetry
 
 MAGIC = b"LBPS"
-VERSION = 7
+VERSION = 8
 HEADER_PREFIX = MAGIC + bytes([VERSION])
 MAX_HEADER_BYTES = 1 << 20
 ALLOWED_DTYPES = frozenset({"<f4", "<f8", "<i8", "<i4", "|u1"})
@@ -284,6 +284,10 @@ class RegisterShard(Message):
     version: int = 0
     log_hash: str = ""
     resumed: bool = False
+    #: the follower's own checkpoints, oldest first, and the log hash each was written at: a
+    #: resumed follower goes back to the newest one whose history is shard 0's
+    checkpoint_versions: list[int] = field(default_factory=list)
+    checkpoint_hashes: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -296,6 +300,10 @@ class Registered(Message):
     version: int = 0
     plan: Union[Plan, None] = None
     stop_version: int = -1
+    #: how many rollbacks this coordinator has ordered: the follower echoes the last it applied
+    #: in its ShardSync, so that a beat sent before a rollback arrived is not taken for a
+    #: follower ahead of the coordinator
+    rollback_epoch: int = 0
 
 
 @dataclass
@@ -317,6 +325,7 @@ class ShardSync(Message):
     version: int = 0
     log_hash: str = ""
     entries: list[list[int]] = field(default_factory=list)
+    rollback_epoch: int = 0  # the last Rollback's (or Registered's) epoch this follower applied
 
 
 @dataclass
@@ -373,6 +382,10 @@ class Rollback(Message):
     TYPE: ClassVar[str] = "rollback"
     version: int = 0
     coordinator: str = ""  # sent by a restarted shard 0 to a follower's own socket: its new address
+    #: shard 0's log hash at ``version``: a follower whose checkpoint there holds another history
+    #: stops instead of restoring it ("": not checked)
+    log_hash: str = ""
+    epoch: int = 0         # the coordinator's rollback count with this one (see Registered)
 
 
 @dataclass

@@ -87,6 +87,18 @@ def checkpoint_meta(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from None
 
 
+def checkpoint_hashes(directory: str | Path, shard: int) -> list[tuple[int, str]]:
+    """(version, log hash) of this shard's readable checkpoints, oldest first: which history
+    each holds (two shards' checkpoints at one version with one hash hold the same state)."""
+    out = []
+    for v, path in list_checkpoints(directory, shard):
+        try:
+            out.append((v, str(checkpoint_meta(path).get("log_hash", ""))))
+        except CheckpointError as exc:
+            log.warning("%s", exc)
+    return out
+
+
 def drop_checkpoints_after(directory: str | Path, shard: int, version: int) -> list[int]:
     """Delete this shard's checkpoints above ``version``; the versions deleted. After a rollback to
     ``version`` they hold the abandoned history, and a later ``--resume`` (which takes the

@@ -19,7 +19,7 @@ import zmq
 
 from ps_common import protocol as P
 from ps_common.faults import fault
-from ps_server.checkpoint import CheckpointError
+from ps_server.checkpoint import CheckpointError, checkpoint_hashes
 from ps_server.control import CoordinatorLink
 from ps_server.coordinator import member_token
 from ps_server.pulls import PendingPull
@@ -48,6 +48,7 @@ class Follow:
         self._stop_reason = ""
         self.haves: list[list[int]] = []
         self.next_sync = 0.0
+        self.rollback_epoch = 0   # the coordinator's rollback count this shard has applied
         self.relink_to: str | None = None
         delay = fault("plan_delay")
         self._plan_delay_s = float(delay["seconds"]) if delay and int(delay["shard"]) == server.shard_id else 0.0
@@ -173,11 +174,14 @@ class Follow:
             self.link.close()
         self.link = CoordinatorLink(server.ctx, endpoint, security=self.cfg.security, hwm=self.cfg.transport.hwm,
                                     timeout_s=self.cfg.transport.timeout_s, timeouts=server.timeouts)
+        held = checkpoint_hashes(server.checkpoint_dir, server.shard_id) if server.checkpoint_dir else []
         reg = self.link.register(P.RegisterShard(
             shard=server.shard_id, endpoint=server.endpoint, job_digest=server.job_digest,
-            version=server.state.version, log_hash=server.state.log_hash, resumed=server.resumed),
+            version=server.state.version, log_hash=server.state.log_hash, resumed=server.resumed,
+            checkpoint_versions=[v for v, _ in held], checkpoint_hashes=[h for _, h in held]),
             self.cfg.transport.connect_timeout_s)
         self.member_key = reg.member_key
+        self.rollback_epoch = reg.rollback_epoch
         self.stop_version = reg.stop_version
         self._set_plan(reg.plan)
         self.next_sync = time.monotonic() + self.cfg.transport.shard_sync_s
@@ -193,7 +197,8 @@ class Follow:
                 self.stop_version, self._stop_reason = msg.version, msg.reason
                 self.server.pulls_changed()
             elif isinstance(msg, P.Rollback):
-                self._rollback(msg.version)
+                if msg.epoch >= self.rollback_epoch:   # older: a repeat of one applied before
+                    self._rollback(msg)
             elif isinstance(msg, P.Finish):
                 self.server.finish(msg.reason)
             elif isinstance(msg, P.Error) and msg.code == "unregistered":
@@ -211,7 +216,7 @@ class Follow:
         assert self.link is not None
         st = self.server.state
         self.link.send(P.ShardSync(shard=self.server.shard_id, version=st.version, log_hash=st.log_hash,
-                                   entries=st.holds()[:4096]))
+                                   entries=st.holds()[:4096], rollback_epoch=self.rollback_epoch))
         self.next_sync = time.monotonic() + self.cfg.transport.shard_sync_s
 
     def _plan_from_link(self, plan: P.Plan | None) -> None:
@@ -264,15 +269,18 @@ class Follow:
                              lr_scale=msg.lr_scale, samples=applied.samples, log_hash=applied.log_hash)
         tm.since("write_down", t0)
 
-    def _rollback(self, version: int) -> None:
+    def _rollback(self, msg: P.Rollback) -> None:
         try:
-            self.server.restore(version)
+            self.server.restore(msg.version, expect_log_hash=msg.log_hash)
         except CheckpointError as exc:
-            self.server.fail(f"cannot roll back: {exc}; stopping this shard to avoid inconsistent parameters")
+            self.server.fail(f"cannot roll back: {exc}; stopping this shard to avoid inconsistent parameters "
+                             "(restarted with --resume it goes back to a checkpoint of shard 0's history)")
+            return
+        self.rollback_epoch = msg.epoch
 
     def _on_rollback(self, ident: bytes, role: str, msg: P.Rollback) -> P.Message:
         """A restarted shard 0 (``--resume``) moves this follower back and to its new address."""
-        self._rollback(msg.version)
+        self._rollback(msg)
         self.relink_to = msg.coordinator or self.coordinator_endpoint
         self.coordinator_endpoint = self.relink_to
         return P.Ack(what="rollback")

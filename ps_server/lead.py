@@ -24,7 +24,7 @@ from ps_common.faults import fault
 from ps_common.metrics import MetricsWriter
 from ps_common.report import Telemetry
 from ps_ml.datasets import dataset_from_config
-from ps_server.checkpoint import list_checkpoints
+from ps_server.checkpoint import checkpoint_hashes
 from ps_server.control import Followers
 from ps_server.coordinator import CommitDecision, Coordinator, JoinRefused, NotReassigned
 from ps_server.pulls import PendingPull
@@ -65,6 +65,11 @@ class Lead:
                                      server.metrics_existing)
         self.stop_announced = False
         self.stop_time = 0.0
+        #: rollbacks ordered by this process, the last one, and since when each follower's beats
+        #: still carry an older count (see _on_shard_sync)
+        self.rollback_epoch = 0
+        self.last_rollback: P.Rollback | None = None
+        self.behind_rollback_since: dict[int, float] = {}
         self.checkpoint_next_commit = False
         self._stall_done = False
 
@@ -222,7 +227,8 @@ class Lead:
             conn = Connection(server.ctx, ep, role="shard", security=self.cfg.security,
                               timeout_s=server.timeouts.rollback_send_s)
             try:
-                conn.request(P.Rollback(version=server.state.version, coordinator=server.endpoint),
+                conn.request(P.Rollback(version=server.state.version, coordinator=server.endpoint,
+                                        log_hash=server.state.log_hash),
                              P.Ack, timeout_s=server.timeouts.rollback_reply_s)
             except Exception as exc:  # a follower that is gone registers when it is back
                 log.warning("shard %s at %s not told to roll back: %s", k, ep, exc)
@@ -457,24 +463,34 @@ class Lead:
             target = own
         elif msg.resumed:
             # Even at the same version the restarted shard lost the gradients it held: everyone
-            # goes back to a checkpoint they all have, and the workers join again.
-            common = self._common_checkpoints(min(own, msg.version))
+            # goes back to a checkpoint they all have, of one history (a follower that crashed
+            # before a rollback reached it may hold the abandoned history's files), and the
+            # workers join again.
+            if len(msg.checkpoint_versions) != len(msg.checkpoint_hashes):
+                raise Refused("bad_request", "checkpoint_versions and checkpoint_hashes differ in length")
+            theirs = dict(zip(msg.checkpoint_versions, msg.checkpoint_hashes))
+            common = self._common_checkpoints(min(own, msg.version), theirs)
             if common is None:
                 raise Refused("no_checkpoints", "the coordinator keeps no checkpoints to roll back to")
             if not common:
-                raise Refused("no_common_checkpoint", f"shard 0 has no checkpoint at or before version {msg.version}")
+                raise Refused("no_common_checkpoint",
+                              f"shard 0 has no checkpoint at or before version {msg.version} of the history "
+                              f"shard {msg.shard}'s checkpoints hold ({sorted(theirs)})")
             target = common[-1]
             self.rollback_all(target, f"shard {msg.shard} resumed from version {msg.version}")
         self.shard_endpoints[msg.shard] = msg.endpoint
         self.followers.register(msg.shard, ident, msg.endpoint, msg.version)
+        self.behind_rollback_since.pop(msg.shard, None)
         log.info("shard %d registered at %s (version %d)", msg.shard, msg.endpoint, msg.version)
         self.metrics.write(event="shard_registered", shard=msg.shard, endpoint=msg.endpoint,
                            version=msg.version, resumed=msg.resumed)
         server.router_reply(ident, P.Registered(member_key=coord.member_key, incarnation=server.incarnation,
                                                 version=server.state.version, plan=coord.current_plan(),
-                                                stop_version=coord.stop_version))
+                                                stop_version=coord.stop_version,
+                                                rollback_epoch=self.rollback_epoch))
         if target is not None and target != msg.version:   # after the reply it waits for
-            self.followers.send(msg.shard, P.Rollback(version=target))
+            self.followers.send(msg.shard, P.Rollback(version=target, log_hash=server.state.log_hash,
+                                                      epoch=self.rollback_epoch))
         if not msg.resumed:   # after the reply: what removing them commits goes to this shard too
             for w in coord.shard_started_empty(msg.shard):
                 self.remove_worker(w, f"its gradient was on shard {msg.shard}, which started again empty")
@@ -496,6 +512,10 @@ class Lead:
         """A follower's beat: catch it up, or roll it back when its history differs."""
         coord, st = self.coord, self.server.state
         self._follower(ident, msg.shard, msg.version)
+        if msg.rollback_epoch < self.rollback_epoch:
+            self._behind_rollback(msg.shard)
+            return None
+        self.behind_rollback_since.pop(msg.shard, None)
         if msg.version < st.version:
             missing = self.followers.commits_after(msg.version)
             if missing is None:
@@ -520,13 +540,28 @@ class Lead:
             self.followers.send(msg.shard, P.Stop(version=coord.stop_version, reason=coord.stop_reason))
         return None
 
-    def _common_checkpoints(self, at_most: int) -> list[int] | None:
+    def _behind_rollback(self, shard: int) -> None:
+        """A beat sent before the follower applied the last Rollback: its version and hash are
+        the abandoned history's, so it is neither caught up nor rolled back again (it applies
+        the Rollback next; the link keeps order). Beats that stay behind for two sync periods
+        mean the Rollback was lost with a dropped connection: it is sent again."""
+        now = time.monotonic()
+        since = self.behind_rollback_since.setdefault(shard, now)
+        if now - since > 2 * self.cfg.transport.shard_sync_s and self.last_rollback is not None:
+            log.warning("shard %d has not applied rollback %d: sending it again", shard, self.rollback_epoch)
+            self.followers.send(shard, self.last_rollback)
+            self.behind_rollback_since[shard] = now
+
+    def _common_checkpoints(self, at_most: int, theirs: dict[int, str] | None = None) -> list[int] | None:
+        """Shard 0's checkpoint versions up to ``at_most``; with ``theirs`` (a follower's
+        version -> log hash) only those the follower holds of the same history."""
         server = self.server
         if server.checkpoint_dir is None:
             return None
         if server.checkpointer is not None:
             server.checkpointer.flush()
-        return [v for v, _ in list_checkpoints(server.checkpoint_dir, 0) if v <= at_most]
+        return [v for v, h in checkpoint_hashes(server.checkpoint_dir, 0)
+                if v <= at_most and (theirs is None or theirs.get(v) == h)]
 
     def _realign(self, shard: int, version: int, why: str) -> None:
         """A follower whose history cannot be replayed: everyone back to a common checkpoint."""
@@ -542,4 +577,8 @@ class Lead:
         log.warning("rolling the job back to version %d: %s", version, reason)
         self.server.restore(version)
         self.metrics.write(event="rollback", version=version, reason=reason)
-        self.followers.broadcast(P.Rollback(version=version))
+        self.rollback_epoch += 1
+        self.last_rollback = P.Rollback(version=version, log_hash=self.server.state.log_hash,
+                                        epoch=self.rollback_epoch)
+        self.behind_rollback_since.clear()
+        self.followers.broadcast(self.last_rollback)

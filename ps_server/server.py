@@ -361,9 +361,11 @@ class ShardServer:
         self.last_checkpoint_time = time.monotonic()
         self.metrics.write(event="checkpoint", version=self.state.version, log_hash=self.state.log_hash)
 
-    def restore(self, version: int | None) -> dict:
+    def restore(self, version: int | None, expect_log_hash: str = "") -> dict:
         """Back to this shard's checkpoint at ``version`` (the newest if None); waiting pulls are
-        answered with ``rolled_back`` so their workers join again."""
+        answered with ``rolled_back`` so their workers join again. With ``expect_log_hash`` (shard
+        0's at that version) a checkpoint of another history raises CheckpointError and changes
+        nothing: restoring it would put this shard's parameters out of step with the others'."""
         assert self.checkpoint_dir is not None
         if self.checkpointer is not None:
             self.checkpointer.flush()
@@ -371,6 +373,9 @@ class ShardServer:
         arrays, meta = load_checkpoint(path)
         if meta.get("job_digest") != self.job_digest:
             raise CheckpointError(f"{path} belongs to another job (digest {meta.get('job_digest')})")
+        if expect_log_hash and meta.get("log_hash") != expect_log_hash:
+            raise CheckpointError(f"{path} holds another history than shard 0's at version {version} "
+                                  f"(log hash {meta.get('log_hash')} vs {expect_log_hash})")
         self.state.restore(arrays, meta)
         if version is not None and (dropped := drop_checkpoints_after(self.checkpoint_dir, self.shard_id, version)):
             self.metrics.write(event="checkpoints_dropped", versions=dropped)

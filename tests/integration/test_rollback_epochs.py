@@ -1,0 +1,189 @@
+"""Rollbacks between shard 0 and a follower, with a real shard 0 in this process and the
+follower's messages well-formed but written by hand (what a follower sends at the worst moment):
+
+- a beat (ShardSync) the follower sent before a Rollback reached it carries the abandoned
+  history's version; it must not be taken for a follower ahead of shard 0 (a second rollback);
+- a Rollback lost with a dropped connection is sent again;
+- a resumed follower goes back to the newest checkpoint both hold *of one history*, and a
+  follower never restores a checkpoint whose history is not shard 0's.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import zmq
+
+from ps_common import protocol as P
+from ps_common.security.authenticator import stop_authenticators
+from ps_common.transport import make_router, send
+from ps_server.checkpoint import CheckpointError
+from ps_server.router import Refused
+from ps_server.server import ShardServer
+from tests.cluster_util import in_process_shard_0, read_jsonl, small_checkpointing_job, write_config
+
+
+def _recording(server: ShardServer) -> list[P.Message]:
+    """Every message shard 0 sends from now on (to the follower or as a reply)."""
+    sent: list[P.Message] = []
+
+    def record(ident: bytes, msg: P.Message) -> bool:
+        sent.append(msg)
+        return True
+    server.router_reply = record                 # type: ignore[method-assign]
+    server.role.followers._send = record
+    return sent
+
+
+def _checkpoints(server: ShardServer, histories: dict[int, str]) -> None:
+    """Shard 0's checkpoints at these versions, each written with this log hash."""
+    for v, h in sorted(histories.items()):
+        server.state.version, server.state.log_hash = v, h
+        server.write_checkpoint()
+    server.checkpointer.flush()
+
+
+def _register(server: ShardServer, **kw) -> tuple[P.Registered, list[P.Message]]:
+    """Follower 1 registers; shard 0's reply, and everything it sent."""
+    sent = _recording(server)
+    server.role._on_register_shard(b"follower-1", "shard", P.RegisterShard(
+        shard=1, endpoint="tcp://127.0.0.1:9", job_digest=server.job_digest, **kw))
+    (reg,) = [m for m in sent if isinstance(m, P.Registered)]
+    return reg, sent
+
+
+def _sync(server: ShardServer, **kw) -> None:
+    server.role._on_shard_sync(b"follower-1", "shard", P.ShardSync(shard=1, **kw))
+
+
+def test_a_beat_sent_before_the_rollback_arrived_does_not_roll_the_job_back_again(tmp_path):
+    cfg = small_checkpointing_job(tmp_path, num_shards=2)
+    with in_process_shard_0(cfg, tmp_path / "run") as s0:
+        reg, _ = _register(s0, version=0, log_hash=s0.state.log_hash)
+        assert reg.rollback_epoch == 0
+        _checkpoints(s0, {10: "a10", 20: "a20"})
+        s0.state.version, s0.state.log_hash = 30, "a30"
+        sent = _recording(s0)
+        s0.role.rollback_all(10, "a follower diverged")
+        (rb,) = [m for m in sent if isinstance(m, P.Rollback)]
+        assert (rb.version, rb.log_hash, rb.epoch) == (10, "a10", 1)
+
+        _sync(s0, version=30, log_hash="a30", rollback_epoch=0)   # in flight when shard 0 rolled back
+        assert s0.role.rollback_epoch == 1 and s0.state.version == 10, "a second rollback"
+        assert not [m for m in sent[1:] if isinstance(m, P.Rollback)]
+
+        _sync(s0, version=10, log_hash="a10", rollback_epoch=1)   # the follower applied it
+        assert s0.role.rollback_epoch == 1 and s0.state.version == 10
+        assert not [m for m in sent[1:] if isinstance(m, P.Rollback)]
+
+
+def test_a_rollback_lost_on_the_way_is_sent_again_to_that_follower(tmp_path):
+    cfg = small_checkpointing_job(tmp_path, num_shards=2)
+    with in_process_shard_0(cfg, tmp_path / "run") as s0:
+        _register(s0, version=0, log_hash=s0.state.log_hash)
+        _checkpoints(s0, {10: "a10"})
+        s0.state.version = 12
+        s0.role.rollback_all(10, "a follower diverged")
+        sent = _recording(s0)
+        _sync(s0, version=12, log_hash="a12", rollback_epoch=0)
+        assert not [m for m in sent if isinstance(m, P.Rollback)], "one beat late: still in flight"
+        s0.role.behind_rollback_since[1] = time.monotonic() - 3 * cfg.transport.shard_sync_s
+        _sync(s0, version=12, log_hash="a12", rollback_epoch=0)
+        (again,) = [m for m in sent if isinstance(m, P.Rollback)]
+        assert (again.version, again.log_hash, again.epoch) == (10, "a10", 1)
+        assert s0.role.rollback_epoch == 1, "only that follower is told again: no new rollback"
+
+
+def test_a_resumed_follower_goes_back_to_the_newest_checkpoint_of_shard_0s_history(tmp_path):
+    # The follower crashed before a rollback to 10 reached it, so it still holds the abandoned
+    # history's 20 and 30; shard 0 went on and wrote its own 20.
+    cfg = small_checkpointing_job(tmp_path, num_shards=2)
+    with in_process_shard_0(cfg, tmp_path / "run") as s0:
+        _checkpoints(s0, {10: "a10", 20: "b20"})
+        s0.state.version, s0.state.log_hash = 24, "b24"
+        reg, sent = _register(s0, version=30, log_hash="a30", resumed=True,
+                              checkpoint_versions=[10, 20, 30], checkpoint_hashes=["a10", "a20", "a30"])
+        assert s0.state.version == 10, "shard 0 went back to 10, not to its 20 of another history"
+        (rb,) = [m for m in sent if isinstance(m, P.Rollback)]
+        assert (rb.version, rb.log_hash) == (10, "a10")
+        assert rb.epoch == reg.rollback_epoch == s0.role.rollback_epoch == 1, "the follower applies it"
+
+        with pytest.raises(Refused, match="of the history") as refused:   # nothing in common
+            _register(s0, version=30, log_hash="c30", resumed=True,
+                      checkpoint_versions=[10, 30], checkpoint_hashes=["c10", "c30"])
+        assert refused.value.code == "no_common_checkpoint"
+        assert s0.state.version == 10 and s0.role.rollback_epoch == 1, "a refusal changes nothing"
+
+
+def test_a_checkpoint_of_another_history_is_not_restored(tmp_path):
+    cfg = small_checkpointing_job(tmp_path, num_shards=1)
+    with in_process_shard_0(cfg, tmp_path / "run") as s0:
+        _checkpoints(s0, {10: "a10"})
+        s0.state.version, s0.state.log_hash = 15, "a15"
+        with pytest.raises(CheckpointError, match="another history"):
+            s0.restore(10, expect_log_hash="b10")
+        assert (s0.state.version, s0.state.log_hash) == (15, "a15"), "nothing restored"
+        s0.restore(10, expect_log_hash="a10")
+        assert (s0.state.version, s0.state.log_hash) == (10, "a10")
+
+
+def _recv(sock: zmq.Socket, kind: type, timeout_s: float = 20.0, where=lambda m: True) -> tuple[bytes, P.Message]:
+    """The next message of ``kind`` (that satisfies ``where``) the follower sends; others skipped."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if sock.poll(100):
+            ident, *frames = sock.recv_multipart()
+            msg = P.decode(frames)
+            if isinstance(msg, kind) and where(msg):
+                return ident, msg
+    raise AssertionError(f"no {kind.__name__} from the follower within {timeout_s}s")
+
+
+def test_a_real_follower_echoes_the_rollback_it_applied_and_refuses_another_history(tmp_path):
+    """A real follower shard against a coordinator socket driven by hand: it reports its
+    checkpoints and their hashes, echoes the epoch of the last rollback it applied in its beats,
+    and stops rather than restore a checkpoint whose history is not shard 0's."""
+    _, cfg = write_config(tmp_path, {
+        "model": {"name": "mlp"}, "data": {"dataset": "synthetic", "synthetic_train": 256, "synthetic_test": 64},
+        "training": {"global_batch": 32, "max_iterations": 5}, "evaluator": {"enabled": False},
+        "cluster": {"num_shards": 2, "num_workers": 1}, "checkpoint": {"every_iterations": 1},
+        "transport": {"shard_sync_s": 0.1},
+    })
+    ctx = zmq.Context()
+    coord, endpoint = make_router(ctx, "tcp://127.0.0.1:*", security=cfg.security)   # shard 0's socket
+    s1 = ShardServer(cfg, 1, coordinator=endpoint, ctx=ctx, run_dir=tmp_path / "run")
+    s1.state.version, s1.state.log_hash = 10, "h10"
+    s1.write_checkpoint()
+    s1.checkpointer.flush()
+    s1.state.version, s1.state.log_hash = 12, "h12"
+    loop = threading.Thread(target=s1.run, daemon=True)
+    loop.start()
+    try:
+        ident, reg = _recv(coord, P.RegisterShard)
+        assert (reg.checkpoint_versions, reg.checkpoint_hashes) == ([10], ["h10"])
+        send(coord, P.Registered(member_key="00" * 16, incarnation="i", version=12, rollback_epoch=3), ident)
+        _, beat = _recv(coord, P.ShardSync)
+        assert (beat.version, beat.rollback_epoch) == (12, 3), "the epoch of its registration"
+
+        send(coord, P.Rollback(version=10, log_hash="h10", epoch=4), ident)
+        _, beat = _recv(coord, P.ShardSync, where=lambda m: m.version == 10)
+        assert beat.rollback_epoch == 4 and beat.log_hash == "h10"
+
+        send(coord, P.Rollback(version=10, log_hash="h10", epoch=2), ident)   # a late repeat of an older one
+        send(coord, P.Rollback(version=10, log_hash="another", epoch=5), ident)
+        loop.join(timeout=20)
+        assert not loop.is_alive(), "a follower told to restore another history kept running"
+        assert s1.exit_code == 3 and (s1.state.version, s1.state.log_hash) == (10, "h10")
+        s1.metrics.close()
+        records = read_jsonl(tmp_path / "run" / "metrics" / "shard-1.jsonl")
+        restored = [r for r in records if r.get("event") == "restored"]
+        assert len(restored) == 1, "the repeat of an older rollback was applied again"
+    finally:
+        s1.stop_event.set()
+        loop.join(timeout=20)
+        s1.close()
+        coord.close()
+        stop_authenticators(ctx)
+        ctx.destroy(linger=0)
