@@ -300,9 +300,10 @@ class Registered(Message):
     version: int = 0
     plan: Union[Plan, None] = None
     stop_version: int = -1
-    #: how many rollbacks this coordinator has ordered: the follower echoes the last it applied
-    #: in its ShardSync, so that a beat sent before a rollback arrived is not taken for a
-    #: follower ahead of the coordinator
+    #: the number of the last Rollback the coordinator sent (any follower): every Rollback this
+    #: follower receives after this reply has a higher one. The follower echoes the last it
+    #: applied in its ShardSync, so that a beat sent before a Rollback arrived is not taken for
+    #: a follower ahead of the coordinator
     rollback_epoch: int = 0
 
 
@@ -385,7 +386,7 @@ class Rollback(Message):
     #: shard 0's log hash at ``version``: a follower whose checkpoint there holds another history
     #: stops instead of restoring it ("": not checked)
     log_hash: str = ""
-    epoch: int = 0         # the coordinator's rollback count with this one (see Registered)
+    epoch: int = 0         # this Rollback's number: higher than any sent before (see Registered)
 
 
 @dataclass

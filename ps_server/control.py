@@ -108,6 +108,15 @@ class Follower:
     endpoint: str
     version: int = 0
     last_seen: float = 0.0
+    #: the rollback epoch its registration gave it, the last Rollback sent to it since, and since
+    #: when its beats have carried an older epoch than that (see Lead._on_shard_sync)
+    epoch_floor: int = 0
+    rollback: P.Rollback | None = None
+    behind_since: float | None = None
+
+    def rollback_epoch(self) -> int:
+        """The epoch this follower's beats carry once it has applied what it was sent."""
+        return self.rollback.epoch if self.rollback is not None else self.epoch_floor
 
 
 class Followers:
@@ -119,8 +128,8 @@ class Followers:
         self.log: deque[P.Commit] = deque(maxlen=COMMIT_LOG)
         self.undelivered = 0
 
-    def register(self, shard: int, ident: bytes, endpoint: str, version: int) -> None:
-        self.peers[shard] = Follower(shard, ident, endpoint, version, time.monotonic())
+    def register(self, shard: int, ident: bytes, endpoint: str, version: int, epoch_floor: int = 0) -> None:
+        self.peers[shard] = Follower(shard, ident, endpoint, version, time.monotonic(), epoch_floor)
 
     def seen(self, shard: int, ident: bytes, version: int | None = None) -> Follower | None:
         """A message from follower ``shard`` arrived on ``ident`` (its connection may be new)."""

@@ -174,6 +174,8 @@ class Follow:
             self.link.close()
         self.link = CoordinatorLink(server.ctx, endpoint, security=self.cfg.security, hwm=self.cfg.transport.hwm,
                                     timeout_s=self.cfg.transport.timeout_s, timeouts=server.timeouts)
+        if server.checkpointer is not None:
+            server.checkpointer.flush()
         held = checkpoint_hashes(server.checkpoint_dir, server.shard_id) if server.checkpoint_dir else []
         reg = self.link.register(P.RegisterShard(
             shard=server.shard_id, endpoint=server.endpoint, job_digest=server.job_digest,
@@ -197,8 +199,10 @@ class Follow:
                 self.stop_version, self._stop_reason = msg.version, msg.reason
                 self.server.pulls_changed()
             elif isinstance(msg, P.Rollback):
-                if msg.epoch >= self.rollback_epoch:   # older: a repeat of one applied before
-                    self._rollback(msg)
+                # Each Rollback shard 0 sends is newer than the epoch of our registration and of
+                # the Rollbacks before it; one that is not is a repeat of one applied already.
+                if msg.epoch > self.rollback_epoch and self._rollback(msg):
+                    self.rollback_epoch = msg.epoch
             elif isinstance(msg, P.Finish):
                 self.server.finish(msg.reason)
             elif isinstance(msg, P.Error) and msg.code == "unregistered":
@@ -269,17 +273,18 @@ class Follow:
                              lr_scale=msg.lr_scale, samples=applied.samples, log_hash=applied.log_hash)
         tm.since("write_down", t0)
 
-    def _rollback(self, msg: P.Rollback) -> None:
+    def _rollback(self, msg: P.Rollback) -> bool:
         try:
             self.server.restore(msg.version, expect_log_hash=msg.log_hash)
         except CheckpointError as exc:
             self.server.fail(f"cannot roll back: {exc}; stopping this shard to avoid inconsistent parameters "
                              "(restarted with --resume it goes back to a checkpoint of shard 0's history)")
-            return
-        self.rollback_epoch = msg.epoch
+            return False
+        return True
 
     def _on_rollback(self, ident: bytes, role: str, msg: P.Rollback) -> P.Message:
-        """A restarted shard 0 (``--resume``) moves this follower back and to its new address."""
+        """A restarted shard 0 (``--resume``) moves this follower back and to its new address
+        (whatever its epoch: the registration that follows gives this shard the new process's)."""
         self._rollback(msg)
         self.relink_to = msg.coordinator or self.coordinator_endpoint
         self.coordinator_endpoint = self.relink_to

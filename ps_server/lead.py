@@ -25,7 +25,7 @@ from ps_common.metrics import MetricsWriter
 from ps_common.report import Telemetry
 from ps_ml.datasets import dataset_from_config
 from ps_server.checkpoint import checkpoint_hashes
-from ps_server.control import Followers
+from ps_server.control import Follower, Followers
 from ps_server.coordinator import CommitDecision, Coordinator, JoinRefused, NotReassigned
 from ps_server.pulls import PendingPull
 from ps_server.router import Refused
@@ -65,11 +65,10 @@ class Lead:
                                      server.metrics_existing)
         self.stop_announced = False
         self.stop_time = 0.0
-        #: rollbacks ordered by this process, the last one, and since when each follower's beats
-        #: still carry an older count (see _on_shard_sync)
-        self.rollback_epoch = 0
-        self.last_rollback: P.Rollback | None = None
-        self.behind_rollback_since: dict[int, float] = {}
+        #: the number of the last Rollback sent to a follower; it starts at the clock's
+        #: milliseconds, so a restarted shard 0 counts on above its previous process and the beats
+        #: queued for that process are told from its own followers' (see _on_shard_sync)
+        self.rollback_epoch = int(time.time() * 1000)
         self.checkpoint_next_commit = False
         self._stall_done = False
 
@@ -479,8 +478,7 @@ class Lead:
             target = common[-1]
             self.rollback_all(target, f"shard {msg.shard} resumed from version {msg.version}")
         self.shard_endpoints[msg.shard] = msg.endpoint
-        self.followers.register(msg.shard, ident, msg.endpoint, msg.version)
-        self.behind_rollback_since.pop(msg.shard, None)
+        self.followers.register(msg.shard, ident, msg.endpoint, msg.version, self.rollback_epoch)
         log.info("shard %d registered at %s (version %d)", msg.shard, msg.endpoint, msg.version)
         self.metrics.write(event="shard_registered", shard=msg.shard, endpoint=msg.endpoint,
                            version=msg.version, resumed=msg.resumed)
@@ -489,8 +487,7 @@ class Lead:
                                                 stop_version=coord.stop_version,
                                                 rollback_epoch=self.rollback_epoch))
         if target is not None and target != msg.version:   # after the reply it waits for
-            self.followers.send(msg.shard, P.Rollback(version=target, log_hash=server.state.log_hash,
-                                                      epoch=self.rollback_epoch))
+            self._order_rollback(target, [msg.shard])
         if not msg.resumed:   # after the reply: what removing them commits goes to this shard too
             for w in coord.shard_started_empty(msg.shard):
                 self.remove_worker(w, f"its gradient was on shard {msg.shard}, which started again empty")
@@ -511,11 +508,13 @@ class Lead:
     def _on_shard_sync(self, ident: bytes, role: str, msg: P.ShardSync) -> None:
         """A follower's beat: catch it up, or roll it back when its history differs."""
         coord, st = self.coord, self.server.state
-        self._follower(ident, msg.shard, msg.version)
-        if msg.rollback_epoch < self.rollback_epoch:
-            self._behind_rollback(msg.shard)
+        peer = self.followers.peers.get(msg.shard)
+        if peer is not None and msg.rollback_epoch < peer.rollback_epoch():
+            self._behind_rollback(ident, peer)   # before seen(): its connection may be a dead one
             return None
-        self.behind_rollback_since.pop(msg.shard, None)
+        self._follower(ident, msg.shard, msg.version)
+        if peer is not None:
+            peer.behind_since = None
         if msg.version < st.version:
             missing = self.followers.commits_after(msg.version)
             if missing is None:
@@ -540,17 +539,32 @@ class Lead:
             self.followers.send(msg.shard, P.Stop(version=coord.stop_version, reason=coord.stop_reason))
         return None
 
-    def _behind_rollback(self, shard: int) -> None:
-        """A beat sent before the follower applied the last Rollback: its version and hash are
-        the abandoned history's, so it is neither caught up nor rolled back again (it applies
-        the Rollback next; the link keeps order). Beats that stay behind for two sync periods
-        mean the Rollback was lost with a dropped connection: it is sent again."""
+    def _behind_rollback(self, ident: bytes, peer: Follower) -> None:
+        """A beat sent before the follower applied the last Rollback sent to it (or queued for a
+        previous shard 0): its version and hash are an abandoned history's, so it is neither
+        caught up nor taken for a follower ahead (which would roll the job back again); the
+        follower applies the Rollback next, as the link keeps order. Beats that stay behind for
+        two sync periods mean the Rollback was lost with a dropped connection: it is sent again,
+        to the connection the beat came on (a repeat the follower has applied, it ignores)."""
         now = time.monotonic()
-        since = self.behind_rollback_since.setdefault(shard, now)
-        if now - since > 2 * self.cfg.transport.shard_sync_s and self.last_rollback is not None:
-            log.warning("shard %d has not applied rollback %d: sending it again", shard, self.rollback_epoch)
-            self.followers.send(shard, self.last_rollback)
-            self.behind_rollback_since[shard] = now
+        if peer.behind_since is None:
+            peer.behind_since = now
+        elif now - peer.behind_since > 2 * self.cfg.transport.shard_sync_s and peer.rollback is not None:
+            log.warning("shard %d has not applied rollback %d: sending it again", peer.shard, peer.rollback.epoch)
+            if not self.server.router_reply(ident, peer.rollback):
+                self.followers.undelivered += 1
+            peer.behind_since = now
+
+    def _order_rollback(self, version: int, shards: list[int]) -> None:
+        """Send these followers back to ``version`` (shard 0's state is there now), under a new
+        epoch: each Rollback a follower receives is newer than the last it applied, or a repeat."""
+        self.rollback_epoch += 1
+        msg = P.Rollback(version=version, log_hash=self.server.state.log_hash, epoch=self.rollback_epoch)
+        for k in shards:
+            peer = self.followers.peers.get(k)
+            if peer is not None:
+                peer.rollback, peer.behind_since = msg, None
+                self.followers.send(k, msg)
 
     def _common_checkpoints(self, at_most: int, theirs: dict[int, str] | None = None) -> list[int] | None:
         """Shard 0's checkpoint versions up to ``at_most``; with ``theirs`` (a follower's
@@ -561,7 +575,7 @@ class Lead:
         if server.checkpointer is not None:
             server.checkpointer.flush()
         return [v for v, h in checkpoint_hashes(server.checkpoint_dir, 0)
-                if v <= at_most and (theirs is None or theirs.get(v) == h)]
+                if v <= at_most and (theirs is None or (h != "" and theirs.get(v) == h))]
 
     def _realign(self, shard: int, version: int, why: str) -> None:
         """A follower whose history cannot be replayed: everyone back to a common checkpoint."""
@@ -577,8 +591,4 @@ class Lead:
         log.warning("rolling the job back to version %d: %s", version, reason)
         self.server.restore(version)
         self.metrics.write(event="rollback", version=version, reason=reason)
-        self.rollback_epoch += 1
-        self.last_rollback = P.Rollback(version=version, log_hash=self.server.state.log_hash,
-                                        epoch=self.rollback_epoch)
-        self.behind_rollback_since.clear()
-        self.followers.broadcast(self.last_rollback)
+        self._order_rollback(version, list(self.followers.peers))

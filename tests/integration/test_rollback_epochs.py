@@ -3,7 +3,8 @@ follower's messages well-formed but written by hand (what a follower sends at th
 
 - a beat (ShardSync) the follower sent before a Rollback reached it carries the abandoned
   history's version; it must not be taken for a follower ahead of shard 0 (a second rollback);
-- a Rollback lost with a dropped connection is sent again;
+- a Rollback lost with a dropped connection is sent again, and one a follower applied already
+  (or an older one) is not applied twice;
 - a resumed follower goes back to the newest checkpoint both hold *of one history*, and a
   follower never restores a checkpoint whose history is not shard 0's.
 """
@@ -18,23 +19,30 @@ import zmq
 
 from ps_common import protocol as P
 from ps_common.security.authenticator import stop_authenticators
-from ps_common.transport import make_router, send
+from ps_common.transport import Connection, make_router, send
 from ps_server.checkpoint import CheckpointError
 from ps_server.router import Refused
 from ps_server.server import ShardServer
 from tests.cluster_util import in_process_shard_0, read_jsonl, small_checkpointing_job, write_config
 
+Sent = list[tuple[bytes, P.Message]]
 
-def _recording(server: ShardServer) -> list[P.Message]:
-    """Every message shard 0 sends from now on (to the follower or as a reply)."""
-    sent: list[P.Message] = []
+
+def _recording(server: ShardServer) -> Sent:
+    """Every message shard 0 sends from now on (to a follower or as a reply), with the
+    connection it goes to."""
+    sent: Sent = []
 
     def record(ident: bytes, msg: P.Message) -> bool:
-        sent.append(msg)
+        sent.append((ident, msg))
         return True
     server.router_reply = record                 # type: ignore[method-assign]
     server.role.followers._send = record
     return sent
+
+
+def _rollbacks(sent: Sent) -> list[tuple[bytes, P.Rollback]]:
+    return [(i, m) for i, m in sent if isinstance(m, P.Rollback)]
 
 
 def _checkpoints(server: ShardServer, histories: dict[int, str]) -> None:
@@ -45,55 +53,62 @@ def _checkpoints(server: ShardServer, histories: dict[int, str]) -> None:
     server.checkpointer.flush()
 
 
-def _register(server: ShardServer, **kw) -> tuple[P.Registered, list[P.Message]]:
-    """Follower 1 registers; shard 0's reply, and everything it sent."""
+def _register(server: ShardServer, shard: int = 1, **kw) -> tuple[P.Registered, Sent]:
+    """Follower ``shard`` registers (its connection is named after it); shard 0's reply, and
+    everything it sent."""
     sent = _recording(server)
-    server.role._on_register_shard(b"follower-1", "shard", P.RegisterShard(
-        shard=1, endpoint="tcp://127.0.0.1:9", job_digest=server.job_digest, **kw))
-    (reg,) = [m for m in sent if isinstance(m, P.Registered)]
+    server.role._on_register_shard(f"follower-{shard}".encode(), "shard", P.RegisterShard(
+        shard=shard, endpoint=f"tcp://127.0.0.1:{9 + shard}", job_digest=server.job_digest, **kw))
+    (reg,) = [m for _, m in sent if isinstance(m, P.Registered)]
     return reg, sent
 
 
-def _sync(server: ShardServer, **kw) -> None:
-    server.role._on_shard_sync(b"follower-1", "shard", P.ShardSync(shard=1, **kw))
+def _sync(server: ShardServer, shard: int = 1, **kw) -> None:
+    server.role._on_shard_sync(f"follower-{shard}".encode(), "shard", P.ShardSync(shard=shard, **kw))
 
 
 def test_a_beat_sent_before_the_rollback_arrived_does_not_roll_the_job_back_again(tmp_path):
     cfg = small_checkpointing_job(tmp_path, num_shards=2)
     with in_process_shard_0(cfg, tmp_path / "run") as s0:
         reg, _ = _register(s0, version=0, log_hash=s0.state.log_hash)
-        assert reg.rollback_epoch == 0
+        e = reg.rollback_epoch
         _checkpoints(s0, {10: "a10", 20: "a20"})
         s0.state.version, s0.state.log_hash = 30, "a30"
         sent = _recording(s0)
         s0.role.rollback_all(10, "a follower diverged")
-        (rb,) = [m for m in sent if isinstance(m, P.Rollback)]
-        assert (rb.version, rb.log_hash, rb.epoch) == (10, "a10", 1)
+        ((_, rb),) = _rollbacks(sent)
+        assert (rb.version, rb.log_hash, rb.epoch) == (10, "a10", e + 1)
 
-        _sync(s0, version=30, log_hash="a30", rollback_epoch=0)   # in flight when shard 0 rolled back
-        assert s0.role.rollback_epoch == 1 and s0.state.version == 10, "a second rollback"
-        assert not [m for m in sent[1:] if isinstance(m, P.Rollback)]
+        _sync(s0, version=30, log_hash="a30", rollback_epoch=e)   # in flight when shard 0 rolled back
+        assert s0.role.rollback_epoch == e + 1 and s0.state.version == 10, "a second rollback"
+        assert len(_rollbacks(sent)) == 1
 
-        _sync(s0, version=10, log_hash="a10", rollback_epoch=1)   # the follower applied it
-        assert s0.role.rollback_epoch == 1 and s0.state.version == 10
-        assert not [m for m in sent[1:] if isinstance(m, P.Rollback)]
+        _sync(s0, version=10, log_hash="a10", rollback_epoch=e + 1)   # the follower applied it
+        assert s0.role.rollback_epoch == e + 1 and s0.state.version == 10
+        assert len(_rollbacks(sent)) == 1
 
 
-def test_a_rollback_lost_on_the_way_is_sent_again_to_that_follower(tmp_path):
-    cfg = small_checkpointing_job(tmp_path, num_shards=2)
+def test_a_rollback_lost_on_the_way_is_sent_again_to_that_follower_only(tmp_path):
+    cfg = small_checkpointing_job(tmp_path, num_shards=3)
     with in_process_shard_0(cfg, tmp_path / "run") as s0:
-        _register(s0, version=0, log_hash=s0.state.log_hash)
+        reg, _ = _register(s0, 1, version=0, log_hash=s0.state.log_hash)
+        _register(s0, 2, version=0, log_hash=s0.state.log_hash)
+        e = reg.rollback_epoch
         _checkpoints(s0, {10: "a10"})
         s0.state.version = 12
         s0.role.rollback_all(10, "a follower diverged")
         sent = _recording(s0)
-        _sync(s0, version=12, log_hash="a12", rollback_epoch=0)
-        assert not [m for m in sent if isinstance(m, P.Rollback)], "one beat late: still in flight"
-        s0.role.behind_rollback_since[1] = time.monotonic() - 3 * cfg.transport.shard_sync_s
-        _sync(s0, version=12, log_hash="a12", rollback_epoch=0)
-        (again,) = [m for m in sent if isinstance(m, P.Rollback)]
-        assert (again.version, again.log_hash, again.epoch) == (10, "a10", 1)
-        assert s0.role.rollback_epoch == 1, "only that follower is told again: no new rollback"
+        _sync(s0, 2, version=10, log_hash="a10", rollback_epoch=e + 1)    # follower 2 applied it
+        _sync(s0, 1, version=12, log_hash="a12", rollback_epoch=e)
+        assert not _rollbacks(sent), "one beat late: still in flight"
+        peer = s0.role.followers.peers[1]
+        peer.behind_since = time.monotonic() - 3 * cfg.transport.shard_sync_s
+        _sync(s0, 1, version=12, log_hash="a12", rollback_epoch=e)
+        ((to, again),) = _rollbacks(sent)
+        assert to == b"follower-1" and (again.version, again.log_hash, again.epoch) == (10, "a10", e + 1)
+        assert s0.role.rollback_epoch == e + 1, "no new rollback"
+        _sync(s0, 1, version=10, log_hash="a10", rollback_epoch=e + 1)
+        assert peer.behind_since is None, "applied: no longer behind"
 
 
 def test_a_resumed_follower_goes_back_to_the_newest_checkpoint_of_shard_0s_history(tmp_path):
@@ -106,15 +121,16 @@ def test_a_resumed_follower_goes_back_to_the_newest_checkpoint_of_shard_0s_histo
         reg, sent = _register(s0, version=30, log_hash="a30", resumed=True,
                               checkpoint_versions=[10, 20, 30], checkpoint_hashes=["a10", "a20", "a30"])
         assert s0.state.version == 10, "shard 0 went back to 10, not to its 20 of another history"
-        (rb,) = [m for m in sent if isinstance(m, P.Rollback)]
+        ((_, rb),) = _rollbacks(sent)
         assert (rb.version, rb.log_hash) == (10, "a10")
-        assert rb.epoch == reg.rollback_epoch == s0.role.rollback_epoch == 1, "the follower applies it"
+        assert rb.epoch == reg.rollback_epoch + 1, "newer than its registration: the follower applies it"
 
+        epoch = s0.role.rollback_epoch
         with pytest.raises(Refused, match="of the history") as refused:   # nothing in common
             _register(s0, version=30, log_hash="c30", resumed=True,
                       checkpoint_versions=[10, 30], checkpoint_hashes=["c10", "c30"])
         assert refused.value.code == "no_common_checkpoint"
-        assert s0.state.version == 10 and s0.role.rollback_epoch == 1, "a refusal changes nothing"
+        assert s0.state.version == 10 and s0.role.rollback_epoch == epoch, "a refusal changes nothing"
 
 
 def test_a_checkpoint_of_another_history_is_not_restored(tmp_path):
@@ -127,6 +143,35 @@ def test_a_checkpoint_of_another_history_is_not_restored(tmp_path):
         assert (s0.state.version, s0.state.log_hash) == (15, "a15"), "nothing restored"
         s0.restore(10, expect_log_hash="a10")
         assert (s0.state.version, s0.state.log_hash) == (10, "a10")
+
+
+def test_a_restarted_shard_0_sends_each_follower_its_history_with_the_rollback(tmp_path):
+    cfg = small_checkpointing_job(tmp_path, num_shards=2)
+    ctx = zmq.Context()
+    follower, endpoint = make_router(ctx, "tcp://127.0.0.1:*", security=cfg.security)  # its own socket
+    got: list[P.Message] = []
+
+    def answer() -> None:
+        if follower.poll(30_000):
+            ident, *frames = follower.recv_multipart()
+            got.append(P.decode(frames))
+            send(follower, P.Ack(what="rollback"), ident)
+    try:
+        with in_process_shard_0(cfg, tmp_path / "run") as first:
+            first.role.shard_endpoints[1] = endpoint
+            _checkpoints(first, {10: "a10"})
+        replier = threading.Thread(target=answer, daemon=True)
+        replier.start()
+        with in_process_shard_0(cfg, tmp_path / "run", resume="auto") as again:
+            replier.join(timeout=30)
+            assert again.resumed
+        (rb,) = got
+        assert isinstance(rb, P.Rollback) and (rb.version, rb.log_hash) == (10, "a10")
+        assert rb.coordinator == again.endpoint
+    finally:
+        follower.close()
+        stop_authenticators(ctx)
+        ctx.destroy(linger=0)
 
 
 def _recv(sock: zmq.Socket, kind: type, timeout_s: float = 20.0, where=lambda m: True) -> tuple[bytes, P.Message]:
@@ -167,19 +212,32 @@ def test_a_real_follower_echoes_the_rollback_it_applied_and_refuses_another_hist
         _, beat = _recv(coord, P.ShardSync)
         assert (beat.version, beat.rollback_epoch) == (12, 3), "the epoch of its registration"
 
+        send(coord, P.Rollback(version=10, log_hash="h10", epoch=3), ident)   # not newer: a repeat
         send(coord, P.Rollback(version=10, log_hash="h10", epoch=4), ident)
-        _, beat = _recv(coord, P.ShardSync, where=lambda m: m.version == 10)
-        assert beat.rollback_epoch == 4 and beat.log_hash == "h10"
+        _, beat = _recv(coord, P.ShardSync, where=lambda m: m.rollback_epoch == 4)
+        assert (beat.version, beat.log_hash) == (10, "h10")
+        send(coord, P.Rollback(version=10, log_hash="h10", epoch=4), ident)   # sent again: applied already
+        send(coord, P.Rollback(version=10, log_hash="h10", epoch=2), ident)
 
-        send(coord, P.Rollback(version=10, log_hash="h10", epoch=2), ident)   # a late repeat of an older one
-        send(coord, P.Rollback(version=10, log_hash="another", epoch=5), ident)
+        # A restarted shard 0 sends its Rollback to the follower's own socket, with its address:
+        # applied whatever its epoch, then the follower registers with the new process.
+        own = Connection(ctx, s1.endpoint, role="shard", security=cfg.security, timeout_s=10)
+        try:
+            own.request(P.Rollback(version=10, log_hash="h10", coordinator=endpoint), P.Ack, timeout_s=10)
+        finally:
+            own.close()
+        ident, _ = _recv(coord, P.RegisterShard)
+        send(coord, P.Registered(member_key="00" * 16, incarnation="j", version=10, rollback_epoch=0), ident)
+        _recv(coord, P.ShardSync, where=lambda m: m.rollback_epoch == 0)
+
+        send(coord, P.Rollback(version=10, log_hash="another", epoch=1), ident)
         loop.join(timeout=20)
         assert not loop.is_alive(), "a follower told to restore another history kept running"
         assert s1.exit_code == 3 and (s1.state.version, s1.state.log_hash) == (10, "h10")
         s1.metrics.close()
         records = read_jsonl(tmp_path / "run" / "metrics" / "shard-1.jsonl")
         restored = [r for r in records if r.get("event") == "restored"]
-        assert len(restored) == 1, "the repeat of an older rollback was applied again"
+        assert len(restored) == 2, f"{len(restored)} restores: a repeated or older Rollback was applied"
     finally:
         s1.stop_event.set()
         loop.join(timeout=20)
