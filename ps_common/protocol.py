@@ -314,6 +314,7 @@ class Have(Message):
     TYPE: ClassVar[str] = "have"
     shard: int = 0
     entries: list[list[int]] = field(default_factory=list)
+    rollback_epoch: int = 0  # as in ShardSync: gradients of a follower behind a Rollback are not counted
 
 
 @dataclass

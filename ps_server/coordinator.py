@@ -194,7 +194,8 @@ class Coordinator:
     def global_batch(self) -> int:
         return self.cfg.training.global_batch
 
-    def _count(self, what: str) -> None:
+    def count(self, what: str) -> None:
+        """One more of ``what`` refused or set aside (written down at the end: ``counters``)."""
         self.counters[what] = self.counters.get(what, 0) + 1
 
     # ----- membership -------------------------------------------------------------------
@@ -563,12 +564,12 @@ class Coordinator:
                                                   f"iteration {iteration}: it cannot take more")
         self._time_chunk(worker_id, iteration)
         got = self.chunks.take(worker_id, self.chunk_speeds)
-        self._count("chunks.claimed" if got is not None else "chunks.none_left")
+        self.count("chunks.claimed" if got is not None else "chunks.none_left")
         if got is None:
             return Chunk(iteration=iteration, owner=-1, ranges=[], batch_size=self.chunks.count(worker_id))
         owner, ranges = got
         if owner != worker_id:
-            self._count("chunks.helped")
+            self.count("chunks.helped")
         return Chunk(iteration=iteration, owner=owner, ranges=ranges, batch_size=self.chunks.count(worker_id))
 
     def _due(self, worker_id: int, iteration: int) -> Assignment | None:
@@ -629,7 +630,7 @@ class Coordinator:
             self.outstanding[worker_id][iteration] = new
         self._ahead = None           # a split planned ahead did not know the new cap
         self._sent[worker_id] = (iteration, self.clock())   # its finish time starts again
-        self._count("out_of_memory")
+        self.count("out_of_memory")
         self.events.append({"event": "out_of_memory", "worker": worker_id, "iteration": iteration,
                             "failed": batch_size, "retry": x, "cap": self.manager.memory_caps.get(worker_id)})
         return new
@@ -638,20 +639,20 @@ class Coordinator:
         """Shard ``shard`` holds this gradient. Reports of gradients that cannot be committed
         (stale, unknown, a batch size other than assigned) are dropped and counted."""
         if not 0 <= shard < self.num_shards:
-            self._count("have.bad_shard")
+            self.count("have.bad_shard")
             return
         key = (worker_id, iteration)
         g = self.ledger.get(key)
         if g is None:
             if self.expected(worker_id, iteration) != batch_size or self.stop:
-                self._count("have.unexpected")
+                self.count("have.unexpected")
                 # Sized: the assigned gradient may reach other shards under the same key before
                 # this drop does, and must survive it.
                 self._pending_drops.append([worker_id, iteration, batch_size])
                 return
             g = self.ledger[key] = _Gradient(batch_size)
         elif g.batch_size != batch_size:
-            self._count("have.conflict")
+            self.count("have.conflict")
             self._pending_drops.append([worker_id, iteration, batch_size])  # not the ledger's size
             return
         if shard in g.shards:
@@ -741,7 +742,7 @@ class Coordinator:
         for w, a in plan.items():
             if w not in accepted:  # a late backup worker: its samples are served again
                 self.cursor.give_back(a.ranges)
-                self._count("gradients_dropped")
+                self.count("gradients_dropped")
         drops = self._pending_drops + [[w, it] for (w, it) in self.ledger if it <= t and w not in accepted]
         self._pending_drops = []
         self.ledger = {k: g for k, g in self.ledger.items() if k[1] > t}
@@ -764,7 +765,7 @@ class Coordinator:
             g = self.ledger.pop(key, None)
             a = self.outstanding.get(w, {}).get(c)
             if g is None or a is None or a.batch_size != g.batch_size:
-                self._count("have.unexpected")
+                self.count("have.unexpected")
                 self._pending_drops.append([w, c])
                 continue
             del self.outstanding[w][c]

@@ -136,7 +136,7 @@ class Follow:
             for plan in due:
                 self._set_plan(plan)
         if self.haves and self.link is not None:
-            self.link.send(P.Have(shard=self.server.shard_id, entries=self.haves))
+            self.link.send(P.Have(shard=self.server.shard_id, entries=self.haves, rollback_epoch=self.rollback_epoch))
             self.haves = []
 
     def tick(self, now: float) -> None:
@@ -155,6 +155,7 @@ class Follow:
         return {}
 
     def restored(self, meta: dict) -> None:
+        self.haves = []   # the restore dropped those gradients: they must not be announced
         self.plan, self.last_iteration = None, -1
         self.stop_version, self._stop_reason = -1, ""
         self._delayed_plans = []

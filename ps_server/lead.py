@@ -66,8 +66,9 @@ class Lead:
         self.stop_announced = False
         self.stop_time = 0.0
         #: the number of the last Rollback sent to a follower; it starts at the clock's
-        #: milliseconds, so a restarted shard 0 counts on above its previous process and the beats
-        #: queued for that process are told from its own followers' (see _on_shard_sync)
+        #: milliseconds (and above the one a resumed checkpoint saved: ``resumed``), so a
+        #: restarted shard 0 counts on above its previous process and the beats queued for that
+        #: process are told from its own followers' (see _on_shard_sync)
         self.rollback_epoch = int(time.time() * 1000)
         self.checkpoint_next_commit = False
         self._stall_done = False
@@ -199,7 +200,7 @@ class Lead:
         self.followers.broadcast(P.Finish(reason=reason))
 
     def checkpoint_meta(self) -> dict[str, Any]:
-        return {"coordinator": self.coord.state_dict(),
+        return {"coordinator": self.coord.state_dict(), "rollback_epoch": self.rollback_epoch,
                 "shard_endpoints": {str(k): ep for k, ep in self.shard_endpoints.items()},
                 "shard_claims": dict(self.claims)}
 
@@ -219,6 +220,8 @@ class Lead:
         """A restarted shard 0: move the followers back to its version and to its new address."""
         from ps_common.transport import Connection
 
+        # Count on above the numbers the previous process saved, even where the clock went back.
+        self.rollback_epoch = max(self.rollback_epoch, int(meta.get("rollback_epoch", 0)) + 1)
         server = self.server
         for k, ep in meta.get("shard_endpoints", {}).items():
             if int(k) == 0:
@@ -499,6 +502,10 @@ class Lead:
             raise Refused("unregistered", f"shard {shard} has not registered")
 
     def _on_have(self, ident: bytes, role: str, msg: P.Have) -> None:
+        peer = self.followers.peers.get(msg.shard)
+        if peer is not None and msg.rollback_epoch < peer.rollback_epoch():
+            self.coord.count("have.behind_rollback")
+            return None   # held before the Rollback it has not applied yet, which drops them
         self._follower(ident, msg.shard)
         for e in msg.entries:
             if len(e) == 3:

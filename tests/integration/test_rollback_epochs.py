@@ -101,11 +101,18 @@ def test_a_rollback_lost_on_the_way_is_sent_again_to_that_follower_only(tmp_path
         _sync(s0, 2, version=10, log_hash="a10", rollback_epoch=e + 1)    # follower 2 applied it
         _sync(s0, 1, version=12, log_hash="a12", rollback_epoch=e)
         assert not _rollbacks(sent), "one beat late: still in flight"
+        counters = dict(s0.role.coord.counters)
+        s0.role._on_have(b"follower-1", "shard", P.Have(shard=1, entries=[[5, 3, 16]], rollback_epoch=e))
+        counters["have.behind_rollback"] = counters.get("have.behind_rollback", 0) + 1
+        assert dict(s0.role.coord.counters) == counters, "gradients held before the Rollback were taken"
         peer = s0.role.followers.peers[1]
         peer.behind_since = time.monotonic() - 3 * cfg.transport.shard_sync_s
-        _sync(s0, 1, version=12, log_hash="a12", rollback_epoch=e)
+        s0.role._on_shard_sync(b"follower-1-reconnected", "shard", P.ShardSync(   # its connection dropped
+            shard=1, version=12, log_hash="a12", rollback_epoch=e))
         ((to, again),) = _rollbacks(sent)
-        assert to == b"follower-1" and (again.version, again.log_hash, again.epoch) == (10, "a10", e + 1)
+        assert to == b"follower-1-reconnected", "sent again where the behind beat came from"
+        assert (again.version, again.log_hash, again.epoch) == (10, "a10", e + 1)
+        assert peer.ident == b"follower-1", "a behind beat redirected shard 0's replies"
         assert s0.role.rollback_epoch == e + 1, "no new rollback"
         _sync(s0, 1, version=10, log_hash="a10", rollback_epoch=e + 1)
         assert peer.behind_since is None, "applied: no longer behind"
@@ -114,16 +121,19 @@ def test_a_rollback_lost_on_the_way_is_sent_again_to_that_follower_only(tmp_path
 def test_a_resumed_follower_goes_back_to_the_newest_checkpoint_of_shard_0s_history(tmp_path):
     # The follower crashed before a rollback to 10 reached it, so it still holds the abandoned
     # history's 20 and 30; shard 0 went on and wrote its own 20.
-    cfg = small_checkpointing_job(tmp_path, num_shards=2)
+    cfg = small_checkpointing_job(tmp_path, num_shards=3)
     with in_process_shard_0(cfg, tmp_path / "run") as s0:
         _checkpoints(s0, {10: "a10", 20: "b20"})
         s0.state.version, s0.state.log_hash = 24, "b24"
+        other, _ = _register(s0, 2, version=24, log_hash="b24")
         reg, sent = _register(s0, version=30, log_hash="a30", resumed=True,
                               checkpoint_versions=[10, 20, 30], checkpoint_hashes=["a10", "a20", "a30"])
         assert s0.state.version == 10, "shard 0 went back to 10, not to its 20 of another history"
-        ((_, rb),) = _rollbacks(sent)
-        assert (rb.version, rb.log_hash) == (10, "a10")
-        assert rb.epoch == reg.rollback_epoch + 1, "newer than its registration: the follower applies it"
+        (to_other, to_it) = _rollbacks(sent)
+        assert to_other[0] == b"follower-2" and to_it[0] == b"follower-1"
+        assert (to_other[1].version, to_other[1].log_hash) == (to_it[1].version, to_it[1].log_hash) == (10, "a10")
+        assert other.rollback_epoch < to_other[1].epoch == reg.rollback_epoch < to_it[1].epoch, \
+            "each newer than what its follower applied: both apply theirs"
 
         epoch = s0.role.rollback_epoch
         with pytest.raises(Refused, match="of the history") as refused:   # nothing in common
@@ -159,6 +169,7 @@ def test_a_restarted_shard_0_sends_each_follower_its_history_with_the_rollback(t
     try:
         with in_process_shard_0(cfg, tmp_path / "run") as first:
             first.role.shard_endpoints[1] = endpoint
+            first.role.rollback_epoch = counted = 10 ** 15   # as if the clock went back before the restart
             _checkpoints(first, {10: "a10"})
         replier = threading.Thread(target=answer, daemon=True)
         replier.start()
@@ -168,6 +179,7 @@ def test_a_restarted_shard_0_sends_each_follower_its_history_with_the_rollback(t
         (rb,) = got
         assert isinstance(rb, P.Rollback) and (rb.version, rb.log_hash) == (10, "a10")
         assert rb.coordinator == again.endpoint
+        assert again.role.rollback_epoch > counted, "the restarted process counts on above the last"
     finally:
         follower.close()
         stop_authenticators(ctx)
@@ -213,11 +225,13 @@ def test_a_real_follower_echoes_the_rollback_it_applied_and_refuses_another_hist
         assert (beat.version, beat.rollback_epoch) == (12, 3), "the epoch of its registration"
 
         send(coord, P.Rollback(version=10, log_hash="h10", epoch=3), ident)   # not newer: a repeat
+        send(coord, P.Rollback(version=10, log_hash="h10", epoch=2), ident)   # older
         send(coord, P.Rollback(version=10, log_hash="h10", epoch=4), ident)
-        _, beat = _recv(coord, P.ShardSync, where=lambda m: m.rollback_epoch == 4)
+        _, beat = _recv(coord, P.ShardSync, where=lambda m: m.rollback_epoch == 4)   # the link keeps order
         assert (beat.version, beat.log_hash) == (10, "h10")
         send(coord, P.Rollback(version=10, log_hash="h10", epoch=4), ident)   # sent again: applied already
-        send(coord, P.Rollback(version=10, log_hash="h10", epoch=2), ident)
+        send(coord, P.Rollback(version=10, log_hash="h10", epoch=5), ident)
+        _recv(coord, P.ShardSync, where=lambda m: m.rollback_epoch == 5)
 
         # A restarted shard 0 sends its Rollback to the follower's own socket, with its address:
         # applied whatever its epoch, then the follower registers with the new process.
@@ -237,7 +251,7 @@ def test_a_real_follower_echoes_the_rollback_it_applied_and_refuses_another_hist
         s1.metrics.close()
         records = read_jsonl(tmp_path / "run" / "metrics" / "shard-1.jsonl")
         restored = [r for r in records if r.get("event") == "restored"]
-        assert len(restored) == 2, f"{len(restored)} restores: a repeated or older Rollback was applied"
+        assert len(restored) == 3, f"{len(restored)} restores, not 3 (epochs 4, 5, the socket): a repeat was applied"
     finally:
         s1.stop_event.set()
         loop.join(timeout=20)
