@@ -131,6 +131,12 @@ class Followers:
     def register(self, shard: int, ident: bytes, endpoint: str, version: int, epoch_floor: int = 0) -> None:
         self.peers[shard] = Follower(shard, ident, endpoint, version, time.monotonic(), epoch_floor)
 
+    def behind(self, shard: int, rollback_epoch: int) -> Follower | None:
+        """Follower ``shard`` if a message of it that carries ``rollback_epoch`` was sent before
+        it applied the last Rollback sent to it (else None)."""
+        peer = self.peers.get(shard)
+        return peer if peer is not None and rollback_epoch < peer.rollback_epoch() else None
+
     def seen(self, shard: int, ident: bytes, version: int | None = None) -> Follower | None:
         """A message from follower ``shard`` arrived on ``ident`` (its connection may be new)."""
         peer = self.peers.get(shard)

@@ -497,13 +497,14 @@ class Lead:
         self._admit_joins()
         return None
 
-    def _follower(self, ident: bytes, shard: int, version: int | None = None) -> None:
-        if self.followers.seen(shard, ident, version) is None:
+    def _follower(self, ident: bytes, shard: int, version: int | None = None) -> Follower:
+        peer = self.followers.seen(shard, ident, version)
+        if peer is None:
             raise Refused("unregistered", f"shard {shard} has not registered")
+        return peer
 
     def _on_have(self, ident: bytes, role: str, msg: P.Have) -> None:
-        peer = self.followers.peers.get(msg.shard)
-        if peer is not None and msg.rollback_epoch < peer.rollback_epoch():
+        if self.followers.behind(msg.shard, msg.rollback_epoch):
             self.coord.count("have.behind_rollback")
             return None   # held before the Rollback it has not applied yet, which drops them
         self._follower(ident, msg.shard)
@@ -515,13 +516,11 @@ class Lead:
     def _on_shard_sync(self, ident: bytes, role: str, msg: P.ShardSync) -> None:
         """A follower's beat: catch it up, or roll it back when its history differs."""
         coord, st = self.coord, self.server.state
-        peer = self.followers.peers.get(msg.shard)
-        if peer is not None and msg.rollback_epoch < peer.rollback_epoch():
-            self._behind_rollback(ident, peer)   # before seen(): its connection may be a dead one
+        behind = self.followers.behind(msg.shard, msg.rollback_epoch)
+        if behind is not None:
+            self._behind_rollback(ident, behind)   # before seen(): its connection may be a dead one
             return None
-        self._follower(ident, msg.shard, msg.version)
-        if peer is not None:
-            peer.behind_since = None
+        self._follower(ident, msg.shard, msg.version).behind_since = None
         if msg.version < st.version:
             missing = self.followers.commits_after(msg.version)
             if missing is None:
