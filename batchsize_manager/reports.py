@@ -114,7 +114,7 @@ def _column(items: Sequence[Any], get: Callable[[Any], Any]) -> np.ndarray:
     """float64 column of ``get(item)`` (None and unconvertible values: nan), read without an
     intermediate list when every value is a number (the usual case). A field nobody measured
     (all None: the quota fields without quotas) becomes nan without a conversion per value
-    (0.35 ms instead of 0.65 at 10,000 reports)."""
+    (43 µs instead of 61 per 1,024 reports, best of 5 x 200 here)."""
     try:
         return np.fromiter(map(get, items), dtype=np.float64, count=len(items))
     except (TypeError, ValueError, OverflowError):

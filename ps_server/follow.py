@@ -48,7 +48,7 @@ class Follow:
         self._stop_reason = ""
         self.haves: list[list[int]] = []
         self.next_sync = 0.0
-        self.rollback_epoch = 0   # the coordinator's rollback count this shard has applied
+        self.rollback_epoch = 0   # the number of the last Rollback applied here, or of the registration
         self.relink_to: str | None = None
         delay = fault("plan_delay")
         self._plan_delay_s = float(delay["seconds"]) if delay and int(delay["shard"]) == server.shard_id else 0.0
