@@ -283,6 +283,9 @@ class RegisterShard(Message):
     job_digest: str = ""
     version: int = 0
     log_hash: str = ""
+    #: started from a checkpoint and not yet at the job's version since: the gradients it held
+    #: are gone, so the job rolls back (said until a registration at the job's version or an
+    #: applied Rollback, not again when it registers with a restarted shard 0)
     resumed: bool = False
     #: the follower's own checkpoints, oldest first, and the log hash each was written at: a
     #: resumed follower goes back to the newest one whose history is shard 0's

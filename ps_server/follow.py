@@ -50,6 +50,12 @@ class Follow:
         self.next_sync = 0.0
         self.rollback_epoch = 0   # the number of the last Rollback applied here, or of the registration
         self.relink_to: str | None = None
+        #: this process started from a checkpoint and has not yet been brought to the job's
+        #: version: its registration says ``resumed`` (the gradients it held are gone), which
+        #: rolls the job back. Once at the job's version (a registration at it, or an applied
+        #: Rollback) nothing is missing, and registering again (shard 0 restarted) must not roll
+        #: the job back a second time.
+        self.lost_state = False
         delay = fault("plan_delay")
         self._plan_delay_s = float(delay["seconds"]) if delay and int(delay["shard"]) == server.shard_id else 0.0
         self._delayed_plans: list[tuple[float, P.Plan]] = []  # (due, plan) under the plan_delay fault
@@ -161,7 +167,7 @@ class Follow:
         self._delayed_plans = []
 
     def resumed(self, meta: dict) -> None:
-        pass
+        self.lost_state = True
 
     def close(self) -> None:
         if self.link is not None:
@@ -180,10 +186,12 @@ class Follow:
         held = checkpoint_hashes(server.checkpoint_dir, server.shard_id) if server.checkpoint_dir else []
         reg = self.link.register(P.RegisterShard(
             shard=server.shard_id, endpoint=server.endpoint, job_digest=server.job_digest,
-            version=server.state.version, log_hash=server.state.log_hash, resumed=server.resumed,
+            version=server.state.version, log_hash=server.state.log_hash, resumed=self.lost_state,
             checkpoint_versions=[v for v, _ in held], checkpoint_hashes=[h for _, h in held]),
             self.cfg.transport.connect_timeout_s)
         self.member_key = reg.member_key
+        if reg.version == server.state.version:
+            self.lost_state = False   # else a Rollback follows, and applying it clears it
         self.rollback_epoch = reg.rollback_epoch
         self.stop_version = reg.stop_version
         self._set_plan(reg.plan)
@@ -281,6 +289,7 @@ class Follow:
             self.server.fail(f"cannot roll back: {exc}; stopping this shard to avoid inconsistent parameters "
                              "(restarted with --resume it goes back to a checkpoint of shard 0's history)")
             return False
+        self.lost_state = False   # at a version the whole job went back to, holding nothing
         return True
 
     def _on_rollback(self, ident: bytes, role: str, msg: P.Rollback) -> P.Message:

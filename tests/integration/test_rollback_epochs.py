@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import contextmanager
+from typing import Iterator
 
+import numpy as np
 import pytest
 import zmq
 
@@ -21,6 +24,7 @@ from ps_common import protocol as P
 from ps_common.security.authenticator import stop_authenticators
 from ps_common.transport import Connection, make_router, send
 from ps_server.checkpoint import CheckpointError
+from ps_server.coordinator import member_token
 from ps_server.router import Refused
 from ps_server.server import ShardServer
 from tests.cluster_util import in_process_shard_0, read_jsonl, small_checkpointing_job, write_config
@@ -186,6 +190,41 @@ def test_a_restarted_shard_0_sends_each_follower_its_history_with_the_rollback(t
         ctx.destroy(linger=0)
 
 
+@contextmanager
+def _coordinator_socket(cfg) -> Iterator[tuple[zmq.Context, zmq.Socket, str]]:
+    """A socket where a follower's link to shard 0 ends, driven by the test; everything closed after."""
+    ctx = zmq.Context()
+    coord, endpoint = make_router(ctx, "tcp://127.0.0.1:*", security=cfg.security)
+    try:
+        yield ctx, coord, endpoint
+    finally:
+        coord.close()
+        stop_authenticators(ctx)
+        ctx.destroy(linger=0)
+
+
+@contextmanager
+def _running(server: ShardServer) -> Iterator[threading.Thread]:
+    """``server``'s loop in a thread; stopped and closed after."""
+    loop = threading.Thread(target=server.run, daemon=True)
+    loop.start()
+    try:
+        yield loop
+    finally:
+        server.stop_event.set()
+        loop.join(timeout=20)
+        server.close()
+
+
+def _socket_rollback(ctx: zmq.Context, cfg, follower: ShardServer, msg: P.Rollback) -> None:
+    """A restarted shard 0's Rollback, sent to the follower's own socket (answered once applied)."""
+    own = Connection(ctx, follower.endpoint, role="shard", security=cfg.security, timeout_s=10)
+    try:
+        own.request(msg, P.Ack, timeout_s=10)
+    finally:
+        own.close()
+
+
 def _recv(sock: zmq.Socket, kind: type, timeout_s: float = 20.0, where=lambda m: True) -> tuple[bytes, P.Message]:
     """The next message of ``kind`` (that satisfies ``where``) the follower sends; others skipped."""
     deadline = time.monotonic() + timeout_s
@@ -198,64 +237,145 @@ def _recv(sock: zmq.Socket, kind: type, timeout_s: float = 20.0, where=lambda m:
     raise AssertionError(f"no {kind.__name__} from the follower within {timeout_s}s")
 
 
+def _follower_job(tmp_path, **mode):
+    """Shard 0 and one follower, checkpoints at every iteration, beats every 0.1 s."""
+    return write_config(tmp_path, {
+        "model": {"name": "mlp"}, "data": {"dataset": "synthetic", "synthetic_train": 256, "synthetic_test": 64},
+        "training": {"global_batch": 32, "max_iterations": 5}, "evaluator": {"enabled": False},
+        "cluster": {"num_shards": 2, "num_workers": 1}, "checkpoint": {"every_iterations": 1},
+        "transport": {"shard_sync_s": 0.1}, **({"mode": mode} if mode else {}),
+    })[1]
+
+
 def test_a_real_follower_echoes_the_rollback_it_applied_and_refuses_another_history(tmp_path):
     """A real follower shard against a coordinator socket driven by hand: it reports its
     checkpoints and their hashes, echoes the epoch of the last rollback it applied in its beats,
     and stops rather than restore a checkpoint whose history is not shard 0's."""
-    _, cfg = write_config(tmp_path, {
-        "model": {"name": "mlp"}, "data": {"dataset": "synthetic", "synthetic_train": 256, "synthetic_test": 64},
-        "training": {"global_batch": 32, "max_iterations": 5}, "evaluator": {"enabled": False},
-        "cluster": {"num_shards": 2, "num_workers": 1}, "checkpoint": {"every_iterations": 1},
-        "transport": {"shard_sync_s": 0.1},
-    })
+    cfg = _follower_job(tmp_path)
+    with _coordinator_socket(cfg) as (ctx, coord, endpoint):
+        s1 = ShardServer(cfg, 1, coordinator=endpoint, ctx=ctx, run_dir=tmp_path / "run")
+        s1.state.version, s1.state.log_hash = 10, "h10"
+        s1.write_checkpoint()
+        s1.checkpointer.flush()
+        s1.state.version, s1.state.log_hash = 12, "h12"
+        with _running(s1) as loop:
+            ident, reg = _recv(coord, P.RegisterShard)
+            assert (reg.checkpoint_versions, reg.checkpoint_hashes) == ([10], ["h10"])
+            send(coord, P.Registered(member_key="00" * 16, incarnation="i", version=12, rollback_epoch=3), ident)
+            _, beat = _recv(coord, P.ShardSync)
+            assert (beat.version, beat.rollback_epoch) == (12, 3), "the epoch of its registration"
+
+            send(coord, P.Rollback(version=10, log_hash="h10", epoch=3), ident)   # not newer: a repeat
+            send(coord, P.Rollback(version=10, log_hash="h10", epoch=2), ident)   # older
+            send(coord, P.Rollback(version=10, log_hash="h10", epoch=4), ident)
+            _, beat = _recv(coord, P.ShardSync, where=lambda m: m.rollback_epoch == 4)   # the link keeps order
+            assert (beat.version, beat.log_hash) == (10, "h10")
+            send(coord, P.Rollback(version=10, log_hash="h10", epoch=4), ident)   # sent again: applied already
+            send(coord, P.Rollback(version=10, log_hash="h10", epoch=5), ident)
+            _recv(coord, P.ShardSync, where=lambda m: m.rollback_epoch == 5)
+
+            # A restarted shard 0 sends its Rollback to the follower's own socket, with its address:
+            # applied whatever its epoch, then the follower registers with the new process.
+            _socket_rollback(ctx, cfg, s1, P.Rollback(version=10, log_hash="h10", coordinator=endpoint))
+            ident, _ = _recv(coord, P.RegisterShard)
+            send(coord, P.Registered(member_key="00" * 16, incarnation="j", version=10, rollback_epoch=0), ident)
+            _recv(coord, P.ShardSync, where=lambda m: m.rollback_epoch == 0)
+
+            send(coord, P.Rollback(version=10, log_hash="another", epoch=1), ident)
+            loop.join(timeout=20)
+            assert not loop.is_alive(), "a follower told to restore another history kept running"
+            assert s1.exit_code == 3 and (s1.state.version, s1.state.log_hash) == (10, "h10")
+            s1.metrics.close()
+            records = read_jsonl(tmp_path / "run" / "metrics" / "shard-1.jsonl")
+            restored = [r for r in records if r.get("event") == "restored"]
+            assert len(restored) == 3, f"{len(restored)} restores, not 3 (epochs 4, 5, the socket): a repeat applied"
+
+
+
+def _follower_checkpoints(cfg, run_dir, histories: dict[int, str]) -> None:
+    """Follower 1's checkpoints at these versions, each with this log hash (then it exits)."""
     ctx = zmq.Context()
-    coord, endpoint = make_router(ctx, "tcp://127.0.0.1:*", security=cfg.security)   # shard 0's socket
-    s1 = ShardServer(cfg, 1, coordinator=endpoint, ctx=ctx, run_dir=tmp_path / "run")
-    s1.state.version, s1.state.log_hash = 10, "h10"
-    s1.write_checkpoint()
-    s1.checkpointer.flush()
-    s1.state.version, s1.state.log_hash = 12, "h12"
-    loop = threading.Thread(target=s1.run, daemon=True)
-    loop.start()
+    s = ShardServer(cfg, 1, coordinator="tcp://127.0.0.1:9", ctx=ctx, run_dir=run_dir)
     try:
-        ident, reg = _recv(coord, P.RegisterShard)
-        assert (reg.checkpoint_versions, reg.checkpoint_hashes) == ([10], ["h10"])
-        send(coord, P.Registered(member_key="00" * 16, incarnation="i", version=12, rollback_epoch=3), ident)
-        _, beat = _recv(coord, P.ShardSync)
-        assert (beat.version, beat.rollback_epoch) == (12, 3), "the epoch of its registration"
-
-        send(coord, P.Rollback(version=10, log_hash="h10", epoch=3), ident)   # not newer: a repeat
-        send(coord, P.Rollback(version=10, log_hash="h10", epoch=2), ident)   # older
-        send(coord, P.Rollback(version=10, log_hash="h10", epoch=4), ident)
-        _, beat = _recv(coord, P.ShardSync, where=lambda m: m.rollback_epoch == 4)   # the link keeps order
-        assert (beat.version, beat.log_hash) == (10, "h10")
-        send(coord, P.Rollback(version=10, log_hash="h10", epoch=4), ident)   # sent again: applied already
-        send(coord, P.Rollback(version=10, log_hash="h10", epoch=5), ident)
-        _recv(coord, P.ShardSync, where=lambda m: m.rollback_epoch == 5)
-
-        # A restarted shard 0 sends its Rollback to the follower's own socket, with its address:
-        # applied whatever its epoch, then the follower registers with the new process.
-        own = Connection(ctx, s1.endpoint, role="shard", security=cfg.security, timeout_s=10)
-        try:
-            own.request(P.Rollback(version=10, log_hash="h10", coordinator=endpoint), P.Ack, timeout_s=10)
-        finally:
-            own.close()
-        ident, _ = _recv(coord, P.RegisterShard)
-        send(coord, P.Registered(member_key="00" * 16, incarnation="j", version=10, rollback_epoch=0), ident)
-        _recv(coord, P.ShardSync, where=lambda m: m.rollback_epoch == 0)
-
-        send(coord, P.Rollback(version=10, log_hash="another", epoch=1), ident)
-        loop.join(timeout=20)
-        assert not loop.is_alive(), "a follower told to restore another history kept running"
-        assert s1.exit_code == 3 and (s1.state.version, s1.state.log_hash) == (10, "h10")
-        s1.metrics.close()
-        records = read_jsonl(tmp_path / "run" / "metrics" / "shard-1.jsonl")
-        restored = [r for r in records if r.get("event") == "restored"]
-        assert len(restored) == 3, f"{len(restored)} restores, not 3 (epochs 4, 5, the socket): a repeat was applied"
+        for v, h in sorted(histories.items()):
+            s.state.version, s.state.log_hash = v, h
+            s.write_checkpoint()
+        s.checkpointer.flush()
     finally:
-        s1.stop_event.set()
-        loop.join(timeout=20)
-        s1.close()
-        coord.close()
+        s.close()
         stop_authenticators(ctx)
         ctx.destroy(linger=0)
+
+
+def test_a_resumed_follower_says_resumed_only_until_it_is_at_the_jobs_version(tmp_path):
+    """A follower started with --resume lost what it held, and says so when it registers (shard 0
+    rolls the job back). It keeps saying so until it is at the job's version: a registration
+    before the Rollback reached it still says it. Once it applied one, a registration with a
+    restarted shard 0 must not: that would roll the whole job back a second time."""
+    cfg = _follower_job(tmp_path)
+    _follower_checkpoints(cfg, tmp_path / "run", {10: "h10", 12: "h12"})
+    key = "00" * 16
+    with _coordinator_socket(cfg) as (ctx, coord, endpoint):
+        s1 = ShardServer(cfg, 1, coordinator=endpoint, ctx=ctx, run_dir=tmp_path / "run", resume="auto")
+        assert (s1.state.version, s1.state.log_hash) == (12, "h12")
+        with _running(s1):
+            ident, reg = _recv(coord, P.RegisterShard)
+            assert (reg.resumed, reg.version) == (True, 12)
+            # Shard 0 went back to 10 and answers; the Rollback that follows is lost with the
+            # link, and shard 0 restarts (it does not know this shard): still at 12, still resumed.
+            send(coord, P.Registered(member_key=key, incarnation="i", version=10, rollback_epoch=3), ident)
+            send(coord, P.Error(code="unregistered", message="shard 0 restarted"), ident)
+            ident, reg = _recv(coord, P.RegisterShard)
+            assert (reg.resumed, reg.version) == (True, 12), "not at the job's version yet: it lost what it held"
+            send(coord, P.Registered(member_key=key, incarnation="j", version=10, rollback_epoch=3), ident)
+            send(coord, P.Rollback(version=10, log_hash="h10", epoch=4), ident)
+            _recv(coord, P.ShardSync, where=lambda m: m.rollback_epoch == 4 and m.version == 10)
+            # Shard 0 restarts again and says so on the follower's socket: back to its version,
+            # and the registration with the new process is not a resumed shard's.
+            _socket_rollback(ctx, cfg, s1, P.Rollback(version=10, log_hash="h10", coordinator=endpoint))
+            ident, reg = _recv(coord, P.RegisterShard)
+            assert (reg.resumed, reg.version) == (False, 10), "a second job-wide rollback for nothing lost"
+            # A registration at the job's version needs no Rollback: nothing is missing after it either.
+            send(coord, P.Registered(member_key=key, incarnation="k", version=10, rollback_epoch=7), ident)
+            send(coord, P.Error(code="unregistered", message="shard 0 restarted"), ident)
+            ident, reg = _recv(coord, P.RegisterShard)
+            assert reg.resumed is False
+            send(coord, P.Registered(member_key=key, incarnation="l", version=10, rollback_epoch=7), ident)
+            _recv(coord, P.ShardSync)   # registered: the loop stops at once
+
+
+def test_a_gradient_held_before_a_rollback_is_not_announced_after_it(tmp_path):
+    """A push accepted in the same pass of the follower's loop as a Rollback: the restore drops the
+    gradient, so the announcement (Have) queued for it must go too. Sent with the new epoch it
+    would pass shard 0's check, and shard 0 would commit a gradient no follower holds (the
+    follower then stops on the commit). The loop's steps are called by hand, in its order."""
+    cfg = _follower_job(tmp_path, sync="asp")
+    key = "00" * 16
+    with _coordinator_socket(cfg) as (ctx, coord, endpoint):
+        s1 = ShardServer(cfg, 1, coordinator=endpoint, ctx=ctx, run_dir=tmp_path / "run")
+        try:
+            s1.state.version, s1.state.log_hash = 10, "h10"
+            s1.write_checkpoint()
+            s1.checkpointer.flush()
+            s1.state.version, s1.state.log_hash = 12, "h12"
+            registering = threading.Thread(target=s1.role.start, daemon=True)
+            registering.start()
+            ident, _ = _recv(coord, P.RegisterShard)
+            send(coord, P.Registered(member_key=key, incarnation="i", version=12, rollback_epoch=3), ident)
+            registering.join(timeout=20)
+            push = P.Push(worker_id=0, token=member_token(key, 0), iteration=13, batch_size=8,
+                          arrays=[np.ones(s1.state.size, dtype=np.float32)])
+            s1._on_push(b"worker-0", "worker", push)
+            assert s1.role.haves == [[0, 13, 8]] and s1.state.held
+            send(coord, P.Rollback(version=10, log_hash="h10", epoch=4), ident)
+            assert s1.role.link.sock.poll(20_000), "the Rollback did not arrive"
+            s1.role.on_link_messages()
+            s1.role.after_messages()
+            assert (s1.state.version, s1.role.rollback_epoch) == (10, 4)
+            assert not s1.state.held
+            sent: list[P.Message] = []
+            while coord.poll(500):
+                sent.append(P.decode(coord.recv_multipart()[1:]))
+            assert not [m for m in sent if isinstance(m, P.Have)], "the dropped gradient was announced"
+        finally:
+            s1.close()
