@@ -19,6 +19,7 @@ import zmq
 
 from ps_common import protocol as P
 from ps_common.faults import fault
+from ps_common.transport import RemoteError
 from ps_server.checkpoint import CheckpointError, checkpoint_hashes
 from ps_server.control import CoordinatorLink
 from ps_server.coordinator import member_token
@@ -56,6 +57,10 @@ class Follow:
         #: Rollback) nothing is missing, and registering again (shard 0 restarted) must not roll
         #: the job back a second time.
         self.lost_state = False
+        #: a Rollback found no checkpoint of shard 0's history at its version here, and this
+        #: shard registered again as resumed to be sent to one it holds; a second such failure
+        #: before a restore succeeds stops it
+        self.recovering = False
         delay = fault("plan_delay")
         self._plan_delay_s = float(delay["seconds"]) if delay and int(delay["shard"]) == server.shard_id else 0.0
         self._delayed_plans: list[tuple[float, P.Plan]] = []  # (due, plan) under the plan_delay fault
@@ -66,8 +71,11 @@ class Follow:
 
     def link_socket(self) -> zmq.Socket | None:
         if self.relink_to is not None:
-            self.connect(self.relink_to)
-            self.relink_to = None
+            endpoint, self.relink_to = self.relink_to, None
+            try:
+                self.connect(endpoint)
+            except RemoteError as exc:
+                self.server.fail(f"shard 0 refused this shard's registration: {exc}")
         return self.link.sock if self.link is not None else None
 
     def start(self) -> None:
@@ -283,19 +291,30 @@ class Follow:
         tm.since("write_down", t0)
 
     def _rollback(self, msg: P.Rollback) -> bool:
+        """Restore the version ``msg`` names, if this shard's checkpoint there is of shard 0's
+        history. If not (written before a rollback this shard never processed, or found out of
+        step by a beat), nothing changes, and it registers again as resumed with the list of its
+        checkpoints: shard 0 then rolls the job back to the newest one both hold of one history,
+        or refuses (no such checkpoint), which stops this shard."""
         try:
             self.server.restore(msg.version, expect_log_hash=msg.log_hash)
         except CheckpointError as exc:
-            self.server.fail(f"cannot roll back: {exc}; stopping this shard to avoid inconsistent parameters "
-                             "(restarted with --resume it goes back to a checkpoint of shard 0's history)")
+            if self.recovering:
+                self.server.fail(f"cannot roll back: {exc}, again after registering anew; stopping this "
+                                 "shard to avoid inconsistent parameters")
+                return False
+            log.error("cannot roll back: %s; registering again as resumed, so that shard 0 picks a "
+                      "checkpoint of its history that this shard holds", exc)
+            self.recovering = self.lost_state = True
+            self.relink_to = self.coordinator_endpoint
             return False
-        self.lost_state = False   # at a version the whole job went back to, holding nothing
+        self.lost_state = self.recovering = False   # at a version the whole job went back to, holding nothing
         return True
 
     def _on_rollback(self, ident: bytes, role: str, msg: P.Rollback) -> P.Message:
         """A restarted shard 0 (``--resume``) moves this follower back and to its new address
         (whatever its epoch: the registration that follows gives this shard the new process's)."""
-        self._rollback(msg)
+        self._rollback(msg)   # if it cannot, the registration below says resumed
         self.relink_to = msg.coordinator or self.coordinator_endpoint
         self.coordinator_endpoint = self.relink_to
         return P.Ack(what="rollback")

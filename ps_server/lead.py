@@ -489,7 +489,9 @@ class Lead:
                                                 version=server.state.version, plan=coord.current_plan(),
                                                 stop_version=coord.stop_version,
                                                 rollback_epoch=self.rollback_epoch))
-        if target is not None and target != msg.version:   # after the reply it waits for
+        if target is not None and (target != msg.version or msg.log_hash != server.state.log_hash):
+            # after the reply it waits for; at its own version too where the history it holds in
+            # memory is not the one its checkpoint there (and shard 0's) has
             self._order_rollback(target, [msg.shard])
         if not msg.resumed:   # after the reply: what removing them commits goes to this shard too
             for w in coord.shard_started_empty(msg.shard):

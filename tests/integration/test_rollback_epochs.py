@@ -147,6 +147,23 @@ def test_a_resumed_follower_goes_back_to_the_newest_checkpoint_of_shard_0s_histo
         assert s0.state.version == 10 and s0.role.rollback_epoch == epoch, "a refusal changes nothing"
 
 
+def test_a_resumed_follower_at_the_common_version_goes_back_to_its_checkpoint_if_its_memory_differs(tmp_path):
+    """A follower that could not restore a Rollback's version registers as resumed at its own
+    version with the history it holds in memory: where that version is the common checkpoint,
+    shard 0 still sends it back to it unless the hashes agree."""
+    cfg = small_checkpointing_job(tmp_path, num_shards=3)
+    with in_process_shard_0(cfg, tmp_path / "run") as s0:
+        _checkpoints(s0, {10: "a10"})
+        s0.state.version, s0.state.log_hash = 12, "a12"
+        _, sent = _register(s0, 1, version=10, log_hash="a10", resumed=True,
+                            checkpoint_versions=[10], checkpoint_hashes=["a10"])
+        assert s0.state.version == 10 and not [i for i, _ in _rollbacks(sent) if i == b"follower-1"]
+        _, sent = _register(s0, 2, version=10, log_hash="x10", resumed=True,
+                            checkpoint_versions=[10], checkpoint_hashes=["a10"])
+        (to_it,) = [m for i, m in _rollbacks(sent) if i == b"follower-2"]
+        assert (to_it.version, to_it.log_hash) == (10, "a10")
+
+
 def test_a_checkpoint_of_another_history_is_not_restored(tmp_path):
     cfg = small_checkpointing_job(tmp_path, num_shards=1)
     with in_process_shard_0(cfg, tmp_path / "run") as s0:
@@ -281,14 +298,30 @@ def test_a_real_follower_echoes_the_rollback_it_applied_and_refuses_another_hist
             send(coord, P.Registered(member_key="00" * 16, incarnation="j", version=10, rollback_epoch=0), ident)
             _recv(coord, P.ShardSync, where=lambda m: m.rollback_epoch == 0)
 
+            # Told to restore a checkpoint of another history: nothing changes, and it registers
+            # again as resumed with its checkpoints, so that shard 0 picks one of its history.
             send(coord, P.Rollback(version=10, log_hash="another", epoch=1), ident)
+            ident, reg = _recv(coord, P.RegisterShard)
+            assert (reg.resumed, reg.version, reg.log_hash) == (True, 10, "h10")
+            assert (reg.checkpoint_versions, reg.checkpoint_hashes) == ([10], ["h10"])
+            send(coord, P.Registered(member_key="00" * 16, incarnation="j", version=10, rollback_epoch=2), ident)
+            send(coord, P.Rollback(version=10, log_hash="h10", epoch=3), ident)
+            _recv(coord, P.ShardSync, where=lambda m: m.rollback_epoch == 3)
+            # Restored: a later mismatch is met the same way; a second one before a restore
+            # succeeds stops it, unchanged.
+            send(coord, P.Rollback(version=10, log_hash="another", epoch=4), ident)
+            ident, reg = _recv(coord, P.RegisterShard)
+            assert reg.resumed
+            send(coord, P.Registered(member_key="00" * 16, incarnation="j", version=10, rollback_epoch=4), ident)
+            send(coord, P.Rollback(version=10, log_hash="another", epoch=5), ident)
             loop.join(timeout=20)
-            assert not loop.is_alive(), "a follower told to restore another history kept running"
+            assert not loop.is_alive(), "a follower told twice to restore another history kept running"
             assert s1.exit_code == 3 and (s1.state.version, s1.state.log_hash) == (10, "h10")
             s1.metrics.close()
             records = read_jsonl(tmp_path / "run" / "metrics" / "shard-1.jsonl")
             restored = [r for r in records if r.get("event") == "restored"]
-            assert len(restored) == 3, f"{len(restored)} restores, not 3 (epochs 4, 5, the socket): a repeat applied"
+            assert len(restored) == 4, \
+                f"{len(restored)} restores, not 4 (epochs 4, 5, the socket, 3): a repeat or another history applied"
 
 
 
@@ -318,7 +351,7 @@ def test_a_resumed_follower_says_resumed_only_until_it_is_at_the_jobs_version(tm
     with _coordinator_socket(cfg) as (ctx, coord, endpoint):
         s1 = ShardServer(cfg, 1, coordinator=endpoint, ctx=ctx, run_dir=tmp_path / "run", resume="auto")
         assert (s1.state.version, s1.state.log_hash) == (12, "h12")
-        with _running(s1):
+        with _running(s1) as loop:
             ident, reg = _recv(coord, P.RegisterShard)
             assert (reg.resumed, reg.version) == (True, 12)
             # Shard 0 went back to 10 and answers; the Rollback that follows is lost with the
@@ -340,8 +373,9 @@ def test_a_resumed_follower_says_resumed_only_until_it_is_at_the_jobs_version(tm
             send(coord, P.Error(code="unregistered", message="shard 0 restarted"), ident)
             ident, reg = _recv(coord, P.RegisterShard)
             assert reg.resumed is False
-            send(coord, P.Registered(member_key=key, incarnation="l", version=10, rollback_epoch=7), ident)
-            _recv(coord, P.ShardSync)   # registered: the loop stops at once
+            send(coord, P.Error(code="no_common_checkpoint", message="refused"), ident)   # it stops
+            loop.join(timeout=20)
+            assert s1.exit_code == 3, "a follower shard 0 refused kept running, or crashed"
 
 
 def test_a_gradient_held_before_a_rollback_is_not_announced_after_it(tmp_path):
