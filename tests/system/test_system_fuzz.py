@@ -67,15 +67,19 @@ def forgeries(rng: random.Random, sizes: list[int], digest: str):
         elif kind == "register_shard":
             msg = P.RegisterShard(shard=rng.choice([0, 1, 5]), endpoint="tcp://10.0.0.66:1",
                                   job_digest=rng.choice(["", digest]), version=rng.randrange(5),
-                                  resumed=rng.random() < 0.5)
+                                  resumed=rng.random() < 0.5, checkpoint_versions=[0, rng.randrange(400)],
+                                  checkpoint_hashes=rng.choice([[], [token(), token()]]))
         elif kind == "claim_shard":
             msg = P.ClaimShard(job_digest=rng.choice(["", digest]), instance=token())
         elif kind == "have":
-            msg = P.Have(shard=1, entries=[[rng.randrange(3), rng.randrange(400), 32]])
+            msg = P.Have(shard=1, entries=[[rng.randrange(3), rng.randrange(400), 32]],
+                         rollback_epoch=rng.choice([0, 2**62]))
         elif kind == "shard_sync":
-            msg = P.ShardSync(shard=1, version=rng.randrange(400), entries=[[0, 1, 32]])
+            msg = P.ShardSync(shard=1, version=rng.randrange(400), entries=[[0, 1, 32]],
+                              rollback_epoch=rng.choice([0, 2**62]))
         elif kind == "rollback":
-            msg = P.Rollback(version=0, coordinator="tcp://10.0.0.66:1")
+            msg = P.Rollback(version=0, coordinator="tcp://10.0.0.66:1", log_hash=token(),
+                             epoch=rng.choice([0, 2**62]))
         elif kind == "join":
             msg = P.Join(name="intruder", instance=token(), job_digest=rng.choice(["", "0" * 16, digest[:-1] + "x"]))
         elif kind == "push":  # right size, finite, a real worker's id, a guessed token
