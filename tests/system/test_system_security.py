@@ -49,7 +49,9 @@ def test_curve_allows_listed_clients_only(procs, tmp_path):
         conn.close()
         for ep in eps:
             for security in (stranger, None):
-                conn = Connection(ctx, ep, role="worker", timeout_s=1.0, security=security)
+                # a shard answers an allowed client on loopback within milliseconds: 0.4 s of
+                # silence per request is a refusal (16 requests; 1 s each made this test 20 s)
+                conn = Connection(ctx, ep, role="worker", timeout_s=0.4, security=security)
                 try:
                     for msg in (P.Join(name="x", job_digest=cfg.job_digest()), P.Pull(min_version=0),
                                 P.Push(worker_id=0, arrays=[np.zeros(4, np.float32)]), P.StatusRequest()):
