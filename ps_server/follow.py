@@ -33,6 +33,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+#: Rollbacks in a row a follower answers by registering again as resumed before it gives up: each
+#: round takes the job back to an older checkpoint, so several followers out of step at once
+#: (each sent to a version the others' files do not hold) settle within a few rounds.
+MAX_RECOVERIES = 3
+
+
 class Follow:
     """The role of shard k > 0."""
 
@@ -57,10 +63,10 @@ class Follow:
         #: Rollback) nothing is missing, and registering again (shard 0 restarted) must not roll
         #: the job back a second time.
         self.lost_state = False
-        #: a Rollback found no checkpoint of shard 0's history at its version here, and this
-        #: shard registered again as resumed to be sent to one it holds; a second such failure
-        #: before a restore succeeds stops it
-        self.recovering = False
+        #: Rollbacks in a row that found no checkpoint of shard 0's history here, each answered by
+        #: registering again as resumed (so shard 0 picks one this shard holds); a restore that
+        #: succeeds resets it, and one more than MAX_RECOVERIES stops this shard
+        self.failed_rollbacks = 0
         delay = fault("plan_delay")
         self._plan_delay_s = float(delay["seconds"]) if delay and int(delay["shard"]) == server.shard_id else 0.0
         self._delayed_plans: list[tuple[float, P.Plan]] = []  # (due, plan) under the plan_delay fault
@@ -74,8 +80,8 @@ class Follow:
             endpoint, self.relink_to = self.relink_to, None
             try:
                 self.connect(endpoint)
-            except RemoteError as exc:
-                self.server.fail(f"shard 0 refused this shard's registration: {exc}")
+            except (RemoteError, RuntimeError) as exc:   # refused, or no answer in time
+                self.server.fail(f"registering again with shard 0 failed: {exc}")
         return self.link.sock if self.link is not None else None
 
     def start(self) -> None:
@@ -208,6 +214,8 @@ class Follow:
     def on_link_messages(self) -> None:
         assert self.link is not None
         for msg in self.link.receive():
+            if self.relink_to is not None:
+                break   # registering again (a restore failed, or shard 0 forgot us): the rest was for the old link
             if isinstance(msg, P.Commit):
                 self._apply_commit(msg)
             elif isinstance(msg, P.PlanMessage):
@@ -299,16 +307,22 @@ class Follow:
         try:
             self.server.restore(msg.version, expect_log_hash=msg.log_hash)
         except CheckpointError as exc:
-            if self.recovering:
-                self.server.fail(f"cannot roll back: {exc}, again after registering anew; stopping this "
-                                 "shard to avoid inconsistent parameters")
+            self.failed_rollbacks += 1
+            if self.failed_rollbacks > MAX_RECOVERIES:
+                self.server.fail(f"cannot roll back: {exc}; {self.failed_rollbacks} times in a row, stopping "
+                                 "this shard to avoid inconsistent parameters")
                 return False
             log.error("cannot roll back: %s; registering again as resumed, so that shard 0 picks a "
                       "checkpoint of its history that this shard holds", exc)
-            self.recovering = self.lost_state = True
+            # The job goes back anyway: what this shard holds belongs to the abandoned iterations
+            # (a commit names gradients by worker and iteration, not by value).
+            st = self.server.state
+            st.drop([k[:2] for k in st.holds()])
+            self.restored({})
+            self.lost_state = True
             self.relink_to = self.coordinator_endpoint
             return False
-        self.lost_state = self.recovering = False   # at a version the whole job went back to, holding nothing
+        self.lost_state, self.failed_rollbacks = False, 0   # at a version the whole job went back to, holding nothing
         return True
 
     def _on_rollback(self, ident: bytes, role: str, msg: P.Rollback) -> P.Message:

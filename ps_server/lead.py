@@ -463,11 +463,12 @@ class Lead:
             # This shard 0 resumed from a checkpoint that a follower which kept running is past
             # (its Rollback request did not reach it): the follower goes back to it too.
             target = own
-        elif msg.resumed:
+        elif msg.resumed or msg.log_hash != server.state.log_hash:
             # Even at the same version the restarted shard lost the gradients it held: everyone
             # goes back to a checkpoint they all have, of one history (a follower that crashed
             # before a rollback reached it may hold the abandoned history's files), and the
-            # workers join again.
+            # workers join again. So does a follower at the job's version with another history
+            # (one that missed a Rollback and registers with a restarted shard 0).
             if len(msg.checkpoint_versions) != len(msg.checkpoint_hashes):
                 raise Refused("bad_request", "checkpoint_versions and checkpoint_hashes differ in length")
             theirs = dict(zip(msg.checkpoint_versions, msg.checkpoint_hashes))
@@ -479,7 +480,8 @@ class Lead:
                               f"shard 0 has no checkpoint at or before version {msg.version} of the history "
                               f"shard {msg.shard}'s checkpoints hold ({sorted(theirs)})")
             target = common[-1]
-            self.rollback_all(target, f"shard {msg.shard} resumed from version {msg.version}")
+            why = "resumed from" if msg.resumed else "holds another history at"
+            self.rollback_all(target, f"shard {msg.shard} {why} version {msg.version}")
         self.shard_endpoints[msg.shard] = msg.endpoint
         self.followers.register(msg.shard, ident, msg.endpoint, msg.version, self.rollback_epoch)
         log.info("shard %d registered at %s (version %d)", msg.shard, msg.endpoint, msg.version)

@@ -25,11 +25,13 @@ from ps_common.security.authenticator import stop_authenticators
 from ps_common.transport import Connection, make_router, send
 from ps_server.checkpoint import CheckpointError
 from ps_server.coordinator import member_token
+from ps_server.follow import MAX_RECOVERIES
 from ps_server.router import Refused
 from ps_server.server import ShardServer
 from tests.cluster_util import in_process_shard_0, read_jsonl, small_checkpointing_job, write_config
 
 Sent = list[tuple[bytes, P.Message]]
+KEY = "00" * 16   # the member key a hand-driven coordinator gives its follower
 
 
 def _recording(server: ShardServer) -> Sent:
@@ -158,10 +160,29 @@ def test_a_resumed_follower_at_the_common_version_goes_back_to_its_checkpoint_if
         _, sent = _register(s0, 1, version=10, log_hash="a10", resumed=True,
                             checkpoint_versions=[10], checkpoint_hashes=["a10"])
         assert s0.state.version == 10 and not [i for i, _ in _rollbacks(sent) if i == b"follower-1"]
-        _, sent = _register(s0, 2, version=10, log_hash="x10", resumed=True,
-                            checkpoint_versions=[10], checkpoint_hashes=["a10"])
+        reg, sent = _register(s0, 2, version=10, log_hash="x10", resumed=True,
+                              checkpoint_versions=[10], checkpoint_hashes=["a10"])
         (to_it,) = [m for i, m in _rollbacks(sent) if i == b"follower-2"]
         assert (to_it.version, to_it.log_hash) == (10, "a10")
+        assert to_it.epoch > reg.rollback_epoch, "after its registration's epoch: it applies it"
+        assert [type(m) for i, m in sent if i == b"follower-2"] == [P.Registered, P.Rollback]
+
+
+def test_a_follower_at_the_jobs_version_with_another_history_is_compared_like_a_resumed_one(tmp_path):
+    """A follower that missed a Rollback registers with a restarted shard 0 at the job's version,
+    not resumed, with the abandoned history's hash: accepting it would leave it out of step (its
+    next commit stops it). It goes through the checkpoint comparison like a resumed follower."""
+    cfg = small_checkpointing_job(tmp_path, num_shards=2)
+    with in_process_shard_0(cfg, tmp_path / "run") as s0:
+        _checkpoints(s0, {10: "a10", 20: "a20"})
+        s0.state.version, s0.state.log_hash = 24, "a24"
+        _, sent = _register(s0, 1, version=24, log_hash="b24",
+                            checkpoint_versions=[10, 20], checkpoint_hashes=["a10", "b20"])
+        assert s0.state.version == 10, "back to the newest checkpoint both hold of one history"
+        (to_it,) = [m for i, m in _rollbacks(sent) if i == b"follower-1"]
+        assert (to_it.version, to_it.log_hash) == (10, "a10")
+        _, sent = _register(s0, 1, version=10, log_hash="a10")   # one history: accepted as it is
+        assert s0.state.version == 10 and not _rollbacks(sent)
 
 
 def test_a_checkpoint_of_another_history_is_not_restored(tmp_path):
@@ -307,15 +328,17 @@ def test_a_real_follower_echoes_the_rollback_it_applied_and_refuses_another_hist
             send(coord, P.Registered(member_key="00" * 16, incarnation="j", version=10, rollback_epoch=2), ident)
             send(coord, P.Rollback(version=10, log_hash="h10", epoch=3), ident)
             _recv(coord, P.ShardSync, where=lambda m: m.rollback_epoch == 3)
-            # Restored: a later mismatch is met the same way; a second one before a restore
-            # succeeds stops it, unchanged.
-            send(coord, P.Rollback(version=10, log_hash="another", epoch=4), ident)
-            ident, reg = _recv(coord, P.RegisterShard)
-            assert reg.resumed
-            send(coord, P.Registered(member_key="00" * 16, incarnation="j", version=10, rollback_epoch=4), ident)
-            send(coord, P.Rollback(version=10, log_hash="another", epoch=5), ident)
+            # Restored, so the count starts again: MAX_RECOVERIES more failures in a row are met
+            # the same way, and one more stops it, unchanged.
+            for epoch in range(4, 4 + MAX_RECOVERIES):
+                send(coord, P.Rollback(version=10, log_hash="another", epoch=epoch), ident)
+                ident, reg = _recv(coord, P.RegisterShard)
+                assert reg.resumed
+                send(coord, P.Registered(member_key="00" * 16, incarnation="j", version=10, rollback_epoch=epoch),
+                     ident)
+            send(coord, P.Rollback(version=10, log_hash="another", epoch=9), ident)
             loop.join(timeout=20)
-            assert not loop.is_alive(), "a follower told twice to restore another history kept running"
+            assert not loop.is_alive(), "a follower that cannot restore what it is told to kept running"
             assert s1.exit_code == 3 and (s1.state.version, s1.state.log_hash) == (10, "h10")
             s1.metrics.close()
             records = read_jsonl(tmp_path / "run" / "metrics" / "shard-1.jsonl")
@@ -347,7 +370,6 @@ def test_a_resumed_follower_says_resumed_only_until_it_is_at_the_jobs_version(tm
     restarted shard 0 must not: that would roll the whole job back a second time."""
     cfg = _follower_job(tmp_path)
     _follower_checkpoints(cfg, tmp_path / "run", {10: "h10", 12: "h12"})
-    key = "00" * 16
     with _coordinator_socket(cfg) as (ctx, coord, endpoint):
         s1 = ShardServer(cfg, 1, coordinator=endpoint, ctx=ctx, run_dir=tmp_path / "run", resume="auto")
         assert (s1.state.version, s1.state.log_hash) == (12, "h12")
@@ -356,11 +378,11 @@ def test_a_resumed_follower_says_resumed_only_until_it_is_at_the_jobs_version(tm
             assert (reg.resumed, reg.version) == (True, 12)
             # Shard 0 went back to 10 and answers; the Rollback that follows is lost with the
             # link, and shard 0 restarts (it does not know this shard): still at 12, still resumed.
-            send(coord, P.Registered(member_key=key, incarnation="i", version=10, rollback_epoch=3), ident)
+            send(coord, P.Registered(member_key=KEY, incarnation="i", version=10, rollback_epoch=3), ident)
             send(coord, P.Error(code="unregistered", message="shard 0 restarted"), ident)
             ident, reg = _recv(coord, P.RegisterShard)
             assert (reg.resumed, reg.version) == (True, 12), "not at the job's version yet: it lost what it held"
-            send(coord, P.Registered(member_key=key, incarnation="j", version=10, rollback_epoch=3), ident)
+            send(coord, P.Registered(member_key=KEY, incarnation="j", version=10, rollback_epoch=3), ident)
             send(coord, P.Rollback(version=10, log_hash="h10", epoch=4), ident)
             _recv(coord, P.ShardSync, where=lambda m: m.rollback_epoch == 4 and m.version == 10)
             # Shard 0 restarts again and says so on the follower's socket: back to its version,
@@ -369,7 +391,7 @@ def test_a_resumed_follower_says_resumed_only_until_it_is_at_the_jobs_version(tm
             ident, reg = _recv(coord, P.RegisterShard)
             assert (reg.resumed, reg.version) == (False, 10), "a second job-wide rollback for nothing lost"
             # A registration at the job's version needs no Rollback: nothing is missing after it either.
-            send(coord, P.Registered(member_key=key, incarnation="k", version=10, rollback_epoch=7), ident)
+            send(coord, P.Registered(member_key=KEY, incarnation="k", version=10, rollback_epoch=7), ident)
             send(coord, P.Error(code="unregistered", message="shard 0 restarted"), ident)
             ident, reg = _recv(coord, P.RegisterShard)
             assert reg.resumed is False
@@ -378,13 +400,13 @@ def test_a_resumed_follower_says_resumed_only_until_it_is_at_the_jobs_version(tm
             assert s1.exit_code == 3, "a follower shard 0 refused kept running, or crashed"
 
 
-def test_a_gradient_held_before_a_rollback_is_not_announced_after_it(tmp_path):
-    """A push accepted in the same pass of the follower's loop as a Rollback: the restore drops the
-    gradient, so the announcement (Have) queued for it must go too. Sent with the new epoch it
-    would pass shard 0's check, and shard 0 would commit a gradient no follower holds (the
-    follower then stops on the commit). The loop's steps are called by hand, in its order."""
+@contextmanager
+def _stepped_follower(tmp_path) -> Iterator[tuple[ShardServer, zmq.Socket, bytes, str]]:
+    """An async-mode follower at version 12 (h12) with a checkpoint at 10 (h10), registered
+    with member key ``KEY`` and epoch 3 at a coordinator socket the test drives; its loop's
+    steps are the test's to call. Yields it, that socket, its link's identity there, the
+    socket's address."""
     cfg = _follower_job(tmp_path, sync="asp")
-    key = "00" * 16
     with _coordinator_socket(cfg) as (ctx, coord, endpoint):
         s1 = ShardServer(cfg, 1, coordinator=endpoint, ctx=ctx, run_dir=tmp_path / "run")
         try:
@@ -395,21 +417,89 @@ def test_a_gradient_held_before_a_rollback_is_not_announced_after_it(tmp_path):
             registering = threading.Thread(target=s1.role.start, daemon=True)
             registering.start()
             ident, _ = _recv(coord, P.RegisterShard)
-            send(coord, P.Registered(member_key=key, incarnation="i", version=12, rollback_epoch=3), ident)
+            send(coord, P.Registered(member_key=KEY, incarnation="i", version=12, rollback_epoch=3), ident)
             registering.join(timeout=20)
-            push = P.Push(worker_id=0, token=member_token(key, 0), iteration=13, batch_size=8,
-                          arrays=[np.ones(s1.state.size, dtype=np.float32)])
-            s1._on_push(b"worker-0", "worker", push)
-            assert s1.role.haves == [[0, 13, 8]] and s1.state.held
-            send(coord, P.Rollback(version=10, log_hash="h10", epoch=4), ident)
-            assert s1.role.link.sock.poll(20_000), "the Rollback did not arrive"
-            s1.role.on_link_messages()
-            s1.role.after_messages()
-            assert (s1.state.version, s1.role.rollback_epoch) == (10, 4)
-            assert not s1.state.held
-            sent: list[P.Message] = []
-            while coord.poll(500):
-                sent.append(P.decode(coord.recv_multipart()[1:]))
-            assert not [m for m in sent if isinstance(m, P.Have)], "the dropped gradient was announced"
+            yield s1, coord, ident, endpoint
         finally:
             s1.close()
+
+
+def test_a_gradient_held_before_a_rollback_is_not_announced_after_it(tmp_path):
+    """A push accepted in the same pass of the follower's loop as a Rollback: the restore drops the
+    gradient, so the announcement (Have) queued for it must go too. Sent with the new epoch it
+    would pass shard 0's check, and shard 0 would commit a gradient no follower holds (the
+    follower then stops on the commit). The loop's steps are called by hand, in its order."""
+    with _stepped_follower(tmp_path) as (s1, coord, ident, endpoint):
+        push = P.Push(worker_id=0, token=member_token(KEY, 0), iteration=13, batch_size=8,
+                      arrays=[np.ones(s1.state.size, dtype=np.float32)])
+        s1._on_push(b"worker-0", "worker", push)
+        assert s1.role.haves == [[0, 13, 8]] and s1.state.held
+        send(coord, P.Rollback(version=10, log_hash="h10", epoch=4), ident)
+        assert s1.role.link.sock.poll(20_000), "the Rollback did not arrive"
+        s1.role.on_link_messages()
+        s1.role.after_messages()
+        assert (s1.state.version, s1.role.rollback_epoch) == (10, 4)
+        assert not s1.state.held
+        sent: list[P.Message] = []
+        while coord.poll(500):
+            sent.append(P.decode(coord.recv_multipart()[1:]))
+        assert not [m for m in sent if isinstance(m, P.Have)], "the dropped gradient was announced"
+
+
+def test_resumed_ends_at_a_registration_at_its_version_and_starts_again_when_a_restore_fails(tmp_path):
+    """A resumed follower answered at its own version needs no Rollback: it is at the job's
+    version, and its next registration does not say resumed. A restarted shard 0's Rollback to a
+    checkpoint of another history (on the follower's socket) changes nothing, and the follower
+    registers with the new process as resumed, with its checkpoints."""
+    cfg = _follower_job(tmp_path)
+    _follower_checkpoints(cfg, tmp_path / "run", {10: "h10", 12: "h12"})
+    with _coordinator_socket(cfg) as (ctx, coord, endpoint):
+        again, again_endpoint = make_router(ctx, "tcp://127.0.0.1:*", security=cfg.security)   # shard 0 restarted
+        s1 = ShardServer(cfg, 1, coordinator=endpoint, ctx=ctx, run_dir=tmp_path / "run", resume="auto")
+        try:
+            with _running(s1):
+                ident, reg = _recv(coord, P.RegisterShard)
+                assert (reg.resumed, reg.version) == (True, 12)
+                send(coord, P.Registered(member_key=KEY, incarnation="i", version=12, rollback_epoch=3), ident)
+                _recv(coord, P.ShardSync, where=lambda m: m.rollback_epoch == 3)
+                send(coord, P.Error(code="unregistered", message="shard 0 restarted"), ident)
+                ident, reg = _recv(coord, P.RegisterShard)
+                assert (reg.resumed, reg.version) == (False, 12), "at the job's version: nothing lost"
+                send(coord, P.Registered(member_key=KEY, incarnation="j", version=12, rollback_epoch=4), ident)
+                _recv(coord, P.ShardSync, where=lambda m: m.rollback_epoch == 4)
+
+                _socket_rollback(ctx, cfg, s1, P.Rollback(version=10, log_hash="another", coordinator=again_endpoint))
+                ident, reg = _recv(again, P.RegisterShard)
+                assert (reg.resumed, reg.version, reg.log_hash) == (True, 12, "h12"), "unchanged, and resumed"
+                assert (reg.checkpoint_versions, reg.checkpoint_hashes) == ([10, 12], ["h10", "h12"])
+                send(again, P.Registered(member_key=KEY, incarnation="k", version=12, rollback_epoch=1), ident)
+                _recv(again, P.ShardSync)
+            assert s1.exit_code == 0
+        finally:
+            again.close()
+
+
+def test_after_a_restore_that_failed_the_rest_of_the_links_messages_are_dropped_and_so_is_what_it_held(tmp_path):
+    """A Rollback this follower cannot restore, and a Commit right behind it on the link (shard 0
+    went on from the Rollback's version): the Commit is of the new history and must not be
+    applied to the old one (that stopped the shard on its first commit); the gradients the shard
+    held belong to abandoned iterations and go, and it registers again as resumed. The loop's
+    steps are called by hand, in its order, so that both messages arrive in one batch."""
+    with _stepped_follower(tmp_path) as (s1, coord, ident, endpoint):
+        s1._on_push(b"worker-0", "worker", P.Push(worker_id=0, token=member_token(KEY, 0), iteration=13,
+                                                  batch_size=8, arrays=[np.ones(s1.state.size, np.float32)]))
+        send(coord, P.Rollback(version=10, log_hash="another", epoch=4), ident)
+        send(coord, P.Commit(version=13, iteration=13, entries=[[0, 8]], log_hash="n13"), ident)
+        assert s1.role.link.sock.poll(20_000), "nothing arrived"
+        time.sleep(0.3)   # the Commit right behind it, on the same connection
+        s1.role.on_link_messages()
+        assert not s1.role.link.sock.poll(0), "the Commit came in a later batch: the test proves nothing"
+        assert s1.exit_code == 0 and (s1.state.version, s1.state.log_hash) == (12, "h12")
+        assert not s1.state.held and not s1.role.haves
+        assert s1.role.relink_to == endpoint and s1.role.lost_state
+        registering = threading.Thread(target=s1.role.link_socket, daemon=True)
+        registering.start()
+        ident, reg = _recv(coord, P.RegisterShard)
+        assert (reg.resumed, reg.version) == (True, 12)
+        send(coord, P.Registered(member_key=KEY, incarnation="j", version=10, rollback_epoch=5), ident)
+        registering.join(timeout=20)
