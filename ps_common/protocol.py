@@ -34,7 +34,7 @@ from ps_common.frozen import fill, plain_defaults
 from ps_common.report import Telemetry
 
 MAGIC = b"LBPS"
-VERSION = 8
+VERSION = 9
 HEADER_PREFIX = MAGIC + bytes([VERSION])
 MAX_HEADER_BYTES = 1 << 20
 ALLOWED_DTYPES = frozenset({"<f4", "<f8", "<i8", "<i4", "|u1"})
@@ -291,6 +291,9 @@ class RegisterShard(Message):
     #: resumed follower goes back to the newest one whose history is shard 0's
     checkpoint_versions: list[int] = field(default_factory=list)
     checkpoint_hashes: list[str] = field(default_factory=list)
+    #: random per registration, the same in its retries: a retry whose first attempt shard 0
+    #: handled (its answer came late) is answered again instead of handled twice
+    registration: str = ""
 
 
 @dataclass

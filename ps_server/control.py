@@ -113,6 +113,7 @@ class Follower:
     epoch_floor: int = 0
     rollback: P.Rollback | None = None
     behind_since: float | None = None
+    registration: str = ""   # the id of the registration that made it (RegisterShard.registration)
 
     def rollback_epoch(self) -> int:
         """The epoch this follower's beats carry once it has applied what it was sent."""
@@ -128,8 +129,10 @@ class Followers:
         self.log: deque[P.Commit] = deque(maxlen=COMMIT_LOG)
         self.undelivered = 0
 
-    def register(self, shard: int, ident: bytes, endpoint: str, version: int, epoch_floor: int = 0) -> None:
-        self.peers[shard] = Follower(shard, ident, endpoint, version, time.monotonic(), epoch_floor)
+    def register(self, shard: int, ident: bytes, endpoint: str, version: int, epoch_floor: int = 0,
+                 registration: str = "") -> None:
+        self.peers[shard] = Follower(shard, ident, endpoint, version, time.monotonic(), epoch_floor,
+                                     registration=registration)
 
     def behind(self, shard: int, rollback_epoch: int) -> Follower | None:
         """Follower ``shard`` if a message of it that carries ``rollback_epoch`` was sent before

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -201,7 +202,8 @@ class Follow:
         reg = self.link.register(P.RegisterShard(
             shard=server.shard_id, endpoint=server.endpoint, job_digest=server.job_digest,
             version=server.state.version, log_hash=server.state.log_hash, resumed=self.lost_state,
-            checkpoint_versions=[v for v, _ in held], checkpoint_hashes=[h for _, h in held]),
+            checkpoint_versions=[v for v, _ in held], checkpoint_hashes=[h for _, h in held],
+            registration=os.urandom(8).hex()),
             self.cfg.transport.connect_timeout_s)
         self.member_key = reg.member_key
         if reg.version == server.state.version:

@@ -453,6 +453,9 @@ class Lead:
         self._check_digest(msg.job_digest)
         if not 0 < msg.shard < self.cfg.cluster.num_shards:
             raise Refused("bad_shard", f"shard index {msg.shard} out of range")
+        peer = self.followers.peers.get(msg.shard)
+        if msg.registration and peer is not None and peer.registration == msg.registration:
+            return self._registration_retried(ident, peer)
         own = server.state.version
         target = None
         if msg.version != own and not msg.resumed:
@@ -483,14 +486,11 @@ class Lead:
             why = "resumed from" if msg.resumed else "holds another history at"
             self.rollback_all(target, f"shard {msg.shard} {why} version {msg.version}")
         self.shard_endpoints[msg.shard] = msg.endpoint
-        self.followers.register(msg.shard, ident, msg.endpoint, msg.version, self.rollback_epoch)
+        self.followers.register(msg.shard, ident, msg.endpoint, msg.version, self.rollback_epoch, msg.registration)
         log.info("shard %d registered at %s (version %d)", msg.shard, msg.endpoint, msg.version)
         self.metrics.write(event="shard_registered", shard=msg.shard, endpoint=msg.endpoint,
                            version=msg.version, resumed=msg.resumed)
-        server.router_reply(ident, P.Registered(member_key=coord.member_key, incarnation=server.incarnation,
-                                                version=server.state.version, plan=coord.current_plan(),
-                                                stop_version=coord.stop_version,
-                                                rollback_epoch=self.rollback_epoch))
+        self._answer_registration(ident, self.rollback_epoch)
         if target is not None and (target != msg.version or msg.log_hash != server.state.log_hash):
             # after the reply it waits for; at its own version too where the history it holds in
             # memory is not the one its checkpoint there (and shard 0's) has
@@ -499,6 +499,24 @@ class Lead:
             for w in coord.shard_started_empty(msg.shard):
                 self.remove_worker(w, f"its gradient was on shard {msg.shard}, which started again empty")
         self._admit_joins()
+        return None
+
+    def _answer_registration(self, ident: bytes, epoch: int) -> None:
+        coord, server = self.coord, self.server
+        server.router_reply(ident, P.Registered(member_key=coord.member_key, incarnation=server.incarnation,
+                                                version=server.state.version, plan=coord.current_plan(),
+                                                stop_version=coord.stop_version, rollback_epoch=epoch))
+
+    def _registration_retried(self, ident: bytes, peer: Follower) -> None:
+        """The follower sent its registration again (on a new connection) before our answer to
+        its first attempt reached it: handled twice, a resumed one would roll the job back twice.
+        It gets the answer again, with its registration's epoch, and the Rollback sent to it since
+        (lost with the old connection)."""
+        log.info("shard %d's registration again (a retry): answered again", peer.shard)
+        peer.ident = ident
+        self._answer_registration(ident, peer.epoch_floor)
+        if peer.rollback is not None:
+            self.followers.send(peer.shard, peer.rollback)
         return None
 
     def _follower(self, ident: bytes, shard: int, version: int | None = None) -> Follower:

@@ -59,11 +59,11 @@ def _checkpoints(server: ShardServer, histories: dict[int, str]) -> None:
     server.checkpointer.flush()
 
 
-def _register(server: ShardServer, shard: int = 1, **kw) -> tuple[P.Registered, Sent]:
-    """Follower ``shard`` registers (its connection is named after it); shard 0's reply, and
-    everything it sent."""
+def _register(server: ShardServer, shard: int = 1, ident: bytes | None = None, **kw) -> tuple[P.Registered, Sent]:
+    """Follower ``shard`` registers (its connection is named after it unless ``ident`` names it);
+    shard 0's reply, and everything it sent."""
     sent = _recording(server)
-    server.role._on_register_shard(f"follower-{shard}".encode(), "shard", P.RegisterShard(
+    server.role._on_register_shard(ident or f"follower-{shard}".encode(), "shard", P.RegisterShard(
         shard=shard, endpoint=f"tcp://127.0.0.1:{9 + shard}", job_digest=server.job_digest, **kw))
     (reg,) = [m for _, m in sent if isinstance(m, P.Registered)]
     return reg, sent
@@ -183,6 +183,33 @@ def test_a_follower_at_the_jobs_version_with_another_history_is_compared_like_a_
         assert (to_it.version, to_it.log_hash) == (10, "a10")
         _, sent = _register(s0, 1, version=10, log_hash="a10")   # one history: accepted as it is
         assert s0.state.version == 10 and not _rollbacks(sent)
+
+
+def test_a_registration_sent_again_before_its_answer_arrived_is_answered_again_not_handled_twice(tmp_path):
+    """A follower's registration attempt times out while shard 0 is busy rolling back for it,
+    and the follower sends it again on a new connection: the same registration, answered again
+    on the new connection with the Rollback sent since; the job goes back once. A registration
+    with another id (a new process, or a new registration of the same one) is handled anew."""
+    cfg = small_checkpointing_job(tmp_path, num_shards=2)
+    with in_process_shard_0(cfg, tmp_path / "run") as s0:
+        _checkpoints(s0, {10: "a10", 20: "a20"})
+        s0.state.version, s0.state.log_hash = 24, "a24"
+        resumed = dict(version=30, log_hash="x30", resumed=True, checkpoint_versions=[10, 20],
+                       checkpoint_hashes=["a10", "x20"], registration="r1")
+        first, sent = _register(s0, 1, **resumed)
+        (_, rollback), = _rollbacks(sent)
+        assert s0.state.version == 10 and rollback.epoch > first.rollback_epoch
+        epoch = s0.role.rollback_epoch
+        s0.state.version, s0.state.log_hash = 11, "a11"   # a commit since: nothing rolls it back again
+        again, sent = _register(s0, 1, ident=b"follower-1-retry", **resumed)
+        assert s0.state.version == 11 and s0.role.rollback_epoch == epoch, "the job went back twice"
+        assert again.rollback_epoch == first.rollback_epoch
+        assert [(i, type(m)) for i, m in sent] == [(b"follower-1-retry", P.Registered),
+                                                   (b"follower-1-retry", P.Rollback)]
+        assert sent[1][1] == rollback, "the Rollback sent to the first attempt's connection, again"
+        assert s0.role.followers.peers[1].ident == b"follower-1-retry"
+        _, sent = _register(s0, 1, **{**resumed, "version": 11, "log_hash": "a11", "registration": "r2"})
+        assert s0.role.rollback_epoch > epoch, "another registration: handled (resumed: the job goes back)"
 
 
 def test_a_checkpoint_of_another_history_is_not_restored(tmp_path):
@@ -463,8 +490,10 @@ def test_resumed_ends_at_a_registration_at_its_version_and_starts_again_when_a_r
                 send(coord, P.Registered(member_key=KEY, incarnation="i", version=12, rollback_epoch=3), ident)
                 _recv(coord, P.ShardSync, where=lambda m: m.rollback_epoch == 3)
                 send(coord, P.Error(code="unregistered", message="shard 0 restarted"), ident)
+                first_id = reg.registration
                 ident, reg = _recv(coord, P.RegisterShard)
                 assert (reg.resumed, reg.version) == (False, 12), "at the job's version: nothing lost"
+                assert first_id and reg.registration and reg.registration != first_id, "each registration its id"
                 send(coord, P.Registered(member_key=KEY, incarnation="j", version=12, rollback_epoch=4), ident)
                 _recv(coord, P.ShardSync, where=lambda m: m.rollback_epoch == 4)
 

@@ -94,7 +94,7 @@ def header(body: dict, prefix: bytes = P.HEADER_PREFIX) -> bytes:
     [
         ([], "empty"),
         ([b"XXXX\x01" + msgpack.packb({"t": "hello"})], "bad magic"),
-        ([P.MAGIC + b"\x09" + msgpack.packb({"t": "hello"})], "version mismatch"),
+        ([P.MAGIC + bytes([P.VERSION + 1]) + msgpack.packb({"t": "hello"})], "version mismatch"),
         ([P.HEADER_PREFIX + b"\xc1\xc1"], "not valid msgpack"),
         ([header([1, 2])], "must be a map"),
         ([header({"t": "nope"})], "unknown message type"),
