@@ -114,6 +114,7 @@ class Follower:
     rollback: P.Rollback | None = None
     behind_since: float | None = None
     registration: str = ""   # the id of the registration that made it (RegisterShard.registration)
+    answered_version: int = 0   # the version its Registered said (a retry is answered the same)
 
     def rollback_epoch(self) -> int:
         """The epoch this follower's beats carry once it has applied what it was sent."""

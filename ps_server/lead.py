@@ -490,7 +490,8 @@ class Lead:
         log.info("shard %d registered at %s (version %d)", msg.shard, msg.endpoint, msg.version)
         self.metrics.write(event="shard_registered", shard=msg.shard, endpoint=msg.endpoint,
                            version=msg.version, resumed=msg.resumed)
-        self._answer_registration(ident, self.rollback_epoch)
+        self.followers.peers[msg.shard].answered_version = server.state.version
+        self._answer_registration(ident, self.rollback_epoch, server.state.version)
         if target is not None and (target != msg.version or msg.log_hash != server.state.log_hash):
             # after the reply it waits for; at its own version too where the history it holds in
             # memory is not the one its checkpoint there (and shard 0's) has
@@ -501,20 +502,22 @@ class Lead:
         self._admit_joins()
         return None
 
-    def _answer_registration(self, ident: bytes, epoch: int) -> None:
+    def _answer_registration(self, ident: bytes, epoch: int, version: int) -> None:
         coord, server = self.coord, self.server
         server.router_reply(ident, P.Registered(member_key=coord.member_key, incarnation=server.incarnation,
-                                                version=server.state.version, plan=coord.current_plan(),
+                                                version=version, plan=coord.current_plan(),
                                                 stop_version=coord.stop_version, rollback_epoch=epoch))
 
     def _registration_retried(self, ident: bytes, peer: Follower) -> None:
         """The follower sent its registration again (on a new connection) before our answer to
         its first attempt reached it: handled twice, a resumed one would roll the job back twice.
-        It gets the answer again, with its registration's epoch, and the Rollback sent to it since
-        (lost with the old connection)."""
+        It gets the same answer again (the version and epoch of the first: the follower judges by
+        the version whether it is at the job's), and the Rollback sent to it since (lost with the
+        old connection); commits since, its beats catch up."""
         log.info("shard %d's registration again (a retry): answered again", peer.shard)
+        self.coord.count("register.retry")
         peer.ident = ident
-        self._answer_registration(ident, peer.epoch_floor)
+        self._answer_registration(ident, peer.epoch_floor, peer.answered_version)
         if peer.rollback is not None:
             self.followers.send(peer.shard, peer.rollback)
         return None

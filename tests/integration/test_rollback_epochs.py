@@ -11,6 +11,7 @@ follower's messages well-formed but written by hand (what a follower sends at th
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from contextlib import contextmanager
@@ -22,6 +23,7 @@ import zmq
 
 from ps_common import protocol as P
 from ps_common.security.authenticator import stop_authenticators
+from ps_common.timeouts import DEFAULT_TIMEOUTS
 from ps_common.transport import Connection, make_router, send
 from ps_server.checkpoint import CheckpointError
 from ps_server.coordinator import member_token
@@ -199,17 +201,27 @@ def test_a_registration_sent_again_before_its_answer_arrived_is_answered_again_n
         first, sent = _register(s0, 1, **resumed)
         (_, rollback), = _rollbacks(sent)
         assert s0.state.version == 10 and rollback.epoch > first.rollback_epoch
+        # Another job-wide rollback while the follower waits: the newest Rollback is the one owed.
+        s0.state.version, s0.state.log_hash = 11, "a11"
+        s0.role.rollback_all(10, "another follower's")
+        _, newest = _rollbacks(sent)[-1]   # shard 0 sends what it sends after the first answer here too
         epoch = s0.role.rollback_epoch
         s0.state.version, s0.state.log_hash = 11, "a11"   # a commit since: nothing rolls it back again
         again, sent = _register(s0, 1, ident=b"follower-1-retry", **resumed)
         assert s0.state.version == 11 and s0.role.rollback_epoch == epoch, "the job went back twice"
-        assert again.rollback_epoch == first.rollback_epoch
+        assert (again.version, again.rollback_epoch) == (first.version, first.rollback_epoch), "the same answer"
         assert [(i, type(m)) for i, m in sent] == [(b"follower-1-retry", P.Registered),
                                                    (b"follower-1-retry", P.Rollback)]
-        assert sent[1][1] == rollback, "the Rollback sent to the first attempt's connection, again"
+        assert sent[1][1] == newest and newest.epoch > rollback.epoch, "the newest Rollback owed, again"
         assert s0.role.followers.peers[1].ident == b"follower-1-retry"
+        assert s0.role.coord.counters["register.retry"] == 1
         _, sent = _register(s0, 1, **{**resumed, "version": 11, "log_hash": "a11", "registration": "r2"})
         assert s0.role.rollback_epoch > epoch, "another registration: handled (resumed: the job goes back)"
+        # A plain registration at the job's version owes no Rollback: its retry gets the answer only.
+        plain = dict(version=s0.state.version, log_hash=s0.state.log_hash, registration="r3")
+        first, _ = _register(s0, 1, **plain)
+        again, sent = _register(s0, 1, ident=b"follower-1-retry-2", **plain)
+        assert [type(m) for _, m in sent] == [P.Registered] and again.version == first.version
 
 
 def test_a_checkpoint_of_another_history_is_not_restored(tmp_path):
@@ -482,11 +494,15 @@ def test_resumed_ends_at_a_registration_at_its_version_and_starts_again_when_a_r
     _follower_checkpoints(cfg, tmp_path / "run", {10: "h10", 12: "h12"})
     with _coordinator_socket(cfg) as (ctx, coord, endpoint):
         again, again_endpoint = make_router(ctx, "tcp://127.0.0.1:*", security=cfg.security)   # shard 0 restarted
-        s1 = ShardServer(cfg, 1, coordinator=endpoint, ctx=ctx, run_dir=tmp_path / "run", resume="auto")
+        s1 = ShardServer(cfg, 1, coordinator=endpoint, ctx=ctx, run_dir=tmp_path / "run", resume="auto",
+                         timeouts=dataclasses.replace(DEFAULT_TIMEOUTS, register_attempt_s=0.3))
         try:
             with _running(s1):
-                ident, reg = _recv(coord, P.RegisterShard)
+                unanswered, reg = _recv(coord, P.RegisterShard)
                 assert (reg.resumed, reg.version) == (True, 12)
+                # Not answered in time: the same registration again, on a new connection.
+                ident, retry = _recv(coord, P.RegisterShard)
+                assert ident != unanswered and retry.registration == reg.registration != ""
                 send(coord, P.Registered(member_key=KEY, incarnation="i", version=12, rollback_epoch=3), ident)
                 _recv(coord, P.ShardSync, where=lambda m: m.rollback_epoch == 3)
                 send(coord, P.Error(code="unregistered", message="shard 0 restarted"), ident)

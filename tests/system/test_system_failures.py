@@ -341,18 +341,14 @@ def _wait_in_log(child, text: str, timeout_s: float) -> None:
     raise AssertionError(f"{child.role} never logged {text!r}")
 
 
-@pytest.mark.timeout(300)
-def test_a_follower_that_misses_shard_0s_rollback_registers_again_and_follows(procs, tmp_path):
-    """Shard 0 is killed and started again with --resume at its address; its Rollback request
-    to the follower fails (the follower is stopped for it). The follower's link reconnects by
-    itself and shard 0 answers it ``unregistered``: it registers again, is rolled back to shard
-    0's checkpoint, and the run ends as one uninterrupted process would. Before, the follower
-    only logged the refusal, and shard 0 waited for it (and so admitted no worker) for good."""
-    cfg_path, cfg = write_config(tmp_path, job(cluster={"num_workers": 2}, checkpoint={"every_iterations": 10},
-                                               training={"max_iterations": 60}))
+def _shard_0_killed_past_25(procs, tmp_path):
+    """A 2-shard BSP job of 60 iterations, checkpoints every 10, 2 workers; shard 0 stalls at
+    version 25 or just past it and is killed there (it resumes from its newest checkpoint, which
+    the follower, still running, is past). Its config, run directory, endpoints, workers and the
+    follower."""
+    cfg_path, _ = write_config(tmp_path, job(cluster={"num_workers": 2}, checkpoint={"every_iterations": 10},
+                                             training={"max_iterations": 60}))
     run = tmp_path / "run"
-    # Shard 0 stalls at version 25 or just past it, and is killed there: it resumes from its
-    # checkpoint at 20, which the follower is past.
     stall = {"LBBSP_FAULTS": json.dumps({"coordinator_stall": {"version": 25, "seconds": 60}})}
     eps = start_servers(procs, cfg_path, 2, run, env=stall)
     workers = start_workers(procs, cfg_path, eps[0], 2, run)
@@ -360,6 +356,17 @@ def test_a_follower_that_misses_shard_0s_rollback_registers_again_and_follows(pr
     _wait_in_log(shard0, "coordinator loop stalls", 120)
     os.kill(shard0.proc.pid, signal.SIGKILL)
     shard0.proc.wait(timeout=10)
+    return cfg_path, run, eps, workers, shard1
+
+
+@pytest.mark.timeout(300)
+def test_a_follower_that_misses_shard_0s_rollback_registers_again_and_follows(procs, tmp_path):
+    """Shard 0 is killed and started again with --resume at its address; its Rollback request
+    to the follower fails (the follower is stopped for it). The follower's link reconnects by
+    itself and shard 0 answers it ``unregistered``: it registers again, is rolled back to shard
+    0's checkpoint, and the run ends as one uninterrupted process would. Before, the follower
+    only logged the refusal, and shard 0 waited for it (and so admitted no worker) for good."""
+    cfg_path, run, eps, workers, shard1 = _shard_0_killed_past_25(procs, tmp_path)
     os.kill(shard1.proc.pid, signal.SIGSTOP)           # it cannot answer the Rollback request
     try:
         again = procs.start("shard-0b", "ps_server.cli", ["--config", str(cfg_path), "--run-dir", str(run),
@@ -374,6 +381,40 @@ def test_a_follower_that_misses_shard_0s_rollback_registers_again_and_follows(pr
     params, version = consistent_end(run, 2)
     assert version == 60
     assert "registering again" in shard1.log_path.read_text(errors="replace")
+    data = load_dataset("synthetic", seed=2, synthetic_train=600, synthetic_test=300)
+    ref = train_reference("mlp", 2, data, 2, 60, 60, lr=0.05, momentum=0.9)
+    assert np.linalg.norm(params - ref) / np.linalg.norm(ref) < 1e-5, "one history, as one process"
+
+
+@pytest.mark.timeout(300)
+def test_a_live_follower_sent_to_a_checkpoint_of_another_history_registers_again_and_follows(procs, tmp_path):
+    """Shard 0 is killed past version 25 and started again with --resume: it goes back to its
+    newest checkpoint, V, and tells the follower, which kept running, to do the same. The
+    follower's file at V holds another history (written here by hand, as a follower that missed
+    an earlier Rollback would hold). It does not restore it: it registers again as resumed with
+    its checkpoints, shard 0 takes the job back to V - 10, which both hold of one history, and
+    the run ends as one uninterrupted process would. Before, the follower stopped (exit code 3)
+    and the job waited for an operator's --resume."""
+    from ps_server.checkpoint import checkpoint_path, list_checkpoints, load_checkpoint, save_checkpoint
+
+    cfg_path, run, eps, workers, shard1 = _shard_0_killed_past_25(procs, tmp_path)
+    newest = list_checkpoints(run / "checkpoints", 0)[-1][0]
+    assert newest >= 20, f"shard 0's newest checkpoint is at {newest}: nothing older to go back to"
+    arrays, meta = load_checkpoint(checkpoint_path(run / "checkpoints", 1, newest))
+    save_checkpoint(run / "checkpoints", 1, newest, arrays, {**meta, "log_hash": "another-history"}, keep=0)
+    again = procs.start("shard-0b", "ps_server.cli", ["--config", str(cfg_path), "--run-dir", str(run),
+                                                       "--shard", "0", "--port", eps[0].rsplit(":", 1)[1],
+                                                       "--resume"])
+    wait_exit(workers, timeout_s=240)
+    shards_exit(procs)
+    assert shard1.proc.returncode == 0 and again.proc.returncode == 0, shard1.tail()
+    params, version = consistent_end(run, 2)
+    assert version == 60
+    assert "registering again as resumed" in shard1.log_path.read_text(errors="replace")
+    restored = [r["version"] for r in read_jsonl(run / "metrics" / "shard-1.jsonl") if r.get("event") == "restored"]
+    assert restored == [newest - 10], f"the follower restored {restored}, not only {newest - 10}"
+    _, events = coordinator_records(run)
+    assert [e["version"] for e in events if e["event"] == "rollback"] == [newest - 10]
     data = load_dataset("synthetic", seed=2, synthetic_train=600, synthetic_test=300)
     ref = train_reference("mlp", 2, data, 2, 60, 60, lr=0.05, momentum=0.9)
     assert np.linalg.norm(params - ref) / np.linalg.norm(ref) < 1e-5, "one history, as one process"
