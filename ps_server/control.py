@@ -131,9 +131,9 @@ class Followers:
         self.undelivered = 0
 
     def register(self, shard: int, ident: bytes, endpoint: str, version: int, epoch_floor: int = 0,
-                 registration: str = "") -> None:
+                 registration: str = "", answered_version: int = 0) -> None:
         self.peers[shard] = Follower(shard, ident, endpoint, version, time.monotonic(), epoch_floor,
-                                     registration=registration)
+                                     registration=registration, answered_version=answered_version)
 
     def behind(self, shard: int, rollback_epoch: int) -> Follower | None:
         """Follower ``shard`` if a message of it that carries ``rollback_epoch`` was sent before

@@ -207,7 +207,9 @@ class Follow:
             self.cfg.transport.connect_timeout_s)
         self.member_key = reg.member_key
         if reg.version == server.state.version:
-            self.lost_state = False   # else a Rollback follows, and applying it clears it
+            # else a Rollback follows, and applying it clears it (at the job's version with
+            # another history, one follows all the same, and any later registration is compared)
+            self.lost_state = False
         self.rollback_epoch = reg.rollback_epoch
         self.stop_version = reg.stop_version
         self._set_plan(reg.plan)
@@ -305,7 +307,8 @@ class Follow:
         history. If not (written before a rollback this shard never processed, or found out of
         step by a beat), nothing changes, and it registers again as resumed with the list of its
         checkpoints: shard 0 then rolls the job back to the newest one both hold of one history,
-        or refuses (no such checkpoint), which stops this shard."""
+        or refuses (no such checkpoint), which stops this shard, as do more than MAX_RECOVERIES
+        failures in a row."""
         try:
             self.server.restore(msg.version, expect_log_hash=msg.log_hash)
         except CheckpointError as exc:

@@ -486,11 +486,11 @@ class Lead:
             why = "resumed from" if msg.resumed else "holds another history at"
             self.rollback_all(target, f"shard {msg.shard} {why} version {msg.version}")
         self.shard_endpoints[msg.shard] = msg.endpoint
-        self.followers.register(msg.shard, ident, msg.endpoint, msg.version, self.rollback_epoch, msg.registration)
+        self.followers.register(msg.shard, ident, msg.endpoint, msg.version, self.rollback_epoch,
+                                registration=msg.registration, answered_version=server.state.version)
         log.info("shard %d registered at %s (version %d)", msg.shard, msg.endpoint, msg.version)
         self.metrics.write(event="shard_registered", shard=msg.shard, endpoint=msg.endpoint,
                            version=msg.version, resumed=msg.resumed)
-        self.followers.peers[msg.shard].answered_version = server.state.version
         self._answer_registration(ident, self.rollback_epoch, server.state.version)
         if target is not None and (target != msg.version or msg.log_hash != server.state.log_hash):
             # after the reply it waits for; at its own version too where the history it holds in
