@@ -327,7 +327,8 @@ def _follower_job(tmp_path, **mode):
 def test_a_real_follower_echoes_the_rollback_it_applied_and_refuses_another_history(tmp_path):
     """A real follower shard against a coordinator socket driven by hand: it reports its
     checkpoints and their hashes, echoes the epoch of the last rollback it applied in its beats,
-    and stops rather than restore a checkpoint whose history is not shard 0's."""
+    never restores a checkpoint whose history is not shard 0's (it registers again as resumed),
+    and stops after more than MAX_RECOVERIES such Rollbacks in a row."""
     cfg = _follower_job(tmp_path)
     with _coordinator_socket(cfg) as (ctx, coord, endpoint):
         s1 = ShardServer(cfg, 1, coordinator=endpoint, ctx=ctx, run_dir=tmp_path / "run")

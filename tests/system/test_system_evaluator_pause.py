@@ -113,7 +113,10 @@ def test_the_evaluator_follows_a_rollback_and_the_result_is_single_process_sgd(p
     cfg_path, cfg = write_config(tmp_path, {
         "run": {"name": "pause-rollback", "seed": 2}, "model": {"name": "mlp"},
         "data": {"dataset": "synthetic", "synthetic_train": 600, "synthetic_test": 300},
-        "training": {"global_batch": 60, "max_iterations": 60, "finish_timeout_s": 10},
+        # finish_timeout_s: beside training, the evaluator may wait PULL_PATIENCE_S (10 s) on the
+        # dead follower's address before it joins again for the new one; with 10 s here too, shard
+        # 0 could finish 60 ms before it came back (seen in CI), and the evaluator failed
+        "training": {"global_batch": 60, "max_iterations": 60, "finish_timeout_s": 30},
         "optimizer": {"lr": 0.05, "momentum": 0.9}, "cluster": {"num_shards": 2, "num_workers": 2},
         "checkpoint": {"every_iterations": 10}, "heartbeat": {"interval_s": 0.2, "timeout_s": 2.0},
         "evaluator": {"every_iterations": 10, "nice": 0, "pause_training": pause, "pause_timeout_s": 5.0}})

@@ -14,10 +14,19 @@ import time
 import numpy as np
 import pytest
 
+from ps_common import protocol as P
 from ps_common.metrics import read_jsonl
 from ps_ml.datasets import load_dataset, sample_order
 from ps_ml.reference import train_reference
-from tests.cluster_util import consistent_end, start_servers, start_workers, status, wait_exit, write_config
+from tests.cluster_util import (
+    consistent_end,
+    operator_request,
+    start_servers,
+    start_workers,
+    status,
+    wait_exit,
+    write_config,
+)
 
 pytestmark = pytest.mark.system
 
@@ -130,9 +139,10 @@ def test_worker_sigkill_is_detected_and_training_continues(procs, tmp_path, sync
 
 
 def test_worker_joins_mid_run_and_gets_a_share(procs, tmp_path):
-    # Stop by time: a new worker process needs a few seconds to start (torch import).
+    # No stop rule but a cap: the test ends the run once the joiner has trained 10 iterations
+    # (a new worker process needs a few seconds to start: torch import).
     j = job(cluster={"num_workers": 2})
-    j["training"] = {"global_batch": 60, "max_seconds": 12, "finish_timeout_s": 10}
+    j["training"] = {"global_batch": 60, "max_seconds": 120, "finish_timeout_s": 10}
     cfg_path, cfg = write_config(tmp_path, j)
     run = tmp_path / "run"
     eps = start_servers(procs, cfg_path, 2, run)
@@ -140,6 +150,9 @@ def test_worker_joins_mid_run_and_gets_a_share(procs, tmp_path):
     wait_version(eps[0], 10)
     late = procs.start("worker-late", "ps_worker.cli", ["--config", str(cfg_path), "--server", eps[0],
                                                          "--run-dir", str(run), "--name", "late"])
+    _wait_in_log(late, "joined at version", 60)
+    wait_version(eps[0], status(eps[0]).version + 10)
+    operator_request(eps[0], P.Shutdown(reason="the test is done"), P.Ack)
     wait_exit(first + [late], timeout_s=180)
     shards_exit(procs)
     consistent_end(run, 2)
@@ -157,8 +170,8 @@ def test_a_worker_restarted_at_once_under_its_name_joins_when_its_old_membership
     (``name_in_use``). A worker SIGKILLed and started again at once, under its name, is refused
     while its old membership lives (heartbeat timeout 8 s here, longer than the new process
     takes to start), waits, joins once the old one is declared lost, and the run ends."""
-    cfg_path, cfg = write_config(tmp_path, job(cluster={"num_workers": 2},
-                                               training={"max_iterations": 1_000_000, "max_seconds": 18},
+    cfg_path, cfg = write_config(tmp_path, job(cluster={"num_workers": 2},   # max_seconds: a cap
+                                               training={"max_iterations": 1_000_000, "max_seconds": 120},
                                                heartbeat={"interval_s": 0.2, "timeout_s": 8.0}))
     run = tmp_path / "run"
     eps = start_servers(procs, cfg_path, 2, run)
@@ -168,6 +181,9 @@ def test_a_worker_restarted_at_once_under_its_name_joins_when_its_old_membership
     workers[1].proc.wait(timeout=10)
     again = procs.start("worker-1b", "ps_worker.cli", ["--config", str(cfg_path), "--server", eps[0],
                                                        "--run-dir", str(run), "--name", "worker-1"])
+    _wait_in_log(again, "joined at version", 60)
+    wait_version(eps[0], status(eps[0]).version + 10)
+    operator_request(eps[0], P.Shutdown(reason="the test is done"), P.Ack)
     wait_exit([workers[0], again], timeout_s=120)
     shards_exit(procs)
     assert "name_in_use" in again.log_path.read_text(), again.tail()
