@@ -115,6 +115,7 @@ class Follower:
     behind_since: float | None = None
     registration: str = ""   # the id of the registration that made it (RegisterShard.registration)
     answered_version: int = 0   # the version its Registered said (a retry is answered the same)
+    heard: bool = False   # a message of it arrived since its registration (on ``ident``)
 
     def rollback_epoch(self) -> int:
         """The epoch this follower's beats carry once it has applied what it was sent."""
@@ -148,6 +149,7 @@ class Followers:
             return None
         peer.ident = ident
         peer.last_seen = time.monotonic()
+        peer.heard = True
         if version is not None:
             peer.version = version
         return peer

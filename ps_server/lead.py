@@ -516,7 +516,8 @@ class Lead:
         old connection); commits since, its beats catch up."""
         log.info("shard %d's registration again (a retry): answered again", peer.shard)
         self.coord.count("register.retry")
-        peer.ident = ident
+        if not peer.heard:   # else an attempt left queued behind its retry: the follower is on peer.ident
+            peer.ident = ident
         self._answer_registration(ident, peer.epoch_floor, peer.answered_version)
         if peer.rollback is not None:
             self.followers.send(peer.shard, peer.rollback)

@@ -222,6 +222,11 @@ def test_a_registration_sent_again_before_its_answer_arrived_is_answered_again_n
         first, _ = _register(s0, 1, **plain)
         again, sent = _register(s0, 1, ident=b"follower-1-retry-2", **plain)
         assert [type(m) for _, m in sent] == [P.Registered] and again.version == first.version
+        # An attempt left queued behind its retry, handled after the follower was heard (a beat):
+        # the connection it was heard on stays its connection.
+        _sync(s0, 1, version=s0.state.version, log_hash=s0.state.log_hash, rollback_epoch=again.rollback_epoch)
+        _register(s0, 1, ident=b"follower-1-stale", **plain)
+        assert s0.role.followers.peers[1].ident == b"follower-1"
 
 
 def test_a_checkpoint_of_another_history_is_not_restored(tmp_path):
