@@ -176,7 +176,11 @@ class Follow:
         return {}
 
     def restored(self, meta: dict) -> None:
-        self.haves = []   # the restore dropped those gradients: they must not be announced
+        self._forget_iterations()
+
+    def _forget_iterations(self) -> None:
+        """The job went back: no gradient held before it, nor its plan or stop, counts now."""
+        self.haves = []   # those gradients are dropped: they must not be announced
         self.plan, self.last_iteration = None, -1
         self.stop_version, self._stop_reason = -1, ""
         self._delayed_plans = []
@@ -243,7 +247,7 @@ class Follow:
                 log.error("the coordinator refused: [%s] %s", msg.code, msg.message)
         st = self.server.state
         if self.stopped() and st.held:
-            st.drop([k[:2] for k in st.holds()])
+            st.drop_all()
 
     def _send_sync(self) -> None:
         assert self.link is not None
@@ -321,9 +325,8 @@ class Follow:
                       "checkpoint of its history that this shard holds", exc)
             # The job goes back anyway: what this shard holds belongs to the abandoned iterations
             # (a commit names gradients by worker and iteration, not by value).
-            st = self.server.state
-            st.drop([k[:2] for k in st.holds()])
-            self.restored({})
+            self.server.state.drop_all()
+            self._forget_iterations()
             self.lost_state = True
             self.relink_to = self.coordinator_endpoint
             return False

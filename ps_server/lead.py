@@ -366,7 +366,7 @@ class Lead:
             self.stop_announced = True
             self.stop_time = time.monotonic()
             self.followers.broadcast(P.Stop(version=coord.stop_version, reason=coord.stop_reason))
-            server.state.drop([k[:2] for k in server.state.holds()])
+            server.state.drop_all()
             self.metrics.write(event="stop", version=coord.stop_version, reason=coord.stop_reason)
             server.pulls_changed()
         if decided:
@@ -491,7 +491,7 @@ class Lead:
         log.info("shard %d registered at %s (version %d)", msg.shard, msg.endpoint, msg.version)
         self.metrics.write(event="shard_registered", shard=msg.shard, endpoint=msg.endpoint,
                            version=msg.version, resumed=msg.resumed)
-        self._answer_registration(ident, self.rollback_epoch, server.state.version)
+        self._answer_registration(ident, self.followers.peers[msg.shard])
         if target is not None and (target != msg.version or msg.log_hash != server.state.log_hash):
             # after the reply it waits for; at its own version too where the history it holds in
             # memory is not the one its checkpoint there (and shard 0's) has
@@ -502,11 +502,12 @@ class Lead:
         self._admit_joins()
         return None
 
-    def _answer_registration(self, ident: bytes, epoch: int, version: int) -> None:
+    def _answer_registration(self, ident: bytes, peer: Follower) -> None:
+        """``Registered``, with the version and epoch recorded when ``peer`` registered."""
         coord, server = self.coord, self.server
         server.router_reply(ident, P.Registered(member_key=coord.member_key, incarnation=server.incarnation,
-                                                version=version, plan=coord.current_plan(),
-                                                stop_version=coord.stop_version, rollback_epoch=epoch))
+                                                version=peer.answered_version, plan=coord.current_plan(),
+                                                stop_version=coord.stop_version, rollback_epoch=peer.epoch_floor))
 
     def _registration_retried(self, ident: bytes, peer: Follower) -> None:
         """The follower sent its registration again (on a new connection) before our answer to
@@ -518,7 +519,7 @@ class Lead:
         self.coord.count("register.retry")
         if not peer.heard:   # else an attempt left queued behind its retry: the follower is on peer.ident
             peer.ident = ident
-        self._answer_registration(ident, peer.epoch_floor, peer.answered_version)
+        self._answer_registration(ident, peer)
         if peer.rollback is not None:
             self.followers.send(peer.shard, peer.rollback)
         return None

@@ -143,6 +143,10 @@ class ShardState:
             if len(self.settled) > MAX_SETTLED:  # worker ids are never reused: departed ones go
                 del self.settled[next(iter(self.settled))]
 
+    def drop_all(self) -> int:
+        """Forget every gradient held (the job stops, or goes back to a checkpoint)."""
+        return self.drop(list(self.held))
+
     def drop_through(self, iteration: int) -> int:
         """Round modes: gradients of iterations up to ``iteration`` can never be applied now."""
         return self.drop([k for k in self.held if k[1] <= iteration])
