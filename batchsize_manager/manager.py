@@ -5,8 +5,9 @@ the bounds (x_min, x_max, per-worker memory caps), the policy, validation of eve
 the measurement of its own decision time (so "overhead as a fraction of the iteration" is
 measured, not assumed). No sockets, no sleeps; time comes from an injected clock.
 
-Cost: ``observe`` only checks membership and queues the report (~0.2 µs); the queued reports of
-an iteration reach the policy as one :class:`~batchsize_manager.reports.ReportBatch` when it next
+Cost: ``observe`` only checks membership and queues the report (~0.2 µs; ``observe_many`` takes
+an iteration's reports in one call); the queued reports of an iteration reach the policy as one
+:class:`~batchsize_manager.reports.ReportBatch` when it next
 decides (or when anything reads the policy's state: ``policy``, ``caps()``, ``memory_caps``,
 ``join``/``leave``, ``state_dict``), and built-in policies decide on numpy arrays indexed by
 worker slot. Queuing changes no result: reports are applied in arrival order, before any later
@@ -19,7 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -253,6 +254,22 @@ class BatchSizeManager:
         else:
             self.ignored_reports += 1
         self._pending_s += clock() - t0
+
+    def observe_many(self, reports: Sequence[WorkerReport]) -> None:
+        """:meth:`observe` of each report in order, for a caller that holds an iteration's
+        reports together (the coordinator, the simulation): one timing and one call for all of
+        them instead of per report (about 0.3 µs per report: 3 ms at 10,000 workers)."""
+        t0 = self.clock()
+        live, start, n = self._live, 0, len(reports)
+        while start < n:                          # a chunk is read while it is in the CPU cache
+            stop = min(n, start + max(1, self.flush_every - len(self._pending)))
+            kept = [r for r in reports[start:stop] if r.worker_id in live]
+            self.ignored_reports += stop - start - len(kept)
+            self._pending.extend(kept)
+            start = stop
+            if len(self._pending) >= self.flush_every:
+                self._flush()
+        self._pending_s += self.clock() - t0
 
     def caps(self) -> dict[int, int]:
         """The effective cap of every live worker that has one (absent = only bounded by X)."""

@@ -230,12 +230,12 @@ class Simulation:
                 cpu_quota=w.quota_at(t), cpu_s=None if w.cpu_quota is None else data + compute + push + pull,
                 compute_cpu_s=None if w.cpu_quota is None else data + compute,
             )
-            reports.append(WorkerReport(worker_id=wid, iteration=t, batch_size=x, telemetry=tel))
+            tel.packed()        # as received: the coordinator's decoder keeps every report's row
+            reports.append(WorkerReport.received(wid, t, x, tel))
             self._prev[wid] = _Prev(push_s=push, wait_s=it_s - times[wid], pull_s=pull, iteration_s=it_s)
         if self.plan_ahead:
             reports, self._held = self._held, reports
-        for r in reports:
-            self.manager.observe(r)
+        self.manager.observe_many(reports)
         self.iteration += 1
         self.clock_s += it_s
         return SimRecord(t, dict(sizes), times, it_s, oom, decision_s)

@@ -499,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
         sizes = [10, 100] if args.quick else [10, 100, 1000, 10000]
         print(f"## (a') Decision time per iteration, before ({args.compare}) and after (this "
               f"checkout), tight loop, X = {PER_SAMPLE_X}·N\n")
-        print(compare_table(sizes, args.compare.resolve()))
+        print(compare_table(args.sizes or sizes, args.compare.resolve()))
         return 0
     import numpy  # noqa: F401  (imported before timing)
 

@@ -881,6 +881,9 @@ class _Schema(typing.NamedTuple):
     #: every field's default, for a frozen class built without its __init__ (None: use __init__;
     #: see :mod:`ps_common.frozen`)
     defaults: dict[str, Any] | None
+    #: the class's own constructor from checked values, where it has one (``from_checked``: a
+    #: worker's report, which also keeps its fields as a row of floats)
+    make: Callable[[dict[str, Any]], Any] | None
 
 
 _SCHEMAS: dict[type, _Schema] = {}
@@ -895,12 +898,13 @@ def _schema(cls: type) -> _Schema:
         validators = {f.name: _field_validator(f, hints[f.name]) for f in fields}
         required = frozenset(f.name for f in fields if f.default is dataclasses.MISSING
                              and f.default_factory is dataclasses.MISSING)
-        sch = _SCHEMAS[cls] = _Schema(validators, frozenset(validators), required, plain_defaults(cls))
+        sch = _SCHEMAS[cls] = _Schema(validators, frozenset(validators), required, plain_defaults(cls),
+                                      getattr(cls, "from_checked", None))
     return sch
 
 
 def _build(cls: type, body: dict[str, Any], where: str) -> Any:
-    validators, names, required, defaults = _schema(cls)
+    validators, names, required, defaults, make = _schema(cls)
     if not names.issuperset(body):
         raise ProtocolError(f"{where}: unknown field(s) {sorted(set(body) - names)}")
     missing = required.difference(body)
@@ -910,6 +914,8 @@ def _build(cls: type, body: dict[str, Any], where: str) -> Any:
         values = {name: validators[name](value, where) for name, value in body.items()}
     except ProtocolError:
         values = {name: validators[name](value, f"{where}.{name}") for name, value in body.items()}
+    if make is not None:
+        return make(values)
     return cls(**values) if defaults is None else fill(cls, defaults, values)
 
 

@@ -240,8 +240,7 @@ class BatchSizeService:
         if not self.manager.is_live(w):
             raise Refused("unknown_worker", f"worker {w} is not live (join it first)")
         self._check_token(w, msg.token)
-        self.manager.observe(WorkerReport(worker_id=w, iteration=msg.iteration,
-                                          batch_size=msg.batch_size, telemetry=msg.telemetry))
+        self.manager.observe(WorkerReport.received(w, msg.iteration, msg.batch_size, msg.telemetry))
         self.reports += 1
         return P.Ack(what="bsm_report")
 

@@ -422,17 +422,17 @@ class Coordinator:
         """Feed the queued reports to the batch policy; True if any went. ``whole_only`` holds
         back those whose gradient is still on its way to some shard, so that they reach the
         policy with their finish time (all go when a split is decided now)."""
-        fed = 0
         held: dict[tuple[int, int], WorkerReport] = {}
+        fed: list[WorkerReport] = []
         for key, r in self._unobserved.items():
             g = self.ledger.get(key) if whole_only else None
             if g is not None and not g.complete:
                 held[key] = r
             else:
-                self.manager.observe(r)
-                fed += 1
+                fed.append(r)
         self._unobserved = held
-        return fed > 0
+        self.manager.observe_many(fed)
+        return bool(fed)
 
     def background_work(self) -> None:
         """What can wait until the workers have their answers: feed the reports to the batch

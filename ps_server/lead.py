@@ -35,6 +35,8 @@ if TYPE_CHECKING:
     from ps_server.server import ShardServer
 
 log = logging.getLogger(__name__)
+#: a push without a report: nothing measured (with its row, as a received report has)
+_NOT_MEASURED = Telemetry.from_checked({})
 
 #: Longest worker name, instance, device or leave reason taken in (they go into logs, records,
 #: checkpoints and the memory caps' keys).
@@ -112,9 +114,8 @@ class Lead:
         return False
 
     def accepted_push(self, msg: P.Push) -> None:
-        self.coord.record_report(WorkerReport(
-            worker_id=msg.worker_id, iteration=msg.iteration, batch_size=msg.batch_size,
-            telemetry=msg.telemetry or Telemetry()), msg.loss)
+        self.coord.record_report(WorkerReport.received(
+            msg.worker_id, msg.iteration, msg.batch_size, msg.telemetry or _NOT_MEASURED), msg.loss)
         self.coord.on_gradient(0, msg.worker_id, msg.iteration, msg.batch_size)
 
     def check_pull_token(self, worker_id: int, token: str) -> None:

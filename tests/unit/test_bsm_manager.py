@@ -229,9 +229,9 @@ class Tee:
         self.a.leave(w)
         self.b.leave(w)
 
-    def observe(self, r: WorkerReport) -> None:
-        self.a.observe(r)
-        self.b.observe(r)
+    def observe_many(self, reports: list[WorkerReport]) -> None:
+        self.a.observe_many(reports)
+        self.b.observe_many(reports)
 
     def assign(self) -> dict[int, int]:
         x, y = self.a.assign(), self.b.assign()

@@ -6,6 +6,7 @@ import pytest
 
 from batchsize_manager import BatchSizeManager
 from batchsize_manager.simulation import CpuQuota, SimulatedWorker, Simulation, ideal_iteration_time, simulate
+from ps_common.report import Telemetry
 
 
 def test_cpu_and_gpu_like_timing():
@@ -39,9 +40,9 @@ def spied_manager() -> tuple[BatchSizeManager, list]:
     seen: list = []
 
     class Spy(BatchSizeManager):
-        def observe(self, report):
-            seen.append(report)
-            super().observe(report)
+        def observe_many(self, reports):
+            seen.extend(reports)
+            super().observe_many(reports)
 
     return Spy("uniform", 100), seen
 
@@ -66,6 +67,7 @@ def test_reports_look_like_the_real_workers():
     assert t1.prev_wait_s == pytest.approx(0.5)   # waited for worker 1 at the barrier
     assert t1.iteration_s == pytest.approx(1.1)
     assert t0.oom is False and t0.finish_s == pytest.approx(0.6)   # as the coordinator adds it
+    assert t0.row == Telemetry(**t0.to_dict()).packed()             # as received: with its row
 
 
 def test_a_cpu_quota_stalls_work_until_the_next_period():

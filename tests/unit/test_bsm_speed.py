@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -38,6 +39,7 @@ from batchsize_manager.reports import (
     overhead_one,
 )
 from batchsize_manager.simulation import SimulatedWorker, Simulation
+from ps_common.protocol import Push, decode, encode
 from ps_common.report import Telemetry
 
 INF = math.inf
@@ -236,6 +238,92 @@ def test_report_columns_follow_the_per_report_rules(n):
     assert sub.worker.tolist() == [n - 1, 0] and sub.oom.tolist() == [b.oom[-1], b.oom[0]]
 
 
+def _received_reports(n: int, seed: int, oom: float = 0.2) -> list[WorkerReport]:
+    """Reports as shard 0 holds them: sent in a Push and decoded (so checked, and each with its
+    row), some given the servers' finish time afterwards."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        tel: dict[str, Any] = {"oom": rng.random() < oom, "burners": rng.choice([0, 3])}
+        for key in ("compute_s", "data_s", "prev_push_s", "prev_pull_s", "finish_s", "host_cpu",
+                    "cotenant_cpu", "host_mem_pct", "cpu_s", "compute_cpu_s", "cpu_quota",
+                    "mem_headroom_mb"):
+            r = rng.random()
+            if r < 0.6:
+                tel[key] = rng.uniform(0.0, 2.0)
+            elif r < 0.8:
+                tel[key] = 0.0
+            elif Telemetry.__dataclass_fields__[key].default is None:
+                tel[key] = None
+        push = Push(worker_id=i, token="t", iteration=3, batch_size=rng.choice([64, 1, 17]),
+                    telemetry=Telemetry(**tel), arrays=[np.zeros(2, dtype=np.float32)])
+        got = decode([bytes(f) if isinstance(f, (bytes, memoryview)) else f for f in encode(push)])
+        received = got.telemetry
+        assert received is not None and received.row is not None
+        if rng.random() < 0.5:
+            received = received.with_finish(rng.choice([None, rng.uniform(1e-3, 2.0)]))
+        out.append(WorkerReport.received(got.worker_id, got.iteration, got.batch_size, received))
+    return out
+
+
+def test_a_received_report_keeps_its_fields_as_its_row():
+    """The row a decoded report carries, and the one its copy with a finish time carries, are
+    its fields (what ``packed()`` gives from the attributes of a report built locally)."""
+    for r in _received_reports(200, 1):
+        tel = r.telemetry
+        local = Telemetry(**{f.name: getattr(tel, f.name) for f in dataclasses.fields(Telemetry)})
+        assert local.row is None and tel == local
+        assert tel.row == local.packed() == local.row
+    sent = {"compute_s": 0.5, "cpu_quota": None, "oom": True, "burners": 2}   # None said outright
+    assert Telemetry.from_checked(sent).row == Telemetry(**sent).packed()
+    r = WorkerReport.received(7, 3, 64, tel)
+    assert r.row is not None and ReportBatch([r] * (SMALL_BATCH + 1)).worker.tolist() == [7] * (SMALL_BATCH + 1)
+    timed = r.with_telemetry(tel.with_finish(0.125))
+    expected = Telemetry(**{**tel.to_dict(), "finish_s": 0.125})
+    expected.packed()
+    assert timed.row == WorkerReport.received(7, 3, 64, expected).row
+    assert r.with_telemetry(Telemetry()).row is None                # a telemetry without a row
+    assert WorkerReport.received(1 << 63, 3, 64, tel).row is None   # not int64: by attribute
+    assert WorkerReport(7, 3, 64, tel).row is None                  # built locally
+    t = Telemetry(compute_s=0.5).with_finish(0.25)
+    assert t.row is None                                  # nothing to keep true
+    p = Telemetry(compute_s=0.5)
+    p.packed()
+    assert p.with_finish(0.25).row == Telemetry(compute_s=0.5, finish_s=0.25).packed()
+
+
+@pytest.mark.parametrize("n", [SMALL_BATCH + 1, 300])
+def test_columns_from_rows_follow_the_per_report_rules(n):
+    reps = _received_reports(n, n)
+    b = ReportBatch(reps)
+    assert b.rows is not None                             # the row path is what is tested here
+    assert b.worker.tolist() == list(range(n))
+    assert b.oom.tolist() == [r.telemetry.oom for r in reps]
+    assert b.any_oom == any(r.telemetry.oom for r in reps)
+    for key in ("data_s", "prev_push_s", "prev_pull_s", "finish_s"):
+        assert b._durations(key).tolist() == [_num_one(getattr(r.telemetry, key)) for r in reps]
+    for key in ("cpu_s", "compute_cpu_s", "cpu_quota", "finish_s", "compute_s"):
+        got, want = b.measured(key).tolist(), [_measured_one(getattr(r.telemetry, key)) for r in reps]
+        assert all(g == w or (math.isnan(g) and math.isnan(w)) for g, w in zip(got, want)), key
+    assert b.overhead().tolist() == [overhead_one(r.telemetry) for r in reps]
+    assert [v if v == v else None for v in b.speed().tolist()] == [r.speed() for r in reps]
+    assert b.exog().tolist() == [r.telemetry.exog() for r in reps]
+    assert b.headroom_rows().tolist() == [i for i, r in enumerate(reps)
+                                          if r.telemetry.mem_headroom_mb is not None]
+    picked = [n - 1, 0, *range(1, SMALL_BATCH)]
+    sub = b.take(np.array(picked))
+    assert sub.rows is not None and sub.compute.tolist() == [reps[i].telemetry.compute_s for i in picked]
+    assert sub.worker.tolist() == picked and sub.batch.tolist() == [reps[i].batch_size for i in picked]
+    fresh = ReportBatch(reps)
+    assert fresh.rows is not None                        # read, but no column taken from it yet
+    sub = fresh.take(np.array(picked))
+    assert sub.worker.tolist() == picked and sub.batch.tolist() == [reps[i].batch_size for i in picked]
+    assert sub.exog().tolist() == [reps[i].telemetry.exog() for i in picked]
+    mixed = reps[:-1] + [reps[-1].with_telemetry(Telemetry(compute_s=0.5))]   # one built locally
+    m = ReportBatch(mixed)
+    assert m.rows is None and m.exog().tolist() == [r.telemetry.exog() for r in mixed]
+
+
 def test_occurrence_rounds_split_duplicates_in_arrival_order():
     assert occurrence_rounds(np.array([3, 1, 2])) is None
     keys = np.array([5, 1, 5, 2, 1, 5] + list(range(10, 40)))
@@ -299,6 +387,32 @@ def test_batched_reports_equal_one_at_a_time(name, args):
     states = [json.dumps({k: v for k, v in m.state_dict().items() if k not in timed},
                          sort_keys=True) for m in managers]
     assert states[0] == states[1] == states[2]
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 1024])
+def test_observe_many_is_observe_of_each_report_in_order(chunk):
+    """Same policy state, caps and count of ignored reports (those of workers not live) as one
+    observe() per report, whatever the chunk size; the rows path and the attribute path alike."""
+    args = {"predictor": "ema"}
+    one, many = (BatchSizeManager("lbbsp-cpu", 640, min_batch=2, policy_args=args) for _ in range(2))
+    many.flush_every = chunk
+    for m in (one, many):
+        for w in range(20):
+            m.join(w)
+    rng = random.Random(chunk)
+    for it in range(8):
+        sizes = one.assign()
+        assert many.assign() == sizes
+        reps = [_report(w, it, x, 100.0 * (1 + w % 4), oom=(w, it) in ((5, 2), (7, 3))) for w, x in sizes.items()]
+        reps += [_report(99, it, 8, 100.0)]                   # never joined: ignored
+        reps += _received_reports(3, it, oom=0.0) if it % 2 else []   # workers 0-2 again, with rows
+        rng.shuffle(reps)
+        for r in reps:
+            one.observe(r)
+        many.observe_many(reps)
+        assert one.memory_caps == many.memory_caps and one.ignored_reports == many.ignored_reports
+        assert json.dumps(one.policy.state_dict(), sort_keys=True) == json.dumps(many.policy.state_dict(),
+                                                                                 sort_keys=True)
 
 
 def test_policy_state_is_current_when_read_between_observe_and_assign():

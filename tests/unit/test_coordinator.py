@@ -376,7 +376,7 @@ def test_a_report_reaches_the_policy_with_its_finish_time():
     now = [100.0]
     c = answered_on(now)
     seen = []
-    c.manager.observe = seen.append
+    c.manager.observe_many = seen.extend
     now[0] = 100.05
     for w in range(3):
         report(c, w)
