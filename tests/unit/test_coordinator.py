@@ -329,8 +329,8 @@ def answered_on(now: list[float]) -> Coordinator:
 
 def report(c: Coordinator, w: int, **tel: float) -> None:
     """Worker ``w``'s report of iteration 0, as shard 0 records it from its push."""
-    c.record_report(WorkerReport(worker_id=w, iteration=0, batch_size=20,
-                                 telemetry=Telemetry(**{"compute_s": 0.03, **tel})), 1.0)
+    received = Telemetry.from_checked({"compute_s": 0.03, **tel})    # as the decoder makes it
+    c.record_report(WorkerReport.received(w, 0, 20, received), 1.0)
 
 
 def test_finish_time_is_measured_from_the_answer_to_the_gradient_being_whole_on_every_shard():
@@ -388,6 +388,9 @@ def test_a_report_reaches_the_policy_with_its_finish_time():
     c.background_work()
     assert [(r.worker_id, r.telemetry.finish_s) for r in seen] == [
         (0, pytest.approx(0.05)), (1, pytest.approx(0.05)), (2, pytest.approx(0.25))]
+    for r in seen:    # the rows the policy reads say what the fields say, finish time included
+        fields = Telemetry.from_checked(r.telemetry.to_dict())
+        assert r.row is not None and r.row == WorkerReport.received(r.worker_id, 0, 20, fields).row
 
 
 # ----- out of memory: a smaller share of the same samples, the rest back to the cursor ---------
