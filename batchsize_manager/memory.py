@@ -56,6 +56,10 @@ def _finite_positive(raw: Any) -> float:
     return v if 0.0 < v < math.inf else 0.0
 
 
+#: Samples a headroom estimate may add to a batch that fitted at most: a report's range checks
+#: let the per-sample size be as small as 5e-324 MiB, whose quotient overflows to infinity.
+MAX_HEADROOM_SAMPLES = float(1 << 40)
+
 #: Learned searches kept at most: names come from the workers, and a client that joins and leaves
 #: under ever new names must not grow this. Past it, the oldest search of a name nobody live uses
 #: goes (a live worker's cap is never forgotten).
@@ -161,8 +165,9 @@ class MemoryCaps:
         if headroom is not None:
             head = _finite_positive(headroom.mem_headroom_mb)
             per = _finite_positive(headroom.mem_per_sample_mb)
-            if per > 0:
-                s.headroom_cap = batch_size + math.floor(head * (1.0 - self.margin) / per)
+            if per > 0:   # a per-sample size near 0 gives an estimate of no use, not a crash
+                more = min(head * (1.0 - self.margin) / per, MAX_HEADROOM_SAMPLES)   # inf: bounded
+                s.headroom_cap = batch_size + math.floor(more)
         if (s.fits, s.headroom_cap) != before:
             self.version += 1
 

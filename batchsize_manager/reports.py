@@ -4,9 +4,10 @@
 what a worker measures) and whose iteration it was.
 
 The manager buffers the reports of an iteration and hands them to the policy as one
-:class:`ReportBatch` when it next decides. Reports that came off the wire carry their fields as
-a row of floats (:attr:`Telemetry.row`): a batch of them is read in one pass, the rows joined
-into one matrix whose columns are the fields. Otherwise every field a policy reads is extracted
+:class:`ReportBatch` when it next decides. A report its receiver made with
+:meth:`WorkerReport.received` of a decoded telemetry carries its numbers as one row of bytes
+(:attr:`WorkerReport.row`): a batch of them is read in one pass, the rows joined into one record
+array whose columns are the fields. Otherwise every field a policy reads is extracted
 with one pass per field and one array conversion (about 0.03 µs per report and field while the
 reports are in the CPU cache; three times that for 10,000 reports received an iteration ago).
 The per-report rules (:meth:`WorkerReport.speed`, :func:`overhead_one`, :meth:`Telemetry.exog`)
@@ -188,6 +189,8 @@ _UNREAD: Any = object()
 def _records_of(reports: Sequence[WorkerReport]) -> np.ndarray | None:
     """The reports' :attr:`WorkerReport.row` as one record array (one pass, one join), or None
     when some report has no row."""
+    if getattr(reports[0], "row", None) is None:   # built locally: no pass for nothing
+        return None
     try:
         joined = b"".join([r.row for r in reports])  # type: ignore[misc]
     except (TypeError, AttributeError):       # a row is None, or not a WorkerReport

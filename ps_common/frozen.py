@@ -36,7 +36,9 @@ def plain_defaults(cls: type) -> dict[str, Any] | None:
 
 def fill(cls: type, *states: Mapping[str, Any]) -> Any:
     """An instance of the plain frozen dataclass ``cls`` holding ``states`` merged in order (they
-    must name every field, with values already checked)."""
+    must name every field, with values already checked). A copy from an instance's ``__dict__``
+    also copies what the instance caches beside its fields (``Telemetry.row``): a copy that
+    changes a field must change the cache too, as ``Telemetry.with_finish`` does."""
     obj: Any = object.__new__(cls)
     state = obj.__dict__
     for s in states:

@@ -430,8 +430,9 @@ class Coordinator:
                 held[key] = r
             else:
                 fed.append(r)
+        if fed:
+            self.manager.observe_many(fed)
         self._unobserved = held
-        self.manager.observe_many(fed)
         return bool(fed)
 
     def background_work(self) -> None:

@@ -261,9 +261,8 @@ class GradientExchange:
                 return self._fail(reason) + [(ident, self._error("iteration_failed", reason))
                                              for ident in bucket.waiting.values()]
             reports = [self.reports[r] for r in range(self.world)]
-            for r, tel in enumerate(reports):
-                self.manager.observe(WorkerReport(worker_id=r, iteration=t, batch_size=self.plan[r],
-                                                  telemetry=tel))
+            self.manager.observe_many([WorkerReport.received(r, t, self.plan[r], tel)
+                                       for r, tel in enumerate(reports)])
             try:
                 next_sizes = self._decide()
             except Refused as exc:

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
-from batchsize_manager.memory import CannotFit, MemoryCaps
+from batchsize_manager import BatchSizeManager, WorkerReport
+from batchsize_manager.memory import MAX_HEADROOM_SAMPLES, CannotFit, MemoryCaps
+from ps_common.protocol import Push, decode, encode
 from ps_common.report import Telemetry
 
 
@@ -51,6 +54,24 @@ def test_headroom_caps_before_anything_fails_and_never_below_a_size_that_fitted(
     caps.completed("v", 10, Telemetry(mem_per_sample_mb=1.0))     # no headroom measured: nothing learned
     caps.completed("v", 10, Telemetry(mem_headroom_mb=float("nan"), mem_per_sample_mb=-1))
     assert caps.cap("v") is None
+
+
+def test_a_per_sample_size_near_zero_bounds_the_estimate_instead_of_crashing_the_decision():
+    """Within the report's ranges (a worker may send them): 1e9 MiB of headroom over 5e-324 MiB
+    per sample overflows to infinity. It went on to ``math.floor`` inside shard 0's flush of the
+    reports, and the OverflowError stopped shard 0; it now gives a cap of no use, and the split
+    goes on."""
+    tel = decode(encode(Push(worker_id=0, token="t", iteration=1, batch_size=8, arrays=[np.zeros(1, np.float32)],
+                             telemetry=Telemetry(compute_s=0.1, mem_headroom_mb=1e9,
+                                                 mem_per_sample_mb=5e-324)))).telemetry
+    assert tel is not None and tel.mem_per_sample_mb == 5e-324
+    m = BatchSizeManager("lbbsp-cpu", 64, policy_args={"predictor": "ema"})
+    for w in range(2):
+        m.join(w)
+    m.assign()
+    m.observe_many([WorkerReport.received(w, 0, 32, tel) for w in range(2)])
+    assert sum(m.assign().values()) == 64
+    assert m.memory.cap("0") == 32 + int(MAX_HEADROOM_SAMPLES)
 
 
 def test_probe_configured_caps_state_round_trip_and_bad_input():

@@ -238,6 +238,16 @@ def test_report_columns_follow_the_per_report_rules(n):
     assert sub.worker.tolist() == [n - 1, 0] and sub.oom.tolist() == [b.oom[-1], b.oom[0]]
 
 
+def _rebuilt(tel: Telemetry) -> Telemetry:
+    """The same report built locally: by ``__init__``, so without a row."""
+    return Telemetry(**{f.name: getattr(tel, f.name) for f in dataclasses.fields(Telemetry)})
+
+
+def _packed(tel: Telemetry) -> Telemetry:
+    tel.packed()
+    return tel
+
+
 def _received_reports(n: int, seed: int, oom: float = 0.2) -> list[WorkerReport]:
     """Reports as shard 0 holds them: sent in a Push and decoded (so checked, and each with its
     row), some given the servers' finish time afterwards."""
@@ -271,7 +281,7 @@ def test_a_received_report_keeps_its_fields_as_its_row():
     its fields (what ``packed()`` gives from the attributes of a report built locally)."""
     for r in _received_reports(200, 1):
         tel = r.telemetry
-        local = Telemetry(**{f.name: getattr(tel, f.name) for f in dataclasses.fields(Telemetry)})
+        local = _rebuilt(tel)
         assert local.row is None and tel == local
         assert tel.row == local.packed() == local.row
     sent = {"compute_s": 0.5, "cpu_quota": None, "oom": True, "burners": 2}   # None said outright
@@ -322,6 +332,73 @@ def test_columns_from_rows_follow_the_per_report_rules(n):
     mixed = reps[:-1] + [reps[-1].with_telemetry(Telemetry(compute_s=0.5))]   # one built locally
     m = ReportBatch(mixed)
     assert m.rows is None and m.exog().tolist() == [r.telemetry.exog() for r in mixed]
+
+
+def _extreme_report(rng: random.Random, w: int, it: int, x: int) -> WorkerReport:
+    """A report a worker may send (every value within its field's range, so the decoder takes
+    it) drawn from the edges: 0, the smallest float, tiny and huge values, None where optional.
+    No out-of-memory reports: enough of them leave no split of X, which the manager refuses."""
+    tel: dict[str, Any] = {}
+    for f in dataclasses.fields(Telemetry):
+        lo, hi = f.metadata.get("range", (0, 1))
+        if f.name == "oom":
+            continue
+        if isinstance(f.default, int):
+            tel[f.name] = rng.choice([0, 1, int(hi)])
+        else:
+            pool = [0.0, 5e-324, 1e-300, 1e-6, 0.5, float(hi)] + ([None] if f.default is None else [])
+            tel[f.name] = rng.choice(pool)
+    push = Push(worker_id=w, token="t", iteration=it, batch_size=x, telemetry=Telemetry(**tel),
+                arrays=[np.zeros(1, dtype=np.float32)])
+    got = decode([f if isinstance(f, np.ndarray) else bytes(f) for f in encode(push)]).telemetry
+    assert got is not None
+    return WorkerReport.received(w, it, x, got)
+
+
+@pytest.mark.parametrize("name,args", [
+    ("uniform", {}), ("static", {"profile_iterations": 2}), ("lbbsp-gpu", {}),
+    ("lbbsp-cpu", {"predictor": "ema"}), ("lbbsp-cpu", {"predictor": "last", "warmup": 0}),
+    ("lbbsp-cpu", {"predictor": "arima", "refit": "sync", "predictor_args": {"refit_every": 4}}),
+])
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # speeds near 1e300: inf, handled
+def test_reports_at_the_edges_of_their_ranges_leave_every_split_valid(name, args):
+    """Whatever a worker may send within the wire's checks, each decision is a valid split of X
+    (no exception, no NaN), on the rows path (40 workers) and report by report (8)."""
+    for n in (40, 8):
+        rng = random.Random(n)
+        m = BatchSizeManager(name, 64 * n, min_batch=1, policy_args=args)
+        for w in range(n):
+            m.join(w)
+        for it in range(14):
+            sizes = m.assign()
+            assert sum(sizes.values()) == 64 * n and all(x >= 1 for x in sizes.values()), (it, sizes)
+            m.observe_many([_extreme_report(rng, w, it, x) for w, x in sizes.items()])
+        m.close()
+
+
+@pytest.mark.parametrize("name,args", [
+    ("static", {"profile_iterations": 2}), ("lbbsp-gpu", {}), ("lbbsp-cpu", {"predictor": "ema"}),
+    ("lbbsp-cpu", {"predictor": "last", "warmup": 0}),
+])
+def test_rows_and_fields_leave_the_policy_in_the_same_state(name, args):
+    """The same received reports, 45 per iteration (some workers twice, some out of memory):
+    read from their rows, and rebuilt locally without rows (read field by field)."""
+    rows_m, fields_m = (BatchSizeManager(name, 45 * 64, policy_args=args) for _ in range(2))
+    for m in (rows_m, fields_m):
+        for w in range(45):
+            m.join(w)
+    for it in range(10):
+        sizes = rows_m.assign()
+        assert fields_m.assign() == sizes
+        received = [WorkerReport.received(r.worker_id % 45, it, sizes[r.worker_id % 45], r.telemetry)
+                    for r in _received_reports(50, it, oom=0.02)]
+        local = [WorkerReport(r.worker_id, r.iteration, r.batch_size, _rebuilt(r.telemetry)) for r in received]
+        assert ReportBatch(received).rows is not None and ReportBatch(local).rows is None
+        rows_m.observe_many(received)
+        fields_m.observe_many(local)
+        assert json.dumps(rows_m.policy.state_dict(), sort_keys=True) == json.dumps(
+            fields_m.policy.state_dict(), sort_keys=True)
+        assert rows_m.memory_caps == fields_m.memory_caps
 
 
 def test_occurrence_rounds_split_duplicates_in_arrival_order():
@@ -404,8 +481,11 @@ def test_observe_many_is_observe_of_each_report_in_order(chunk):
         sizes = one.assign()
         assert many.assign() == sizes
         reps = [_report(w, it, x, 100.0 * (1 + w % 4), oom=(w, it) in ((5, 2), (7, 3))) for w, x in sizes.items()]
+        if it % 2:                                            # as received: with rows
+            reps = [WorkerReport.received(r.worker_id, it, r.batch_size, _packed(r.telemetry)) for r in reps]
+            reps += _received_reports(3, it, oom=0.0)         # workers 0-2 again
+            assert ReportBatch(reps).rows is not None         # what chunks of 1024 read
         reps += [_report(99, it, 8, 100.0)]                   # never joined: ignored
-        reps += _received_reports(3, it, oom=0.0) if it % 2 else []   # workers 0-2 again, with rows
         rng.shuffle(reps)
         for r in reps:
             one.observe(r)
