@@ -3,7 +3,8 @@ speak the real worker protocol, join, push with their reports and wait for the p
 LB-BSP splits the global batch among them. Checked: nobody is lost, every iteration hands out
 exactly X distinct samples, the decision's time is recorded in every commit, and workers four
 times slower get far fewer samples. (Decision time against iteration time at 4, 100 and 1,000
-workers is measured by the benchmark, not asserted here.)"""
+workers is measured by the benchmark, not asserted here.) And a member whose report sits at the
+edge of its fields' ranges does not stop shard 0."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -71,3 +73,91 @@ def test_lbbsp_gives_the_slow_workers_fewer_samples(fleet):
     # a share near 1/4 (the uniform split would be 1).
     assert slow / fast < 0.45, f"slow/fast batch {slow:.1f}/{fast:.1f}"
     assert statistics.mean(by_slowdown[2.0]) > slow
+
+
+# ----- a member's report at the edges of its ranges ---------------------------------------------
+EDGE_ITERATIONS = 25
+
+
+def _edge_run(run_dir: str) -> None:
+    """Shard 0 and two members speaking the real protocol; member 1 reports 1e9 MiB of memory
+    headroom over 5e-324 MiB per sample, both within the wire's ranges. Shard 0 must finish the
+    run (its commit records are read by the test)."""
+    import multiprocessing as mp
+    import threading
+
+    import numpy as np
+    import zmq
+
+    from ps_common.report import Telemetry
+    from ps_worker.client import ShardClients
+
+    cfg = bench_fleet.job(2, "ema", EDGE_ITERATIONS, Path(run_dir))
+    spawn = mp.get_context("spawn")
+    q = spawn.Queue()
+    server = spawn.Process(target=bench_fleet._serve, args=(cfg, run_dir, q))
+    server.start()
+    ctx = zmq.Context()
+    errors: list[str] = []
+    joined: list = []
+    stop = threading.Event()
+
+    def member(index: int, edge: dict) -> None:
+        client = ShardClients(ctx, endpoint, timeout_s=30, connect_timeout_s=30, security=cfg.security)
+        try:
+            w = client.join(f"edge-{index}", cfg.job_digest(), "cpu")
+            joined.append((w.worker_id, client.token))
+            params = np.empty(w.num_params, dtype=np.float32)
+            grads = np.zeros(w.num_params, dtype=np.float32)
+            res = client.pull(params, worker_id=w.worker_id, min_version=w.version)
+            while not res.stop and res.assignment is not None:
+                time.sleep(0.005)
+                tel = Telemetry(compute_s=0.005, data_s=0.001, **edge)
+                res = client.push_pull(grads, params, worker_id=w.worker_id, assignment=res.assignment,
+                                       loss=1.0, telemetry=tel)
+        except BaseException as exc:
+            errors.append(f"member {index}: {type(exc).__name__}: {exc}")
+        finally:
+            client.close()
+
+    try:
+        endpoint = q.get(timeout=60)
+        beat = threading.Thread(target=bench_fleet._heartbeats, args=(ctx, endpoint, cfg, joined, stop),
+                                daemon=True)
+        beat.start()
+        members = [threading.Thread(target=member, args=(0, {})),
+                   threading.Thread(target=member, args=(1, {"mem_headroom_mb": 1e9,
+                                                             "mem_per_sample_mb": 5e-324}))]
+        for t in members:
+            t.start()
+        for t in members:
+            t.join(timeout=90)
+        stop.set()
+        beat.join(timeout=5)
+        server.join(timeout=30)
+        assert not errors, errors
+        assert server.exitcode == 0, f"shard 0 exited with {server.exitcode}"
+    finally:
+        if server.is_alive():
+            server.kill()
+            server.join(timeout=5)
+        ctx.destroy(linger=0)
+
+
+def test_a_members_report_at_the_edge_of_its_ranges_does_not_stop_shard_0(tmp_path):
+    """The headroom estimate of such a report overflowed to infinity, and ``math.floor`` raised
+    in shard 0's loop (feeding the reports to the batch policy): shard 0 stopped, the members
+    timed out. Now the run finishes by its own rule, with every iteration committed."""
+    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); import tests.system.test_fleet as t; "
+            f"t._edge_run({str(tmp_path)!r})")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, start_new_session=True)
+    try:
+        assert proc.wait(timeout=180) == 0, "the run failed (its error is above)"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+    from ps_common.metrics import read_jsonl
+
+    commits = [r for r in read_jsonl(tmp_path / "metrics" / "coordinator.jsonl") if "batch_sizes" in r]
+    assert len(commits) == EDGE_ITERATIONS

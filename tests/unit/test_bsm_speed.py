@@ -359,6 +359,8 @@ def _extreme_report(rng: random.Random, w: int, it: int, x: int) -> WorkerReport
     ("uniform", {}), ("static", {"profile_iterations": 2}), ("lbbsp-gpu", {}),
     ("lbbsp-cpu", {"predictor": "ema"}), ("lbbsp-cpu", {"predictor": "last", "warmup": 0}),
     ("lbbsp-cpu", {"predictor": "arima", "refit": "sync", "predictor_args": {"refit_every": 4}}),
+    ("lbbsp-cpu", {"predictor": "narx", "refit": "sync",
+                   "predictor_args": {"epochs": 3, "min_train": 4, "refit_every": 3}}),
 ])
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # speeds near 1e300: inf, handled
 def test_reports_at_the_edges_of_their_ranges_leave_every_split_valid(name, args):
