@@ -38,14 +38,20 @@ def fleet(tmp_path_factory) -> bench_fleet.FleetRun:
     code = (f"import pickle, sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); import bench_fleet; "
             f"r = bench_fleet.run({N}, 'ema', iterations=60, client_procs=2); "
             f"open({str(out)!r}, 'wb').write(pickle.dumps(r))")
+    _in_own_process(code, timeout_s=240)
+    return pickle.loads(out.read_bytes())
+
+
+def _in_own_process(code: str, timeout_s: float) -> None:
+    """Run ``code`` in a Python process of its own session; it must exit 0 (killed with its
+    session otherwise)."""
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, start_new_session=True)
     try:
-        assert proc.wait(timeout=240) == 0, "the fleet run failed (its error is above)"
+        assert proc.wait(timeout=timeout_s) == 0, "the run failed (its error is above)"
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
-    return pickle.loads(out.read_bytes())
 
 
 def test_every_worker_stays_and_every_iteration_covers_x_distinct_samples(fleet):
@@ -150,13 +156,7 @@ def test_a_members_report_at_the_edge_of_its_ranges_does_not_stop_shard_0(tmp_pa
     timed out. Now the run finishes by its own rule, with every iteration committed."""
     code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); import tests.system.test_fleet as t; "
             f"t._edge_run({str(tmp_path)!r})")
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, start_new_session=True)
-    try:
-        assert proc.wait(timeout=180) == 0, "the run failed (its error is above)"
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+    _in_own_process(code, timeout_s=180)
     from ps_common.metrics import read_jsonl
 
     commits = [r for r in read_jsonl(tmp_path / "metrics" / "coordinator.jsonl") if "batch_sizes" in r]
