@@ -205,6 +205,8 @@ class ReportBatch:
     several reports of one worker into sub-batches without duplicates, in arrival order, so that
     vectorised per-worker updates see them one after the other, as sequential ``observe`` calls
     would. Small batches apply the per-report rules directly (same results, fewer calls).
+    Columns are the batch's own: a policy must copy one before writing to it (read from rows,
+    they are read-only views of the joined bytes).
     """
 
     __slots__ = ("reports", "n", "small", "_worker", "_batch", "_compute", "_tels", "_rows", "_head",
