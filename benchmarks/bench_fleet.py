@@ -123,7 +123,10 @@ def _serve(cfg, run_dir: str, q) -> None:
 
 
 # ----- simulated workers -----------------------------------------------------------------------
-def _worker(cfg, client, model, index: int, joined: list, errors: list, ids: dict) -> None:
+def _worker(cfg, client, model, index: int, joined: list, errors: list, ids: dict,
+            report: dict[str, Any] | None = None) -> None:
+    """One simulated worker's whole run; ``report``: fields every report of it carries besides
+    its timings (a test's worker at the edges of the fields' ranges)."""
     from ps_common.report import Telemetry
 
     try:
@@ -142,7 +145,7 @@ def _worker(cfg, client, model, index: int, joined: list, errors: list, ids: dic
             t1 = time.perf_counter()
             tel = Telemetry(data_s=data_s, compute_s=t1 - t0 - data_s, iteration_s=prev.iteration_s,
                             prev_push_s=prev.prev_push_s, prev_wait_s=prev.prev_wait_s,
-                            prev_pull_s=prev.prev_pull_s)
+                            prev_pull_s=prev.prev_pull_s, **(report or {}))
             res = client.push_pull(grads, params, worker_id=w.worker_id, assignment=a, loss=1.0,
                                    telemetry=tel)
             prev = Telemetry(iteration_s=time.perf_counter() - t0, prev_push_s=res.send_s,

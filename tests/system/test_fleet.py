@@ -14,7 +14,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -86,16 +85,14 @@ EDGE_ITERATIONS = 25
 
 
 def _edge_run(run_dir: str) -> None:
-    """Shard 0 and two members speaking the real protocol; member 1 reports 1e9 MiB of memory
-    headroom over 5e-324 MiB per sample, both within the wire's ranges. Shard 0 must finish the
-    run (its commit records are read by the test)."""
+    """Shard 0 and two of bench_fleet's simulated workers speaking the real protocol; worker 1
+    reports 1e9 MiB of memory headroom over 5e-324 MiB per sample, both within the wire's
+    ranges. Shard 0 must finish the run (its commit records are read by the test)."""
     import multiprocessing as mp
     import threading
 
-    import numpy as np
     import zmq
 
-    from ps_common.report import Telemetry
     from ps_worker.client import ShardClients
 
     cfg = bench_fleet.job(2, "ema", EDGE_ITERATIONS, Path(run_dir))
@@ -107,39 +104,26 @@ def _edge_run(run_dir: str) -> None:
     errors: list[str] = []
     joined: list = []
     stop = threading.Event()
-
-    def member(index: int, edge: dict) -> None:
-        client = ShardClients(ctx, endpoint, timeout_s=30, connect_timeout_s=30, security=cfg.security)
-        try:
-            w = client.join(f"edge-{index}", cfg.job_digest(), "cpu")
-            joined.append((w.worker_id, client.token))
-            params = np.empty(w.num_params, dtype=np.float32)
-            grads = np.zeros(w.num_params, dtype=np.float32)
-            res = client.pull(params, worker_id=w.worker_id, min_version=w.version)
-            while not res.stop and res.assignment is not None:
-                time.sleep(0.005)
-                tel = Telemetry(compute_s=0.005, data_s=0.001, **edge)
-                res = client.push_pull(grads, params, worker_id=w.worker_id, assignment=res.assignment,
-                                       loss=1.0, telemetry=tel)
-        except BaseException as exc:
-            errors.append(f"member {index}: {type(exc).__name__}: {exc}")
-        finally:
-            client.close()
-
     try:
         endpoint = q.get(timeout=60)
         beat = threading.Thread(target=bench_fleet._heartbeats, args=(ctx, endpoint, cfg, joined, stop),
                                 daemon=True)
         beat.start()
-        members = [threading.Thread(target=member, args=(0, {})),
-                   threading.Thread(target=member, args=(1, {"mem_headroom_mb": 1e9,
-                                                             "mem_per_sample_mb": 5e-324}))]
+        clients = [ShardClients(ctx, endpoint, timeout_s=30, connect_timeout_s=30, security=cfg.security)
+                   for _ in range(2)]
+        edges = [None, {"mem_headroom_mb": 1e9, "mem_per_sample_mb": 5e-324}]
+        models = bench_fleet.simulated_workers(2)
+        members = [threading.Thread(target=bench_fleet._worker,
+                                    args=(cfg, clients[i], models[i], i, joined, errors, {}, edges[i]))
+                   for i in range(2)]
         for t in members:
             t.start()
         for t in members:
             t.join(timeout=90)
         stop.set()
         beat.join(timeout=5)
+        for c in clients:
+            c.close()
         server.join(timeout=30)
         assert not errors, errors
         assert server.exitcode == 0, f"shard 0 exited with {server.exitcode}"
