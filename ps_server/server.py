@@ -377,6 +377,28 @@ class ShardServer:
             raise CheckpointError(f"{path} holds another history than shard 0's at version {version} "
                                   f"(log hash {meta.get('log_hash')} vs {expect_log_hash})")
         self.state.restore(arrays, meta)
+        self._went_back(version, meta, str(path))
+        return meta
+
+    def rewind(self, version: int, log_hash: str) -> bool:
+        """A follower told to go back to ``version`` of the history ``log_hash`` whose checkpoint
+        there it cannot read: if it is at exactly that version of that history (equal hashes
+        mean equal histories), it goes back from memory, to what the checkpoint holds, and
+        returns True. Otherwise nothing changes (False). Not shard 0: its role restores its
+        coordinator from the checkpoint's record."""
+        if self.shard_id == 0:
+            raise RuntimeError("shard 0 goes back only to a checkpoint: its coordinator's state is in its record")
+        st = self.state
+        if (st.version, st.log_hash) != (version, log_hash):
+            return False
+        st.rewind()
+        self._went_back(version, {}, "memory")
+        return True
+
+    def _went_back(self, version: int | None, meta: dict, source: str) -> None:
+        """After a restore or a rewind: the abandoned history's checkpoints deleted, waiting
+        pulls answered ``rolled_back``, the role told."""
+        assert self.checkpoint_dir is not None
         if version is not None and (dropped := drop_checkpoints_after(self.checkpoint_dir, self.shard_id, version)):
             self.metrics.write(event="checkpoints_dropped", versions=dropped)
             log.info("shard %d dropped the checkpoints of the abandoned history: versions %s",
@@ -386,6 +408,5 @@ class ShardServer:
                                                message=f"the job went back to version {self.state.version}"))
         self.role.restored(meta)
         self.metrics.write(event="restored", version=self.state.version, log_hash=self.state.log_hash,
-                           path=str(path))
-        log.info("shard %d restored version %d from %s", self.shard_id, self.state.version, path)
-        return meta
+                           path=source)
+        log.info("shard %d restored version %d from %s", self.shard_id, self.state.version, source)

@@ -236,6 +236,12 @@ class ShardState:
         self.version = int(meta["version"])
         self.samples_applied = int(meta["samples_applied"])
         self.log_hash = str(meta.get("log_hash", GENESIS_HASH))
+        self.rewind()
+
+    def rewind(self) -> None:
+        """Back to this very version, as a restore of its checkpoint would leave it: held
+        gradients, settled iterations and snapshots dropped (they belong to the iterations the
+        job abandons); parameters, optimizer state and history kept."""
         self.version_time = self.clock()
         self.held, self._held_per_worker, self.settled = {}, {}, {}
         self.snapshots = {}

@@ -25,7 +25,7 @@ from ps_common import protocol as P
 from ps_common.security.authenticator import stop_authenticators
 from ps_common.timeouts import DEFAULT_TIMEOUTS
 from ps_common.transport import Connection, make_router, send
-from ps_server.checkpoint import CheckpointError
+from ps_server.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
 from ps_server.coordinator import member_token
 from ps_server.follow import MAX_RECOVERIES
 from ps_server.router import Refused
@@ -489,6 +489,41 @@ def test_a_gradient_held_before_a_rollback_is_not_announced_after_it(tmp_path):
         while coord.poll(500):
             sent.append(P.decode(coord.recv_multipart()[1:]))
         assert not [m for m in sent if isinstance(m, P.Have)], "the dropped gradient was announced"
+
+
+def test_a_follower_exactly_where_the_rollback_goes_needs_no_readable_checkpoint_there(tmp_path):
+    """Its checkpoint at the Rollback's version is unreadable, but it is at exactly that version
+    of shard 0's history: it goes back from memory (what it held dropped, as a restore drops it)
+    and writes that checkpoint again, instead of registering as resumed, which would cost the job
+    a second rollback. At another history's hash it still registers as resumed."""
+    with _stepped_follower(tmp_path) as (s1, coord, ident, endpoint):
+        broken = checkpoint_path(s1.checkpoint_dir, 1, 12)
+        broken.write_bytes(b"not a checkpoint")          # a torn write, a bad disk block
+        with pytest.raises(CheckpointError):
+            load_checkpoint(broken)
+        s1._on_push(b"worker-0", "worker", P.Push(worker_id=0, token=member_token(KEY, 0), iteration=13,
+                                                  batch_size=8, arrays=[np.ones(s1.state.size, np.float32)]))
+        assert s1.state.held and s1.role.haves
+        params = s1.state.params.copy()
+        send(coord, P.Rollback(version=12, log_hash="h12", epoch=4), ident)
+        assert s1.role.link.sock.poll(20_000), "the Rollback did not arrive"
+        s1.role.on_link_messages()
+        s1.role.after_messages()
+        assert (s1.state.version, s1.state.log_hash, s1.role.rollback_epoch) == (12, "h12", 4)
+        assert np.array_equal(s1.state.params, params)
+        assert not s1.state.held and not s1.role.haves, "what it held belongs to abandoned iterations"
+        assert not s1.role.lost_state and s1.role.relink_to is None, "it registers again: a second rollback"
+        s1.checkpointer.flush()
+        arrays, meta = load_checkpoint(broken)
+        assert (meta["version"], meta["log_hash"]) == (12, "h12") and np.array_equal(arrays["params"], params)
+
+        send(coord, P.Rollback(version=12, log_hash="another", epoch=5), ident)
+        assert s1.role.link.sock.poll(20_000), "the Rollback did not arrive"
+        s1.role.on_link_messages()
+        assert (s1.state.version, s1.state.log_hash) == (12, "h12")
+        assert s1.role.lost_state and s1.role.relink_to == endpoint, "another history: registers as resumed"
+    records = read_jsonl(tmp_path / "run" / "metrics" / "shard-1.jsonl")
+    assert [r["path"] for r in records if r.get("event") == "restored"] == ["memory"]
 
 
 def test_resumed_ends_at_a_registration_at_its_version_and_starts_again_when_a_restore_fails(tmp_path):

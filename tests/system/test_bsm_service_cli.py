@@ -72,3 +72,38 @@ def test_tokens_keep_foreign_and_stale_clients_out(procs):
         assert first.assign() == {1: X}
     os.killpg(child.proc.pid, signal.SIGTERM)
     assert child.proc.wait(timeout=5) == 0, child.tail()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("policy,args", [("lbbsp-gpu", "{}"), ("lbbsp-cpu", '{"predictor": "ema"}')])
+def test_reports_at_the_edges_of_their_ranges_do_not_stop_the_service(procs, policy, args):
+    """Whatever a worker may send within the wire's checks (0, the smallest float, the upper
+    bound, None), ps-bsm keeps answering with valid splits of X, 40 workers read as rows.
+    (A headroom of 1e9 MiB over 5e-324 MiB per sample overflowed the memory cap's estimate
+    before it was bounded: every assign was then refused with an internal error.)"""
+    import random
+
+    from tests.unit.test_bsm_speed import _extreme_report
+
+    n, x_total = 40, 40 * 64
+    child = procs.start("ps-bsm", "ps_server.bsm_service",
+                        ["--policy", policy, "--global-batch", str(x_total), "--policy-args", args, "--port", "0"])
+    endpoint = procs.wait_endpoint(child, 15)
+    rng = random.Random(7)
+    with BatchSizeClient(endpoint, timeout_s=10) as c:
+        for w in range(n):
+            c.join(w)
+        for it in range(12):
+            sizes = c.assign()
+            assert sorted(sizes) == list(range(n)), (it, sizes)
+            assert sum(sizes.values()) == x_total and min(sizes.values()) >= 1, (it, sizes)
+            for w, x in sizes.items():
+                c.report(w, it, x, _extreme_report(rng, w, it, x).telemetry)
+        sizes = c.assign()
+        assert sum(sizes.values()) == x_total
+        st = c.stats()
+        assert st["reports"] == 12 * n and st["ignored_reports"] == 0 and st["decisions"] == 13
+    assert child.proc.poll() is None, child.tail()
+    os.killpg(child.proc.pid, signal.SIGTERM)
+    assert child.proc.wait(timeout=5) == 0, child.tail()
