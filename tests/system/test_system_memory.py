@@ -48,7 +48,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
 
 
 #: lbbsp-cpu moves at once; lbbsp-gpu's search takes X // 32 per 3-iteration window by default,
-#: too slow to reach the limit in 30 iterations, so it moves X // 8 every iteration here.
+#: too slow to reach the limit in 18 iterations, so it moves X // 8 every iteration here.
 POLICY_ARGS = {"lbbsp-cpu": {"warmup": 0, "max_factor": 4.0}, "lbbsp-gpu": {"window": 1, "step": 128}}
 
 
@@ -144,7 +144,10 @@ def test_a_worker_that_runs_out_of_memory_mid_run_keeps_training(procs, tmp_path
     ``torch.OutOfMemoryError`` from the CUDA caching allocator. Both LB-BSP policies: the
     leader/straggler search must stop giving the capped worker samples as the CPU rule does."""
     limit = LIMIT_MB if device == "cpu" else cuda_limit_mb()
-    cfg, run_dir, recs, events = run_job(procs, tmp_path, job(policy, device=device, limit_mb=limit))
+    # 18 iterations: the limit is hit by iteration 2-6 (lbbsp-cpu, lbbsp-gpu), which leaves a dozen
+    # after it, and 9 epochs whose samples the accounting checks.
+    cfg, run_dir, recs, events = run_job(procs, tmp_path, job(policy, iterations=18, device=device,
+                                                              limit_mb=limit))
     ooms = [e for e in events if e["event"] == "out_of_memory"]
     assert ooms, "worker 0's memory limit was never hit"
     assert ooms[0]["iteration"] > 0, "the limit was hit in the first iteration, not mid-run"
