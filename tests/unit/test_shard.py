@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ps_common.config import OptimizerConfig
+from ps_server import optimizer
 from ps_server.optimizer import SGD, all_finite
 from ps_server.shard import GENESIS_HASH, GradientRejected, MissingGradient, ShardState, next_log_hash
 from ps_server.sync import SYNC_POLICIES
@@ -135,9 +136,11 @@ def test_restore_drops_held_gradients_and_keeps_the_hash():
     assert s.version == 1 and s.log_hash == meta["log_hash"] and s.holds() == []
 
 
+@pytest.mark.parametrize("block", [1 << 19, 64])   # one block; eight blocks, the last one short
 @pytest.mark.parametrize("momentum, wd, nesterov", [(0.0, 0.0, False), (0.9, 0.0, False),
                                                      (0.9, 5e-4, False), (0.8, 1e-3, True)])
-def test_sgd_matches_torch(momentum, wd, nesterov):
+def test_sgd_matches_torch(momentum, wd, nesterov, block, monkeypatch):
+    monkeypatch.setattr(optimizer, "BLOCK", block)
     rng = np.random.default_rng(1)
     p0 = rng.normal(size=500).astype(np.float32)
     cfg = OptimizerConfig(lr=0.05, momentum=momentum, weight_decay=wd, nesterov=nesterov)
@@ -214,6 +217,30 @@ def test_all_finite_finds_one_bad_value_anywhere(dtype) -> None:
     big = np.full(8, np.finfo(dtype).max, dtype=dtype)   # finite terms whose sum overflows:
     assert not all_finite(big)                            # refused, no update could use them
     assert all_finite(np.zeros(0, dtype=dtype))
+
+
+@pytest.mark.parametrize("momentum, wd, nesterov", [(0.0, 0.0, False), (0.9, 0.0, False),
+                                                     (0.9, 5e-4, False), (0.8, 1e-3, True)])
+def test_the_update_in_blocks_gives_the_bits_of_the_whole_slice_at_once(momentum, wd, nesterov, monkeypatch):
+    """Every element goes through the same operations in the same order in any block, so the
+    parameters and the momentum do not depend on the block size (the first step, which starts
+    the momentum, included); one or two gradients, with and without a buffer to write into."""
+    rng = np.random.default_rng(3)
+    n = 10_007
+    p0 = rng.normal(size=n).astype(np.float32)
+    steps = [[(rng.normal(size=n).astype(np.float32), w) for w in ws] for ws in ([1.0], [0.25, 0.75], [0.5, 0.5])]
+    cfg = OptimizerConfig(lr=0.05, momentum=momentum, weight_decay=wd, nesterov=nesterov)
+    results = []
+    for block in (n, 1000, 4096):
+        monkeypatch.setattr(optimizer, "BLOCK", block)
+        opt, p = SGD(cfg, n), p0
+        for i, grads in enumerate(steps):
+            p = opt.step_weighted(p, grads, lr_scale=0.5 + i, out=np.empty(n, np.float32) if i % 2 else None)
+        results.append((p, None if opt.buf is None else opt.buf.copy()))
+    for p, buf in results[1:]:
+        np.testing.assert_array_equal(p, results[0][0])
+        if buf is not None:
+            np.testing.assert_array_equal(buf, results[0][1])
 
 
 @pytest.mark.parametrize("momentum, wd, nesterov", [(0.9, 0.0, False), (0.8, 1e-3, True)])
