@@ -10,7 +10,10 @@ commits do), and once without that ("hot").
 
 Usage::
 
-    python benchmarks/bench_update_blocks.py [--params 5000000] [--grads 1 2] [--steps 25]
+    python benchmarks/bench_update_blocks.py [--params 5000000] [--grads 1 2] [--steps 25] [--threads 1]
+
+``--threads T``: torch threads for the update (``cluster.shard_threads``); a block is then
+``BLOCK`` elements per thread, as in a shard.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ def measure(n: int, n_grads: int, steps: int, cold: bool) -> dict[str, list[floa
     grads = [(rng.standard_normal(n).astype(np.float32), 1.0 / n_grads) for _ in range(n_grads)]
     junk = np.ones(24_000_000, dtype=np.float32)        # 96 MB, three times this VM's L3
     cfg = OptimizerConfig(lr=0.01, momentum=0.9)
-    labels = {f"whole slice ({n:,})": n, **{f"{b:,}": b for b in BLOCKS}}
+    labels = {f"whole slice ({n:,})": n, **{f"{b:,} per thread": b for b in BLOCKS}}
     opts = {label: optimizer.SGD(cfg, n) for label in labels}
     outs = {label: np.empty(n, dtype=np.float32) for label in labels}
     times: dict[str, list[float]] = {label: [] for label in labels}
@@ -68,11 +71,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--params", type=int, default=5_000_000, help="elements in the slice (a shard of 10M: 5M)")
     ap.add_argument("--grads", type=int, nargs="+", default=[1, 2], help="gradients per commit")
     ap.add_argument("--steps", type=int, default=25)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (ps-server's default: 1)")
     args = ap.parse_args(argv)
-    torch.set_num_threads(1)                           # as ps-server's default cluster.shard_threads
+    torch.set_num_threads(args.threads)
     print(f"## The update of {args.params:,} float32 parameters (SGD, momentum 0.9), ms per step: "
           f"median / mean / p95 of {args.steps} steps, block sizes alternating; torch "
-          f"{torch.__version__}, 1 thread; the results of every block size are checked bit-identical\n")
+          f"{torch.__version__}, {torch.get_num_threads()} thread(s); the results of every block size "
+          "are checked bit-identical\n")
     print("| gradients | caches | block (elements) | median | mean | p95 | median / whole slice |")
     print("|---|---|---|---|---|---|---|")
     for n_grads in args.grads:

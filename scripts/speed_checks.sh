@@ -14,14 +14,16 @@
 #   passive    the 2-shard data-plane rows with 1, 4 and 8 threads per shard, spinning after
 #              each step (libgomp's default, --spinning-threads) and sleeping between updates
 #              (OMP_WAIT_POLICY=PASSIVE, as ps-server sets it); not in the default steps: name it
+#   blocks     bench_update_blocks: a shard's update in blocks against the whole slice at once,
+#              with 1 and 8 threads (5M parameters, one and two gradients)
 #   fleet      bench_fleet: the decision's share of the iteration in a real run
 #   manager    bench_manager table (a): decision time at 1,000 and 10,000 workers
 #   cold       bench_decision_cold: a decision's CPU tight, after a sleep and after a spin
-# Each step's arguments can be replaced: DATAPLANE_ARGS, PASSIVE_ARGS, FLEET_ARGS, MANAGER_ARGS,
-# COLD_ARGS.
+# Each step's arguments can be replaced: DATAPLANE_ARGS, PASSIVE_ARGS, BLOCKS_ARGS, FLEET_ARGS,
+# MANAGER_ARGS, COLD_ARGS.
 # Logs go to OUTDIR/<step>.txt. Needs the project's dependencies importable from here:
-#   PYTHONPATH=$PWD bash scripts/speed_checks.sh OUTDIR [dataplane] [passive] [fleet] [manager] [cold]
-# (no step named: all four, in that order). On the lent device machine (Python 3.12, no pydantic
+#   PYTHONPATH=$PWD bash scripts/speed_checks.sh OUTDIR [dataplane] [passive] [blocks] [fleet] [manager] [cold]
+# (no step named: all but passive, in that order). On the lent device machine (Python 3.12, no pydantic
 # or orjson in its image) the missing packages travel as wheels, fetched here into an ignored .whl:
 #   echo /.whl/ >> .git/info/exclude; python3 -m pip download --no-deps --only-binary=:all: \
 #     --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
@@ -36,7 +38,7 @@
 set -uo pipefail
 out=${1:-speed-checks}
 shift || true
-steps=${*:-dataplane fleet manager cold}
+steps=${*:-dataplane blocks fleet manager cold}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 export PYTHONUNBUFFERED=1
@@ -66,6 +68,14 @@ if wants passive; then
       | tee -a "$out/passive.txt"
     timeout 200 $py benchmarks/bench_dataplane.py $wait ${PASSIVE_ARGS:---repeats 1 --iters 8 --shards 2 \
       --shard-threads 1 4 8 --phases} 2>&1 | tee -a "$out/passive.txt"
+  done
+fi
+
+if wants blocks; then
+  step "the update in blocks" | tee "$out/blocks.txt"
+  for threads in 1 8; do
+    timeout 60 env OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE} $py benchmarks/bench_update_blocks.py \
+      --threads $threads ${BLOCKS_ARGS:---steps 15} 2>&1 | tee -a "$out/blocks.txt"
   done
 fi
 
