@@ -130,6 +130,15 @@ class BatchSizeManager:
         c0 = self.cpu_clock()
         batch = ReportBatch(self._pending)
         self._pending = []
+        self._apply(batch)
+        self._pending_cpu_s += self.cpu_clock() - c0
+        if timed:
+            self._pending_s += self.clock() - t0
+
+    def _apply(self, batch: ReportBatch) -> None:
+        """Hand a batch of live workers' reports to the policy (and record OOM caps)."""
+        if batch.n == 0:
+            return
         if batch.any_oom:
             oom = batch.oom
             for i in np.flatnonzero(oom).tolist():
@@ -138,9 +147,6 @@ class BatchSizeManager:
             batch = batch.take(np.flatnonzero(~oom))   # no timing in them: the policy never sees them
         self._learn_memory(batch)
         self._policy.observe_batch(batch)
-        self._pending_cpu_s += self.cpu_clock() - c0
-        if timed:
-            self._pending_s += self.clock() - t0
 
     def _learn_memory(self, batch: ReportBatch) -> None:
         """Completed iterations feed the memory search of workers that have one, and any
@@ -260,18 +266,42 @@ class BatchSizeManager:
         reports together (the coordinator, the simulation): one call and one timing for all of
         them. The reports of departed workers are dropped a chunk at a time, right before the
         chunk is handed to the policy, so that its report objects are still in the CPU cache
-        when their rows are read (``benchmarks/bench_manager.py``)."""
+        when their rows are read (``benchmarks/bench_manager.py``). A chunk of received reports
+        (:meth:`ReportBatch.with_rows`) is read in one pass over its objects, and the departed
+        are found on its worker column."""
         t0 = self.clock()
         live, start, n = self._live, 0, len(reports)
         while start < n:                          # a chunk is read while it is in the CPU cache
             stop = min(n, start + max(1, self.flush_every - len(self._pending)))
-            kept = [r for r in reports[start:stop] if r.worker_id in live]
-            self.ignored_reports += stop - start - len(kept)
-            self._pending.extend(kept)
+            chunk = reports[start:stop]
             start = stop
+            read = None if self._pending else ReportBatch.with_rows(chunk)
+            if read is not None:                  # received reports: one pass over the objects
+                c0 = self.cpu_clock()
+                self._apply(self._live_part(read))
+                self._pending_cpu_s += self.cpu_clock() - c0
+                continue
+            kept = [r for r in chunk if r.worker_id in live]
+            self.ignored_reports += len(chunk) - len(kept)
+            self._pending.extend(kept)
             if len(self._pending) >= self.flush_every:
                 self._flush()
         self._pending_s += self.clock() - t0
+
+    def _live_part(self, batch: ReportBatch) -> ReportBatch:
+        """The reports of live workers in ``batch`` (the others counted as ignored), tested on
+        its worker column: reading the ids from the objects would touch each object once more."""
+        ids, _ = self.membership.sorted_ids()
+        worker = batch.worker
+        if ids.size == 0:
+            live = np.zeros(worker.size, dtype=bool)
+        else:
+            pos = np.minimum(np.searchsorted(ids, worker), ids.size - 1)
+            live = ids[pos] == worker
+        if live.all():
+            return batch
+        self.ignored_reports += int(np.count_nonzero(~live))
+        return batch.take(np.flatnonzero(live))
 
     def caps(self) -> dict[int, int]:
         """The effective cap of every live worker that has one (absent = only bounded by X)."""

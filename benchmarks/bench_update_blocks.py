@@ -12,8 +12,8 @@ Usage::
 
     python benchmarks/bench_update_blocks.py [--params 5000000] [--grads 1 2] [--steps 25] [--threads 1]
 
-``--threads T``: torch threads for the update (``cluster.shard_threads``); a block is then
-``BLOCK`` elements per thread, as in a shard.
+``--threads T``: torch threads for the update (``cluster.shard_threads``), which split each
+pass of a block among them, as in a shard.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def measure(n: int, n_grads: int, steps: int, cold: bool) -> dict[str, list[floa
     grads = [(rng.standard_normal(n).astype(np.float32), 1.0 / n_grads) for _ in range(n_grads)]
     junk = np.ones(24_000_000, dtype=np.float32)        # 96 MB, three times this VM's L3
     cfg = OptimizerConfig(lr=0.01, momentum=0.9)
-    labels = {f"whole slice ({n:,})": n, **{f"{b:,} per thread": b for b in BLOCKS}}
+    labels = {f"whole slice ({n:,})": n, **{f"{b:,}": b for b in BLOCKS}}
     opts = {label: optimizer.SGD(cfg, n) for label in labels}
     outs = {label: np.empty(n, dtype=np.float32) for label in labels}
     times: dict[str, list[float]] = {label: [] for label in labels}

@@ -308,19 +308,18 @@ class Follow:
 
     def _rollback(self, msg: P.Rollback) -> bool:
         """Restore the version ``msg`` names, if this shard's checkpoint there is of shard 0's
-        history; where that checkpoint cannot be read (missing, corrupt, of an abandoned history)
-        but this shard is at exactly that version of that history, from memory (and it writes the
-        checkpoint again): one job-wide rollback, not two. If neither (written before a rollback
-        this shard never processed, or found out of step by a beat), nothing changes, and it
-        registers again as resumed with the list of its
-        checkpoints: shard 0 then rolls the job back to the newest one both hold of one history,
-        or refuses (no such checkpoint), which stops this shard, as do more than MAX_RECOVERIES
-        failures in a row."""
+        history; where that checkpoint cannot be used (missing, corrupt, of an abandoned
+        history) but this shard is at exactly that version of that history, from memory (and it
+        writes the checkpoint again): one job-wide rollback, not two. If neither (written before
+        a rollback this shard never processed, or found out of step by a beat), nothing changes,
+        and it registers again as resumed with the list of its checkpoints: shard 0 then rolls
+        the job back to the newest one both hold of one history, or refuses (no such
+        checkpoint), which stops this shard, as do more than MAX_RECOVERIES failures in a row."""
         try:
             self.server.restore(msg.version, expect_log_hash=msg.log_hash)
         except CheckpointError as exc:
             if self.server.rewind(msg.version, msg.log_hash):
-                log.warning("cannot read the checkpoint the rollback names (%s); this shard is at that very "
+                log.warning("cannot use the checkpoint the rollback names (%s); this shard is at that very "
                             "version of shard 0's history, so it went back from memory", exc)
                 self.server.write_checkpoint()   # and a later resume finds that version readable
                 self.lost_state, self.failed_rollbacks = False, 0

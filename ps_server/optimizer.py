@@ -33,16 +33,18 @@ def _t(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(a)
 
 
-#: Elements per block of the update and torch thread (``cluster.shard_threads``): 2 MB of
-#: float32 per array, so that a block's momentum, gradients, parameters and result stay in this
-#: VM's 32 MB L3 cache between their passes. Measured with one thread, arrays out of the cache
-#: (``benchmarks/bench_update_blocks.py``): 0.75-0.93 of the whole slice's time at once, for
-#: 5M and 10M parameters and one or two gradients. With more threads, a block per thread keeps
-#: each parallel step as large as before the blocks, less the blocks' count (not measured).
+#: Elements per block of the update: 2 MB of float32 per array, so that a block's momentum,
+#: gradients, parameters and result (8-10 MB) stay in this VM's 32 MB L3 cache between their
+#: passes. Measured with one thread, arrays out of the cache (``benchmarks/bench_update_blocks.py``):
+#: 0.78-0.86 of the time of the whole slice at once, for 5M and 10M parameters and one or two
+#: gradients. With ``cluster.shard_threads`` T, each pass of a block is split among the T threads
+#: (a shared cache holds the block either way), at the cost of 2 + N parallel steps per block
+#: instead of per slice: not measured on a host with cores to spare yet (``speed_checks.sh blocks``).
 BLOCK = 1 << 19
 
 
 def _weighted_sum(grads: list[tuple[torch.Tensor, float]], out: torch.Tensor) -> None:
+    """``out`` = sum(w_i g_i), added in the order given (the order fixes the bits)."""
     (g0, w0), rest = grads[0], grads[1:]
     torch.mul(g0, w0, out=out)
     for g, w in rest:
@@ -81,11 +83,11 @@ class SGD:
         gs = [(_t(g), w) for g, w in grads]
         buf = None if self.buf is None else _t(self.buf)
         acc = _t(self._acc)
-        size = BLOCK * max(1, torch.get_num_threads())   # each thread's share of a block: BLOCK
-        for start in range(0, params.size, size):
-            block = slice(start, start + size)
+        lr = self.lr * lr_scale
+        for start in range(0, params.size, BLOCK):
+            block = slice(start, start + BLOCK)
             self._step_block(p[block], [(g[block], w) for g, w in gs], r[block],
-                             None if buf is None else buf[block], acc[block], self.lr * lr_scale)
+                             None if buf is None else buf[block], acc[block], lr)
         if buf is not None:
             self._has_buf = True
         return result

@@ -493,34 +493,45 @@ def test_a_gradient_held_before_a_rollback_is_not_announced_after_it(tmp_path):
 
 def test_a_follower_exactly_where_the_rollback_goes_needs_no_readable_checkpoint_there(tmp_path):
     """Its checkpoint at the Rollback's version is unreadable, but it is at exactly that version
-    of shard 0's history: it goes back from memory (what it held dropped, as a restore drops it)
-    and writes that checkpoint again, instead of registering as resumed, which would cost the job
-    a second rollback. At another history's hash it still registers as resumed."""
+    of shard 0's history: it goes back from memory (parameters and momentum kept; what it held
+    and settled dropped, as a restore drops them) and writes that checkpoint again, instead of
+    registering as resumed, which would cost the job a second rollback. At another history's
+    hash it still registers as resumed."""
     with _stepped_follower(tmp_path) as (s1, coord, ident, endpoint):
-        broken = checkpoint_path(s1.checkpoint_dir, 1, 12)
-        broken.write_bytes(b"not a checkpoint")          # a torn write, a bad disk block
+        grad = np.linspace(-1.0, 1.0, s1.state.size, dtype=np.float32)
+        s1.state.receive(0, 13, 8, grad)             # a commit since the checkpoint at 12: momentum
+        s1.state.apply(13, [[0, 8]], 1.0)            # and parameters differ from any file
+        at = (s1.state.version, s1.state.log_hash)
+        broken = checkpoint_path(s1.checkpoint_dir, 1, 13)
+        broken.write_bytes(b"not a checkpoint")      # a torn write, a bad disk block
         with pytest.raises(CheckpointError):
             load_checkpoint(broken)
-        s1._on_push(b"worker-0", "worker", P.Push(worker_id=0, token=member_token(KEY, 0), iteration=13,
+        s1._on_push(b"worker-0", "worker", P.Push(worker_id=0, token=member_token(KEY, 0), iteration=14,
                                                   batch_size=8, arrays=[np.ones(s1.state.size, np.float32)]))
-        assert s1.state.held and s1.role.haves
-        params = s1.state.params.copy()
-        send(coord, P.Rollback(version=12, log_hash="h12", epoch=4), ident)
+        assert s1.state.held and s1.role.haves and s1.state.settled
+        kept = {k: v.copy() for k, v in s1.state.state_arrays().items()}
+        assert set(kept) == {"params", "momentum_buffer"} and kept["momentum_buffer"].any()
+        send(coord, P.Rollback(version=at[0], log_hash=at[1], epoch=4), ident)
         assert s1.role.link.sock.poll(20_000), "the Rollback did not arrive"
         s1.role.on_link_messages()
         s1.role.after_messages()
-        assert (s1.state.version, s1.state.log_hash, s1.role.rollback_epoch) == (12, "h12", 4)
-        assert np.array_equal(s1.state.params, params)
-        assert not s1.state.held and not s1.role.haves, "what it held belongs to abandoned iterations"
-        assert not s1.role.lost_state and s1.role.relink_to is None, "it registers again: a second rollback"
+        assert (s1.state.version, s1.state.log_hash, s1.role.rollback_epoch) == (*at, 4)
+        now = s1.state.state_arrays()
+        assert set(now) == set(kept)
+        for k, v in now.items():
+            np.testing.assert_array_equal(v, kept[k])
+        assert not s1.state.held and not s1.role.haves and not s1.state.settled, "abandoned iterations'"
+        assert not s1.role.lost_state and s1.role.relink_to is None and s1.role.failed_rollbacks == 0
         s1.checkpointer.flush()
         arrays, meta = load_checkpoint(broken)
-        assert (meta["version"], meta["log_hash"]) == (12, "h12") and np.array_equal(arrays["params"], params)
+        assert (meta["version"], meta["log_hash"]) == at and set(arrays) == set(kept)
+        for k, v in arrays.items():
+            np.testing.assert_array_equal(v, kept[k])
 
-        send(coord, P.Rollback(version=12, log_hash="another", epoch=5), ident)
+        send(coord, P.Rollback(version=at[0], log_hash="another", epoch=5), ident)
         assert s1.role.link.sock.poll(20_000), "the Rollback did not arrive"
         s1.role.on_link_messages()
-        assert (s1.state.version, s1.state.log_hash) == (12, "h12")
+        assert (s1.state.version, s1.state.log_hash, s1.role.rollback_epoch) == (*at, 4)
         assert s1.role.lost_state and s1.role.relink_to == endpoint, "another history: registers as resumed"
     records = read_jsonl(tmp_path / "run" / "metrics" / "shard-1.jsonl")
     assert [r["path"] for r in records if r.get("event") == "restored"] == ["memory"]

@@ -4,6 +4,7 @@ cleanly on SIGTERM. (The service in a thread, its errors and CURVE: tests/integr
 from __future__ import annotations
 
 import os
+import random
 import signal
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from ps_common.report import Telemetry
 from ps_server.bsm_client import BatchSizeClient, RemoteError
 from tests.integration.test_bsm_service import X, run_iterations
+from tests.report_util import edge_report
 
 
 @pytest.mark.timeout(30)
@@ -75,17 +77,12 @@ def test_tokens_keep_foreign_and_stale_clients_out(procs):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.parametrize("policy,args", [("lbbsp-gpu", "{}"), ("lbbsp-cpu", '{"predictor": "ema"}')])
 def test_reports_at_the_edges_of_their_ranges_do_not_stop_the_service(procs, policy, args):
     """Whatever a worker may send within the wire's checks (0, the smallest float, the upper
     bound, None), ps-bsm keeps answering with valid splits of X, 40 workers read as rows.
     (A headroom of 1e9 MiB over 5e-324 MiB per sample overflowed the memory cap's estimate
     before it was bounded: every assign was then refused with an internal error.)"""
-    import random
-
-    from tests.unit.test_bsm_speed import _extreme_report
-
     n, x_total = 40, 40 * 64
     child = procs.start("ps-bsm", "ps_server.bsm_service",
                         ["--policy", policy, "--global-batch", str(x_total), "--policy-args", args, "--port", "0"])
@@ -99,7 +96,7 @@ def test_reports_at_the_edges_of_their_ranges_do_not_stop_the_service(procs, pol
             assert sorted(sizes) == list(range(n)), (it, sizes)
             assert sum(sizes.values()) == x_total and min(sizes.values()) >= 1, (it, sizes)
             for w, x in sizes.items():
-                c.report(w, it, x, _extreme_report(rng, w, it, x).telemetry)
+                c.report(w, it, x, edge_report(rng, w, it, x).telemetry)
         sizes = c.assign()
         assert sum(sizes.values()) == x_total
         st = c.stats()

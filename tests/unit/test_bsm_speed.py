@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import random
@@ -41,6 +40,7 @@ from batchsize_manager.reports import (
 from batchsize_manager.simulation import SimulatedWorker, Simulation
 from ps_common.protocol import Push, decode, encode
 from ps_common.report import Telemetry
+from tests.report_util import edge_report
 
 INF = math.inf
 
@@ -329,27 +329,6 @@ def test_columns_from_rows_follow_the_per_report_rules(n):
     assert m.rows is None and m.exog().tolist() == [r.telemetry.exog() for r in mixed]
 
 
-def _extreme_report(rng: random.Random, w: int, it: int, x: int) -> WorkerReport:
-    """A report a worker may send (every value within its field's range, so the decoder takes
-    it) drawn from the edges: 0, the smallest float, tiny and huge values, None where optional.
-    No out-of-memory reports: enough of them leave no split of X, which the manager refuses."""
-    tel: dict[str, Any] = {}
-    for f in dataclasses.fields(Telemetry):
-        lo, hi = f.metadata.get("range", (0, 1))
-        if f.name == "oom":
-            continue
-        if isinstance(f.default, int):
-            tel[f.name] = rng.choice([0, 1, int(hi)])
-        else:
-            pool = [0.0, 5e-324, 1e-300, 1e-6, 0.5, float(hi)] + ([None] if f.default is None else [])
-            tel[f.name] = rng.choice(pool)
-    push = Push(worker_id=w, token="t", iteration=it, batch_size=x, telemetry=Telemetry(**tel),
-                arrays=[np.zeros(1, dtype=np.float32)])
-    got = decode(encode(push)).telemetry
-    assert got is not None
-    return WorkerReport.received(w, it, x, got)
-
-
 @pytest.mark.parametrize("name,args", [
     ("uniform", {}), ("static", {"profile_iterations": 2}), ("lbbsp-gpu", {}),
     ("lbbsp-cpu", {"predictor": "ema"}), ("lbbsp-cpu", {"predictor": "last", "warmup": 0}),
@@ -369,7 +348,7 @@ def test_reports_at_the_edges_of_their_ranges_leave_every_split_valid(name, args
         for it in range(14):
             sizes = m.assign()
             assert sum(sizes.values()) == 64 * n and all(x >= 1 for x in sizes.values()), (it, sizes)
-            m.observe_many([_extreme_report(rng, w, it, x) for w, x in sizes.items()])
+            m.observe_many([edge_report(rng, w, it, x) for w, x in sizes.items()])
         m.close()
 
 
@@ -479,11 +458,11 @@ def test_observe_many_is_observe_of_each_report_in_order(chunk):
         sizes = one.assign()
         assert many.assign() == sizes
         reps = [_report(w, it, x, 100.0 * (1 + w % 4), oom=(w, it) in ((5, 2), (7, 3))) for w, x in sizes.items()]
+        reps += [_report(99, it, 8, 100.0)]                   # never joined: ignored
         if it % 2:                                            # as received: with rows
             reps = [WorkerReport.received(r.worker_id, it, r.batch_size, _packed(r.telemetry)) for r in reps]
             reps += _received_reports(3, it, oom=0.0)         # workers 0-2 again
-            assert ReportBatch(reps).rows is not None         # what chunks of 1024 read
-        reps += [_report(99, it, 8, 100.0)]                   # never joined: ignored
+            assert ReportBatch.with_rows(reps) is not None    # what chunks of 1024 read in one pass
         rng.shuffle(reps)
         for r in reps:
             one.observe(r)
@@ -491,6 +470,20 @@ def test_observe_many_is_observe_of_each_report_in_order(chunk):
         assert one.memory_caps == many.memory_caps and one.ignored_reports == many.ignored_reports
         assert json.dumps(one.policy.state_dict(), sort_keys=True) == json.dumps(many.policy.state_dict(),
                                                                                  sort_keys=True)
+
+
+def test_received_reports_of_departed_workers_only_are_all_ignored():
+    """A chunk read as rows in which nobody is live any more (everyone left, or nobody joined):
+    every report counted as ignored, none reaches the policy."""
+    reps = _received_reports(40, 1, oom=0.3)
+    for members in ([], [1000]):
+        m = BatchSizeManager("lbbsp-cpu", 640, policy_args={"predictor": "ema"})
+        for w in members:
+            m.join(w)
+        before = json.dumps(m.policy.state_dict(), sort_keys=True)
+        m.observe_many(reps)
+        assert m.ignored_reports == 40 and not m.memory_caps
+        assert json.dumps(m.policy.state_dict(), sort_keys=True) == before
 
 
 def test_policy_state_is_current_when_read_between_observe_and_assign():

@@ -219,12 +219,13 @@ def test_all_finite_finds_one_bad_value_anywhere(dtype) -> None:
     assert all_finite(np.zeros(0, dtype=dtype))
 
 
-@pytest.mark.parametrize("momentum, wd, nesterov", [(0.0, 0.0, False), (0.9, 0.0, False),
+@pytest.mark.parametrize("momentum, wd, nesterov", [(0.0, 0.0, False), (0.0, 5e-4, False), (0.9, 0.0, False),
                                                      (0.9, 5e-4, False), (0.8, 1e-3, True)])
 def test_the_update_in_blocks_gives_the_bits_of_the_whole_slice_at_once(momentum, wd, nesterov, monkeypatch):
     """Every element goes through the same operations in the same order in any block, so the
-    parameters and the momentum do not depend on the block size (the first step, which starts
-    the momentum, included); one or two gradients, with and without a buffer to write into."""
+    parameters and the momentum do not depend on the block size (whatever the number of torch
+    threads: a block is split among them); one or two gradients, with and without a buffer to
+    write into."""
     rng = np.random.default_rng(3)
     n = 10_007
     p0 = rng.normal(size=n).astype(np.float32)
