@@ -8,9 +8,10 @@ measured, not assumed). No sockets, no sleeps; time comes from an injected clock
 Cost: ``observe`` only checks membership and queues the report (~0.2 µs; ``observe_many`` takes
 an iteration's reports in one call); the queued reports of an iteration reach the policy as one
 :class:`~batchsize_manager.reports.ReportBatch` when it next
-decides (or when anything reads the policy's state: ``policy``, ``caps()``, ``memory_caps``,
-``join``/``leave``, ``state_dict``), and built-in policies decide on numpy arrays indexed by
-worker slot. Queuing changes no result: reports are applied in arrival order, before any later
+decides (or when anything reads the policy's state or adds to the memory search: ``policy``,
+``caps()``, ``memory_caps``, ``probed``, ``join``/``leave``, ``state_dict``; ``observe_many``
+applies chunks of more than 16 received reports at once), and built-in policies decide on numpy
+arrays indexed by worker slot. Queuing changes no result: reports are applied in arrival order, before any later
 membership change, exactly as if each had been applied at once. Measured in
 ``benchmarks/bench_manager.py``.
 """
@@ -104,7 +105,8 @@ class BatchSizeManager:
         self.ignored_reports = 0
         self._pending: list[WorkerReport] = []
         self._pending_s = 0.0          # observe() time since the last assign()
-        self._pending_cpu_s = 0.0      # CPU of the flushes since the last assign() (not of queuing)
+        self._pending_cpu_s = 0.0      # CPU of reading and applying reports since the last assign()
+                                       # (flushes, observe_many's chunks; not of queuing them)
         self._caps_cache: tuple[Any, Any, np.ndarray] | None = None
         self._feasible: tuple[np.ndarray, np.ndarray, int, int] | None = None  # last bounds checked
         #: reports are applied in chunks of this size: a chunk is read while its reports are still
@@ -139,30 +141,33 @@ class BatchSizeManager:
         """Hand a batch of live workers' reports to the policy (and record OOM caps)."""
         if batch.n == 0:
             return
-        if batch.any_oom:
-            oom = batch.oom
-            for i in np.flatnonzero(oom).tolist():
-                r = batch.reports[i]
-                self._out_of_memory(r.worker_id, r.batch_size)
-            batch = batch.take(np.flatnonzero(~oom))   # no timing in them: the policy never sees them
         self._learn_memory(batch)
+        if batch.any_oom:
+            batch = batch.take(np.flatnonzero(~batch.oom))   # no timing in them: the policy never sees them
         self._policy.observe_batch(batch)
 
     def _learn_memory(self, batch: ReportBatch) -> None:
-        """Completed iterations feed the memory search of workers that have one, and any
-        headroom estimate; one vectorised check when nobody has either (the usual case)."""
-        if batch.n == 0:
+        """Out-of-memory reports and completed iterations feed the memory search of the workers
+        that have one, and any headroom estimate, in arrival order: a worker's success and then
+        its failure in one batch leave the caps they would leave one report at a time (a success
+        counts only for a worker with a search, which its failure may start). One vectorised
+        check when the batch has no failure and nobody has a search (the usual case)."""
+        if not batch.any_oom and not self.memory.tracks_any():
+            for i in batch.headroom_rows().tolist():
+                self._completed(batch.reports[i])
             return
-        rows = batch.headroom_rows()
-        if self.memory.tracks_any():
-            tracked = [i for i, w in enumerate(batch.worker.tolist())
-                       if self.memory.tracks(self.membership.name_of(w) or "")]
-            rows = np.union1d(rows, np.array(tracked, dtype=np.int64))
-        for i in rows.tolist():
-            r = batch.reports[i]
-            name = self.membership.name_of(r.worker_id)
-            if name is not None:
-                self.memory.completed(name, r.batch_size, r.telemetry)
+        headroom = set(batch.headroom_rows().tolist())
+        oom = batch.oom.tolist()
+        for i, r in enumerate(batch.reports):
+            if oom[i]:
+                self._out_of_memory(r.worker_id, r.batch_size)
+            elif i in headroom or self.memory.tracks(self.membership.name_of(r.worker_id) or ""):
+                self._completed(r)
+
+    def _completed(self, r: WorkerReport) -> None:
+        name = self.membership.name_of(r.worker_id)
+        if name is not None:
+            self.memory.completed(name, r.batch_size, r.telemetry)
 
     def _out_of_memory(self, worker_id: int, batch_size: int) -> int | None:
         name = self.membership.name_of(worker_id)
@@ -194,6 +199,7 @@ class BatchSizeManager:
         """A start-up probe of ``worker_id``'s memory: ``fits`` samples fit, ``fails`` did not."""
         name = self.membership.name_of(worker_id)
         if name is not None:
+            self._flush(timed=True)           # the reports before it first, as they came
             self.memory.probed(name, fits, fails)
 
     def name_of(self, worker_id: int) -> str | None:
@@ -270,16 +276,17 @@ class BatchSizeManager:
         (:meth:`ReportBatch.with_rows`) is read in one pass over its objects, and the departed
         are found on its worker column."""
         t0 = self.clock()
+        self._flush()                             # what observe() queued goes first, in order
         live, start, n = self._live, 0, len(reports)
         while start < n:                          # a chunk is read while it is in the CPU cache
             stop = min(n, start + max(1, self.flush_every - len(self._pending)))
             chunk = reports[start:stop]
             start = stop
+            c0 = self.cpu_clock()
             read = None if self._pending else ReportBatch.with_rows(chunk)
             if read is not None:                  # received reports: one pass over the objects
-                c0 = self.cpu_clock()
                 self._apply(self._live_part(read))
-                self._pending_cpu_s += self.cpu_clock() - c0
+                self._pending_cpu_s += self.cpu_clock() - c0   # as a flush's: reading included
                 continue
             kept = [r for r in chunk if r.worker_id in live]
             self.ignored_reports += len(chunk) - len(kept)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import time
 from fractions import Fraction
 from typing import Any
 
@@ -484,6 +485,73 @@ def test_received_reports_of_departed_workers_only_are_all_ignored():
         m.observe_many(reps)
         assert m.ignored_reports == 40 and not m.memory_caps
         assert json.dumps(m.policy.state_dict(), sort_keys=True) == before
+
+
+def _as_received(reps: list[WorkerReport]) -> list[WorkerReport]:
+    return [WorkerReport.received(r.worker_id, r.iteration, r.batch_size, _packed(r.telemetry)) for r in reps]
+
+
+def test_memory_is_learned_in_arrival_order_within_a_batch():
+    """Worker 3's success at 64, then its out-of-memory at 128, in one batch (read as rows, and
+    report by report): the caps one report at a time leaves. Its success came before any search
+    of its memory, so only the failure counts: cap 64, not the 96 of a search that saw both."""
+    def caps(received: bool, flush_every: int, many: bool) -> dict[int, int]:
+        m = BatchSizeManager("lbbsp-cpu", 64 * 20, policy_args={"predictor": "ema"})
+        m.flush_every = flush_every
+        for w in range(20):
+            m.join(w)
+        m.assign()
+        reps = [_report(w, 0, 64, 100.0) for w in range(20)] + [_report(3, 0, 128, 100.0, oom=True)]
+        reps = _as_received(reps) if received else reps
+        if many:
+            m.observe_many(reps)
+        else:
+            for r in reps:
+                m.observe(r)
+        return m.memory_caps
+
+    one_at_a_time = caps(False, 1, False)
+    assert one_at_a_time == {3: 64}
+    for received in (False, True):
+        for many in (False, True):
+            assert caps(received, 1024, many) == one_at_a_time, (received, many)
+
+
+def test_reports_queued_by_observe_reach_the_policy_before_those_of_observe_many():
+    """observe() queues; a later observe_many() of received reports (read in one pass) must not
+    overtake what is queued: the policy's state equals one report at a time."""
+    def state(flush_every: int) -> str:
+        m = BatchSizeManager("lbbsp-cpu", 64 * 20, policy_args={"predictor": "ema", "warmup": 0})
+        m.flush_every = flush_every
+        for w in range(20):
+            m.join(w)
+        m.assign()
+        for w in range(5):
+            m.observe(_report(w, 0, 64, 100.0 * (1 + w)))
+        m.observe_many(_as_received([_report(w, 1, 64, 50.0 * (1 + w % 4)) for w in range(20)]))
+        return json.dumps(m.policy.state_dict(), sort_keys=True)
+
+    assert state(1024) == state(1)
+
+
+def test_reading_received_reports_counts_in_the_decisions_cpu(monkeypatch):
+    """observe_many's one pass over the report objects is part of the decision's CPU, as a
+    flush's reading was (``last_decision_cpu_s``, the coordinator's ``decision_cpu_s``)."""
+    with_rows = ReportBatch.with_rows.__func__                # type: ignore[attr-defined]
+
+    def slow(cls, reports):
+        end = time.thread_time() + 0.05
+        while time.thread_time() < end:
+            pass
+        return with_rows(cls, reports)
+    monkeypatch.setattr(ReportBatch, "with_rows", classmethod(slow))
+    m = BatchSizeManager("uniform", 64 * 20)
+    for w in range(20):
+        m.join(w)
+    m.assign()
+    m.observe_many(_as_received([_report(w, 0, 64, 100.0) for w in range(20)]))
+    m.assign()
+    assert m.last_decision_cpu_s >= 0.045 and m.last_decision_s >= 0.045
 
 
 def test_policy_state_is_current_when_read_between_observe_and_assign():
