@@ -9,9 +9,9 @@ Cost: ``observe`` only checks membership and queues the report (~0.2 µs; ``obse
 an iteration's reports in one call); the queued reports of an iteration reach the policy as one
 :class:`~batchsize_manager.reports.ReportBatch` when it next
 decides (or when anything reads the policy's state or adds to the memory search: ``policy``,
-``caps()``, ``memory_caps``, ``probed``, ``join``/``leave``, ``state_dict``; ``observe_many``
-applies chunks of more than 16 received reports at once), and built-in policies decide on numpy
-arrays indexed by worker slot. Queuing changes no result: reports are applied in arrival order, before any later
+``caps()``, ``memory_caps``, ``probed``, ``join``/``leave``, ``state_dict``), or when
+``flush_every`` of them are queued, and built-in policies decide on numpy arrays indexed by
+worker slot. Queuing changes no result: reports are applied in arrival order, before any later
 membership change, exactly as if each had been applied at once. Measured in
 ``benchmarks/bench_manager.py``.
 """
@@ -272,18 +272,22 @@ class BatchSizeManager:
         reports together (the coordinator, the simulation): one call and one timing for all of
         them. The reports of departed workers are dropped a chunk at a time, right before the
         chunk is handed to the policy, so that its report objects are still in the CPU cache
-        when their rows are read (``benchmarks/bench_manager.py``). A chunk of received reports
-        (:meth:`ReportBatch.with_rows`) is read in one pass over its objects, and the departed
-        are found on its worker column."""
+        when their rows are read (``benchmarks/bench_manager.py``). A whole chunk of received
+        reports (:meth:`ReportBatch.with_rows`) is read in one pass over its objects, and the
+        departed are found on its worker column."""
         t0 = self.clock()
-        self._flush()                             # what observe() queued goes first, in order
         live, start, n = self._live, 0, len(reports)
         while start < n:                          # a chunk is read while it is in the CPU cache
             stop = min(n, start + max(1, self.flush_every - len(self._pending)))
             chunk = reports[start:stop]
             start = stop
             c0 = self.cpu_clock()
-            read = None if self._pending else ReportBatch.with_rows(chunk)
+            # A whole chunk would be flushed now: if its reports were received, read them in one
+            # pass instead. A smaller one is queued, so that the coordinator's many small feeds
+            # reach the policy together at the decision (applied one by one, they cost it twice
+            # the CPU at 1,000 workers).
+            full = not self._pending and len(chunk) >= self.flush_every
+            read = ReportBatch.with_rows(chunk) if full else None
             if read is not None:                  # received reports: one pass over the objects
                 self._apply(self._live_part(read))
                 self._pending_cpu_s += self.cpu_clock() - c0   # as a flush's: reading included

@@ -444,10 +444,11 @@ def test_batched_reports_equal_one_at_a_time(name, args):
     assert states[0] == states[1] == states[2]
 
 
-@pytest.mark.parametrize("chunk", [1, 5, 1024])
+@pytest.mark.parametrize("chunk", [1, 5, 20, 1024])
 def test_observe_many_is_observe_of_each_report_in_order(chunk):
     """Same policy state, caps and count of ignored reports (those of workers not live) as one
-    observe() per report, whatever the chunk size; the rows path and the attribute path alike."""
+    observe() per report, whatever the chunk size; the rows path and the attribute path alike
+    (chunks of 20: a whole chunk of received reports read in one pass, the rest queued)."""
     args = {"predictor": "ema"}
     one, many = (BatchSizeManager("lbbsp-cpu", 640, min_batch=2, policy_args=args) for _ in range(2))
     many.flush_every = chunk
@@ -463,7 +464,7 @@ def test_observe_many_is_observe_of_each_report_in_order(chunk):
         if it % 2:                                            # as received: with rows
             reps = [WorkerReport.received(r.worker_id, it, r.batch_size, _packed(r.telemetry)) for r in reps]
             reps += _received_reports(3, it, oom=0.0)         # workers 0-2 again
-            assert ReportBatch.with_rows(reps) is not None    # what chunks of 1024 read in one pass
+            assert ReportBatch.with_rows(reps[:20]) is not None   # what chunks of 20 read in one pass
         rng.shuffle(reps)
         for r in reps:
             one.observe(r)
@@ -479,6 +480,7 @@ def test_received_reports_of_departed_workers_only_are_all_ignored():
     reps = _received_reports(40, 1, oom=0.3)
     for members in ([], [1000]):
         m = BatchSizeManager("lbbsp-cpu", 640, policy_args={"predictor": "ema"})
+        m.flush_every = 20                                    # two whole chunks, read in one pass
         for w in members:
             m.join(w)
         before = json.dumps(m.policy.state_dict(), sort_keys=True)
@@ -514,7 +516,8 @@ def test_memory_is_learned_in_arrival_order_within_a_batch():
     assert one_at_a_time == {3: 64}
     for received in (False, True):
         for many in (False, True):
-            assert caps(received, 1024, many) == one_at_a_time, (received, many)
+            for flush_every in (21, 1024):                # one whole chunk (one pass), or queued
+                assert caps(received, flush_every, many) == one_at_a_time, (received, many, flush_every)
 
 
 def test_reports_queued_by_observe_reach_the_policy_before_those_of_observe_many():
@@ -531,7 +534,7 @@ def test_reports_queued_by_observe_reach_the_policy_before_those_of_observe_many
         m.observe_many(_as_received([_report(w, 1, 64, 50.0 * (1 + w % 4)) for w in range(20)]))
         return json.dumps(m.policy.state_dict(), sort_keys=True)
 
-    assert state(1024) == state(1)
+    assert state(1024) == state(25) == state(1)
 
 
 def test_reading_received_reports_counts_in_the_decisions_cpu(monkeypatch):
@@ -546,6 +549,7 @@ def test_reading_received_reports_counts_in_the_decisions_cpu(monkeypatch):
         return with_rows(cls, reports)
     monkeypatch.setattr(ReportBatch, "with_rows", classmethod(slow))
     m = BatchSizeManager("uniform", 64 * 20)
+    m.flush_every = 20                                        # a whole chunk: read in one pass
     for w in range(20):
         m.join(w)
     m.assign()
