@@ -7,7 +7,8 @@
 # 16-core H100 host of 2026-11-27, where a fleet run took 13-14 s at 4 and 100 workers and
 # 24-27 s at 1,000, one repeat of the data plane 110 s with one thread count (three thread
 # counts did not finish in 240 s), and bench_manager's 1,000- and 10,000-worker rows up to
-# ARIMA's 120 s. Every table prints its rows as they
+# ARIMA's 120 s (before the blocks step, whose two runs have 60 s timeouts and have not run there
+# yet; here each took about 15 s). Every table prints its rows as they
 # are measured, so a step cut by its timeout keeps what it finished. Steps:
 #   dataplane  bench_dataplane --phases: push + pull through the shards against raw pyzmq, with
 #              1 and 8 threads per shard's update (cluster.shard_threads)
