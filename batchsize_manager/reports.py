@@ -233,14 +233,8 @@ class ReportBatch:
     def with_rows(cls, reports: Sequence[WorkerReport]) -> ReportBatch | None:
         """The batch of ``reports`` with their rows read already (one pass over the objects),
         or None where it is small (per-report rules) or some report has no row."""
-        if len(reports) <= SMALL_BATCH:
-            return None
-        records = _records_of(reports)
-        if records is None:
-            return None
         batch = cls(reports)
-        batch._head, batch._rows = records["head"], records["tel"]
-        return batch
+        return batch if batch.rows is not None else None
 
     def __len__(self) -> int:
         return self.n
