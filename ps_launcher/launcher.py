@@ -19,6 +19,7 @@ from ps_common import protocol as P
 from ps_common.cli_util import PARENT_ENV
 from ps_common.config import JobConfig, dump_yaml
 from ps_common.errors import PsError
+from ps_common.rendezvous import ENDPOINT_FILE, FILE_PREFIX
 from ps_common.security.credentials import ROLES, generate_master, load_secret, write_role_secret
 from ps_common.transport import Connection, TransportTimeout
 from ps_launcher.plots import plot_run
@@ -160,22 +161,33 @@ class LocalCluster:
             self.lab.attach(index, child.proc.pid)
         return child
 
+    #: Every process starts at once and reads shard 0's endpoint from a file in the run directory
+    #: (:mod:`ps_common.rendezvous`); a backend whose processes do not see this file system (Ray)
+    #: starts the others once shard 0 is up, with its endpoint on their command lines.
+    endpoint_by_file = True
+
     def _start(self, cfg_path: Path) -> None:
         c = self.cfg
-        s0 = self._start_child("shard-0", "ps_server.cli",
-                               [*self._common(cfg_path), "--shard", "0", "--port", "0", *self._host(0)], "shard")
-        ep0 = self.group.wait_endpoint(s0, self.startup_timeout_s)
-        self.shard_endpoints = [ep0]
+        s0_args = [*self._common(cfg_path), "--shard", "0", "--port", "0", *self._host(0)]
+        if self.endpoint_by_file:
+            ep_file = self.run_dir / ENDPOINT_FILE
+            ep_file.unlink(missing_ok=True)          # an earlier run's endpoint would be read as this one's
+            s0 = self._start_child("shard-0", "ps_server.cli", [*s0_args, "--endpoint-file", str(ep_file)], "shard")
+            ep0 = FILE_PREFIX + str(ep_file)
+        else:
+            s0 = self._start_child("shard-0", "ps_server.cli", s0_args, "shard")
+            ep0 = self.group.wait_endpoint(s0, self.startup_timeout_s)
         others = [self._start_child(f"shard-{k}", "ps_server.cli",
                                     [*self._common(cfg_path), "--shard", str(k), "--port", "0", *self._host(k),
                                      "--coordinator", ep0], "shard")
                   for k in range(1, c.cluster.num_shards)]
         # Clients need only shard 0's address, and shard 0 holds their joins until every shard has
-        # registered: they start (importing torch, loading data) while the followers do.
+        # registered: they start (importing torch, loading data) while the shards do.
         for i in range(c.cluster.num_workers):
             self._start_child(f"worker-{i}", "ps_worker.cli", self._worker_args(cfg_path, ep0, i), "worker")
         if c.evaluator.enabled:
             self._start_child("evaluator", "ps_worker.evaluator_cli", self._evaluator_args(cfg_path, ep0), "evaluator")
+        self.shard_endpoints = [self.group.wait_endpoint(s0, self.startup_timeout_s) if self.endpoint_by_file else ep0]
         self.shard_endpoints += [self.group.wait_endpoint(ch, self.startup_timeout_s) for ch in others]
 
     def _evaluator_args(self, cfg_path: Path, ep0: str) -> list[str]:

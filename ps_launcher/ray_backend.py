@@ -364,6 +364,8 @@ class RayProcessGroup:
 class RayCluster(LocalCluster):
     """The local launcher's run (credentials, monitor, summary) with processes on Ray."""
 
+    endpoint_by_file = False   # a Ray node need not see the driver's file system
+
     def __init__(self, cfg: JobConfig, run_dir: Path | None = None, *, address: str | None = None,
                  progress: bool = True, overwrite: bool = False) -> None:
         super().__init__(cfg, run_dir, progress=progress, overwrite=overwrite)

@@ -22,14 +22,11 @@ from __future__ import annotations
 import os
 import shlex
 import sys
-import time
 from pathlib import Path
 from typing import Mapping
 
 from ps_common.config import JobConfig, load_config
-
-ENDPOINT_FILE = "coordinator.endpoint"
-
+from ps_common.rendezvous import ENDPOINT_FILE, FILE_PREFIX
 
 ROLES = ("shard", "worker", "evaluator")
 
@@ -130,17 +127,6 @@ def sbatch_script(cfg: JobConfig, config_path: Path, run_dir: Path, *, python: s
     return "\n".join(lines) + "\n"
 
 
-def _wait_for_endpoint(path: Path, timeout_s: float) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if path.exists():
-            text = path.read_text().strip()
-            if text:
-                return text
-        time.sleep(0.2)
-    raise TimeoutError(f"shard 0 wrote no endpoint into {path} within {timeout_s:.0f}s")
-
-
 def run_task(argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> int:
     """One Slurm task: find this task's role and run it (``python -m ps_launcher.slurm``)."""
     import argparse
@@ -185,7 +171,7 @@ def run_task(argv: list[str] | None = None, env: Mapping[str, str] | None = None
 
         return server_cli.main([*common, "--shard", "0", "--host", "0.0.0.0", "--port", "0",
                                 "--advertise", _node_address(), "--endpoint-file", str(endpoint_file)])
-    coordinator = _wait_for_endpoint(endpoint_file, cfg.transport.connect_timeout_s)
+    coordinator = FILE_PREFIX + str(endpoint_file)   # read once the task has started up
     if role == "shard":
         from ps_server import cli as server_cli
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from ps_common.cli_util import add_common_args, load_cli_config, setup_logging, watch_parent
 from ps_common.dmlc import DmlcEnv, read_dmlc_env
 from ps_common.errors import PsError
+from ps_common.rendezvous import resolve_endpoint, write_endpoint
 from ps_common.security.credentials import generate_master
 from ps_server.job_config import check_job_config
 from ps_server.threads import sleep_between_updates
@@ -29,7 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one")
     ap.add_argument("--advertise", default=None,
                     help="host name other machines use to reach this shard (multi-host runs)")
-    ap.add_argument("--coordinator", default=None, help="shard 0's endpoint (required for shard > 0)")
+    ap.add_argument("--coordinator", default=None,
+                    help="shard 0's endpoint (required for shard > 0), or file:PATH: read it from PATH, which "
+                         "shard 0's --endpoint-file writes, once this server has started up (all processes "
+                         "of a job can start at once; waits up to transport.connect_timeout_s)")
     ap.add_argument("--endpoint-file", default=None,
                     help="write the endpoint this shard listens on into this file once bound (for "
                          "launchers on a shared file system: bind port 0, let the others read it)")
@@ -69,8 +73,10 @@ def main(argv: list[str] | None = None) -> int:
                 coordinator = dmlc.coordinator
                 shard = _claim_shard(cfg, coordinator, args.name)
         _make_secret_if_new(cfg, shard)
-        from ps_server.server import ShardServer
+        from ps_server.server import ShardServer  # torch: before waiting for shard 0
 
+        if coordinator is not None:
+            coordinator = resolve_endpoint(coordinator, cfg.transport.connect_timeout_s)
         server = ShardServer(cfg, shard, host=host, port=port, advertise_host=advertise,
                              coordinator=coordinator, run_dir=args.run_dir,
                              resume="auto" if args.resume == "auto" else args.resume == "always",
@@ -88,9 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     server.install_signal_handlers()
     print(f"ps-server shard {shard} listening on {server.endpoint}", flush=True)
     if args.endpoint_file:
-        tmp = Path(f"{args.endpoint_file}.tmp")
-        tmp.write_text(server.endpoint + "\n")
-        tmp.replace(args.endpoint_file)  # atomic: a reader never sees half of it
+        write_endpoint(args.endpoint_file, server.endpoint)
     try:
         server.run()
     except PsError as exc:

@@ -9,14 +9,16 @@ import sys
 from ps_common.cli_util import add_common_args, interrupt_on_signals, load_cli_config, setup_logging, watch_parent
 from ps_common.dmlc import read_dmlc_env
 from ps_common.errors import PsError
+from ps_common.rendezvous import resolve_endpoint
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ps-worker", description=__doc__)
     add_common_args(ap)
     ap.add_argument("--server", default=None,
-                    help="shard 0 (coordinator) endpoint, tcp://HOST:PORT (default: from DMLC_PS_ROOT_URI "
-                         "and DMLC_PS_ROOT_PORT)")
+                    help="shard 0 (coordinator) endpoint, tcp://HOST:PORT, or file:PATH: read it from PATH "
+                         "(ps-server --endpoint-file) once this worker has started up (default: from "
+                         "DMLC_PS_ROOT_URI and DMLC_PS_ROOT_PORT)")
     ap.add_argument("--name", default=None,
                     help="this worker's stable name: logs, and the memory caps learned for it across "
                          "rejoins and restarts (default host:pid, which changes with every process)")
@@ -43,9 +45,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.device:
             overrides.append(f"worker.device={args.device}")
         cfg = load_cli_config(args.config, overrides, args.secret_file)
-        from ps_worker.worker import Worker
+        from ps_worker.worker import Worker  # torch: before waiting for shard 0
 
-        worker = Worker(cfg, args.server, name=args.name, run_dir=args.run_dir, overwrite=args.overwrite,
+        server = resolve_endpoint(args.server, cfg.transport.connect_timeout_s)
+        worker = Worker(cfg, server, name=args.name, run_dir=args.run_dir, overwrite=args.overwrite,
                         scenario_index=args.scenario_index)
         interrupt_on_signals()
         worker.run(max_iterations=args.max_iterations)

@@ -7,7 +7,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO, Callable, Iterator
 
 import numpy as np
 import yaml
@@ -16,6 +16,7 @@ import zmq
 from ps_common import protocol as P
 from ps_common.config import JobConfig, load_config
 from ps_common.metrics import read_jsonl
+from ps_common.rendezvous import ENDPOINT_FILE, FILE_PREFIX
 from ps_common.security.credentials import generate_master
 from ps_common.transport import Connection
 from ps_launcher.processes import ProcessGroup
@@ -47,18 +48,48 @@ def _security_for(endpoint: str):
     return cfg.security if cfg is not None else None
 
 
-def start_servers(procs: ProcessGroup, cfg_path: Path, num_shards: int, run_dir: Path,
-                  env: dict[str, str] | None = None) -> list[str]:
+def _start_shards(procs: ProcessGroup, cfg_path: Path, num_shards: int, run_dir: Path,
+                  env: dict[str, str] | None) -> tuple[list, str]:
+    """Every shard at once, shard 0's endpoint handed over by a file in the run directory
+    (:mod:`ps_common.rendezvous`, as ps-launch does): the followers import torch while shard 0
+    does. Returns the shards and ``file:PATH`` for shard 0's endpoint."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ep_file = run_dir / ENDPOINT_FILE
+    ep_file.unlink(missing_ok=True)
     common = ["--config", str(cfg_path), "--run-dir", str(run_dir), "--port", "0"]
-    s0 = procs.start("shard-0", "ps_server.cli", [*common, "--shard", "0"], env=env)
-    ep0 = procs.wait_endpoint(s0, 60)
-    followers = [procs.start(f"shard-{k}", "ps_server.cli", [*common, "--shard", str(k), "--coordinator", ep0],
-                             env=env) for k in range(1, num_shards)]  # together: each one imports torch
-    eps = [ep0, *(procs.wait_endpoint(ch, 60) for ch in followers)]
+    spec = FILE_PREFIX + str(ep_file)
+    shards = [procs.start("shard-0", "ps_server.cli", [*common, "--shard", "0", "--endpoint-file", str(ep_file)],
+                          env=env)]
+    shards += [procs.start(f"shard-{k}", "ps_server.cli", [*common, "--shard", str(k), "--coordinator", spec], env=env)
+               for k in range(1, num_shards)]
+    return shards, spec
+
+
+def _endpoints(procs: ProcessGroup, shards: list, cfg_path: Path) -> list[str]:
+    eps = [procs.wait_endpoint(ch, 60) for ch in shards]
     cfg = load_config(cfg_path, env={})
     for ep in eps:
         _CFG[ep] = cfg
     return eps
+
+
+def start_servers(procs: ProcessGroup, cfg_path: Path, num_shards: int, run_dir: Path,
+                  env: dict[str, str] | None = None) -> list[str]:
+    """The job's shards, up: their endpoints, shard 0's first."""
+    shards, _ = _start_shards(procs, cfg_path, num_shards, run_dir, env)
+    return _endpoints(procs, shards, cfg_path)
+
+
+def start_job(procs: ProcessGroup, cfg_path: Path, num_shards: int, num_workers: int, run_dir: Path,
+              env: dict[str, str] | None = None, worker_env: dict[str, str] | None = None,
+              start: Callable[..., list] | None = None) -> tuple[list[str], list]:
+    """Shards and workers started at once, as ps-launch starts them (each process's 1.5-2 s of
+    start-up overlaps the others'); ``start``: how to start the workers, given shard 0's
+    endpoint (default :func:`start_workers`). Returns the shards' endpoints and the workers."""
+    shards, spec = _start_shards(procs, cfg_path, num_shards, run_dir, env)
+    kw = {} if worker_env is None else {"env": worker_env}
+    workers = (start or start_workers)(procs, cfg_path, spec, num_workers, run_dir, **kw)
+    return _endpoints(procs, shards, cfg_path), workers
 
 
 def start_workers(procs: ProcessGroup, cfg_path: Path, endpoint: str, n: int, run_dir: Path,

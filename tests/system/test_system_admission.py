@@ -26,7 +26,15 @@ from ps_common import protocol as P
 from ps_common.metrics import read_jsonl
 from ps_common.transport import Connection, RemoteError
 from ps_worker.client import ShardClients
-from tests.cluster_util import committed_batches, consistent_end, joined_member, start_servers, wait_exit, write_config
+from tests.cluster_util import (
+    committed_batches,
+    consistent_end,
+    joined_member,
+    start_job,
+    start_servers,
+    wait_exit,
+    write_config,
+)
 from tests.system.test_system_memory import start_indexed_workers
 
 pytestmark = pytest.mark.system
@@ -53,8 +61,7 @@ def _job(name: str, num_workers: int) -> dict:
 def test_a_join_past_x_over_min_batch_is_refused_and_the_run_goes_on(procs, tmp_path):
     cfg_path, cfg = write_config(tmp_path, _job("admission", num_workers=2))
     run = tmp_path / "run"
-    (ep,) = start_servers(procs, cfg_path, 1, run)
-    honest = start_indexed_workers(procs, cfg_path, ep, 1, run)
+    (ep,), honest = start_job(procs, cfg_path, 1, 1, run, start=start_indexed_workers)
     extra = [ShardClients(zmq.Context.instance(), ep, timeout_s=30, connect_timeout_s=30,
                           security=cfg.security) for _ in range(3)]
     try:

@@ -15,7 +15,7 @@ import pytest
 from ps_common.metrics import read_jsonl
 from ps_ml.datasets import load_dataset, sample_order
 from ps_ml.reference import train_reference
-from tests.cluster_util import consistent_end, start_servers, start_workers, status, wait_exit, write_config
+from tests.cluster_util import consistent_end, start_job, start_servers, start_workers, status, wait_exit, write_config
 
 pytestmark = pytest.mark.system
 
@@ -50,8 +50,8 @@ def test_bsp_equals_single_process_sgd(procs, tmp_path, policy, args, env):
         job["cluster"] = {**JOB["cluster"], "shard_threads": 3}
     cfg_path, cfg = write_config(tmp_path, job)
     run_dir = tmp_path / "run"
-    eps = start_servers(procs, cfg_path, 2, run_dir, env=env)
-    wait_exit(start_workers(procs, cfg_path, eps[0], 3, run_dir), timeout_s=180)
+    eps, workers = start_job(procs, cfg_path, 2, 3, run_dir, env=env)
+    wait_exit(workers, timeout_s=180)
     # Every process ends by itself once the stop rule is met, the shards after saving the final
     # version, which must be the same on both.
     wait_exit([c for c in procs.children if c.role.startswith("shard")], timeout_s=60)

@@ -27,7 +27,13 @@ import pytest
 from ps_common.metrics import read_jsonl
 from ps_ml.datasets import load_dataset
 from ps_ml.reference import train_reference_batches
-from tests.cluster_util import committed_batches, consistent_end, start_servers, start_workers, wait_exit, write_config
+from tests.cluster_util import (
+    committed_batches,
+    consistent_end,
+    start_job,
+    wait_exit,
+    write_config,
+)
 
 pytestmark = pytest.mark.system
 
@@ -112,8 +118,7 @@ def check_run(run_dir, cfg, partial_seen: bool = True, late_ok: bool = False) ->
 def test_kill_in_every_push_point_loopback(procs, tmp_path, sync, policy):
     cfg_path, cfg = write_config(tmp_path, job(sync, policy))
     run_dir = tmp_path / "run"
-    eps = start_servers(procs, cfg_path, 3, run_dir)
-    workers = start_workers(procs, cfg_path, eps[0], 4, run_dir, env=fault_env(0.5))
+    eps, workers = start_job(procs, cfg_path, 3, 4, run_dir, worker_env=fault_env(0.5))
     victims = {w for w, _, _ in KILLS}
     for ch in workers:
         ch.proc.wait(timeout=180)

@@ -21,6 +21,7 @@ from ps_ml.reference import train_reference
 from tests.cluster_util import (
     consistent_end,
     operator_request,
+    start_job,
     start_servers,
     start_workers,
     status,
@@ -107,8 +108,7 @@ def test_worker_sigkill_is_detected_and_training_continues(procs, tmp_path, sync
     cfg_path, cfg = write_config(tmp_path, job(mode={"sync": sync, "batch_policy": policy},
                                                training={"max_iterations": 400}))
     run = tmp_path / "run"
-    eps = start_servers(procs, cfg_path, 2, run)
-    workers = start_workers(procs, cfg_path, eps[0], 3, run)
+    eps, workers = start_job(procs, cfg_path, 2, 3, run)
     wait_version(eps[0], 15)
     victim = workers[1]
     killed_at = time.time()
@@ -145,8 +145,7 @@ def test_worker_joins_mid_run_and_gets_a_share(procs, tmp_path):
     j["training"] = {"global_batch": 60, "max_seconds": 120, "finish_timeout_s": 10}
     cfg_path, cfg = write_config(tmp_path, j)
     run = tmp_path / "run"
-    eps = start_servers(procs, cfg_path, 2, run)
-    first = start_workers(procs, cfg_path, eps[0], 2, run)
+    eps, first = start_job(procs, cfg_path, 2, 2, run)
     wait_version(eps[0], 10)
     late = procs.start("worker-late", "ps_worker.cli", ["--config", str(cfg_path), "--server", eps[0],
                                                          "--run-dir", str(run), "--name", "late"])
@@ -174,8 +173,7 @@ def test_a_worker_restarted_at_once_under_its_name_joins_when_its_old_membership
                                                training={"max_iterations": 1_000_000, "max_seconds": 120},
                                                heartbeat={"interval_s": 0.2, "timeout_s": 8.0}))
     run = tmp_path / "run"
-    eps = start_servers(procs, cfg_path, 2, run)
-    workers = start_workers(procs, cfg_path, eps[0], 2, run)
+    eps, workers = start_job(procs, cfg_path, 2, 2, run)
     wait_version(eps[0], 10)
     os.kill(workers[1].proc.pid, signal.SIGKILL)
     workers[1].proc.wait(timeout=10)
@@ -207,8 +205,7 @@ def test_a_worker_that_joins_again_replaces_itself(procs, tmp_path):
     cfg_path, cfg = write_config(tmp_path, job(transport={"timeout_s": 1.5, "connect_timeout_s": 60},
                                                training={"max_iterations": 80}))
     run = tmp_path / "run"
-    eps = start_servers(procs, cfg_path, 2, run)
-    first = start_workers(procs, cfg_path, eps[0], 2, run)
+    eps, first = start_job(procs, cfg_path, 2, 2, run)
     deadline = time.monotonic() + 60
     while "joining again" not in "".join(c.tail() for c in first):
         assert time.monotonic() < deadline, "the workers never joined again"
@@ -236,8 +233,7 @@ def test_coordinator_stall_longer_than_the_heartbeat_timeout_loses_no_worker(pro
     cfg_path, cfg = write_config(tmp_path, job(heartbeat={"interval_s": 0.2, "timeout_s": 1.5}))
     run = tmp_path / "run"
     stall = {"LBBSP_FAULTS": json.dumps({"coordinator_stall": {"version": 20, "seconds": 4.5}})}
-    eps = start_servers(procs, cfg_path, 2, run, env=stall)
-    workers = start_workers(procs, cfg_path, eps[0], 3, run)
+    eps, workers = start_job(procs, cfg_path, 2, 3, run, env=stall)
     wait_exit(workers, timeout_s=180)
     shards_exit(procs)
     _, version = consistent_end(run, 2)
@@ -263,8 +259,7 @@ def test_shard_killed_and_resumed_from_checkpoint(procs, tmp_path, sync, shards)
                                                checkpoint={"every_iterations": 10},
                                                training={"max_iterations": 60}, mode={"sync": sync}))
     run = tmp_path / "run"
-    eps = start_servers(procs, cfg_path, shards, run)
-    workers = start_workers(procs, cfg_path, eps[0], 2, run)
+    eps, workers = start_job(procs, cfg_path, shards, 2, run)
     wait_version(eps[0], 25)
     k = shards - 1                                           # the victim: the last follower
     victim = next(c for c in procs.children if c.role == f"shard-{k}")
@@ -366,8 +361,7 @@ def _shard_0_killed_past_25(procs, tmp_path):
                                              training={"max_iterations": 60}))
     run = tmp_path / "run"
     stall = {"LBBSP_FAULTS": json.dumps({"coordinator_stall": {"version": 25, "seconds": 60}})}
-    eps = start_servers(procs, cfg_path, 2, run, env=stall)
-    workers = start_workers(procs, cfg_path, eps[0], 2, run)
+    eps, workers = start_job(procs, cfg_path, 2, 2, run, env=stall)
     shard0, shard1 = (next(c for c in procs.children if c.role == f"shard-{k}") for k in (0, 1))
     _wait_in_log(shard0, "coordinator loop stalls", 120)
     os.kill(shard0.proc.pid, signal.SIGKILL)

@@ -26,7 +26,14 @@ from ps_common.metrics import read_jsonl
 from ps_common.transport import Connection, RemoteError
 from ps_ml.datasets import load_dataset
 from ps_ml.reference import train_reference_batches
-from tests.cluster_util import committed_batches, consistent_end, joined_member, start_servers, wait_exit, write_config
+from tests.cluster_util import (
+    committed_batches,
+    consistent_end,
+    joined_member,
+    start_job,
+    wait_exit,
+    write_config,
+)
 from tests.system.test_system_memory import start_indexed_workers
 
 pytestmark = pytest.mark.system
@@ -58,8 +65,8 @@ def job(iterations: int = ITERATIONS, slowdown: float = 6.0) -> dict:
 def test_helpers_take_a_stragglers_chunks_and_the_result_is_single_process_sgd(procs, tmp_path):
     cfg_path, cfg = write_config(tmp_path, job())
     run = tmp_path / "run"
-    eps = start_servers(procs, cfg_path, 2, run)
-    wait_exit(start_indexed_workers(procs, cfg_path, eps[0], 3, run), timeout_s=240)
+    eps, workers = start_job(procs, cfg_path, 2, 3, run, start=start_indexed_workers)
+    wait_exit(workers, timeout_s=240)
     wait_exit([c for c in procs.children if c.role.startswith("shard")], timeout_s=60)
     params, version = consistent_end(run, 2)
     assert version == ITERATIONS
@@ -99,8 +106,7 @@ def test_a_members_forged_chunk_claims_change_nothing(procs, tmp_path):
     cfg_path, cfg = write_config(tmp_path, {**job(iterations=8, slowdown=1.0), "scenario": {},
                                             "cluster": {"num_shards": 2, "num_workers": 2}})
     run = tmp_path / "run"
-    eps = start_servers(procs, cfg_path, 2, run)
-    honest = start_indexed_workers(procs, cfg_path, eps[0], 1, run)
+    eps, honest = start_job(procs, cfg_path, 2, 1, run, start=start_indexed_workers)
     evaluator = Connection(zmq.Context.instance(), eps[0], role="evaluator", timeout_s=10, security=cfg.security)
     try:
         with joined_member(cfg, eps[0]) as m:

@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.cluster_util import start_servers, start_workers, status, wait_exit, write_config
+from tests.cluster_util import start_job, status, wait_exit, write_config
 
 pytestmark = [pytest.mark.system,
               pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")]
@@ -44,8 +44,7 @@ def _rss_mb(pid: int) -> float:
 def test_shard_and_worker_receive_40_mb_frames_without_faulting_them_in(procs, tmp_path):
     cfg_path, _ = write_config(tmp_path, JOB)
     run_dir = tmp_path / "run"
-    (ep,) = start_servers(procs, cfg_path, 1, run_dir)
-    (worker,) = start_workers(procs, cfg_path, ep, 1, run_dir)
+    (ep,), (worker,) = start_job(procs, cfg_path, 1, 1, run_dir)
     shard = next(c for c in procs.children if c.role == "shard-0")
     counts, rss = {}, {}
     deadline = time.monotonic() + 180

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.cluster_util import consistent_end, start_servers, start_workers, wait_exit, write_config
+from tests.cluster_util import consistent_end, start_job, wait_exit, write_config
 
 pytestmark = pytest.mark.system
 
@@ -133,8 +133,8 @@ def test_hand_started_processes_exit_at_the_stop_rule_without_shutdown(procs, tm
         "training": {"global_batch": 32, "max_iterations": 40, "finish_timeout_s": 5},
         "cluster": {"num_shards": 3, "num_workers": 2}, "evaluator": {"enabled": False}})
     run = tmp_path / "run"
-    eps = start_servers(procs, cfg_path, 3, run)
-    wait_exit(start_workers(procs, cfg_path, eps[0], 2, run), 120)
+    eps, workers = start_job(procs, cfg_path, 3, 2, run)
+    wait_exit(workers, 120)
     wait_exit([c for c in procs.children if c.role.startswith("shard")], timeout_s=30)
     _, version = consistent_end(run, 3)
     assert version == 40
@@ -152,9 +152,8 @@ def test_a_worker_told_to_stop_does_not_wait_on_a_silent_coordinator(procs, tmp_
         "cluster": {"num_shards": 1, "num_workers": 1}, "evaluator": {"enabled": False}})
     assert cfg.transport.timeout_s >= 60
     run = tmp_path / "run"
-    (endpoint,) = start_servers(procs, cfg_path, 1, run)
+    (endpoint,), (worker,) = start_job(procs, cfg_path, 1, 1, run)
     shard0 = procs.children[0]
-    (worker,) = start_workers(procs, cfg_path, endpoint, 1, run)
     coord = run / "metrics" / "coordinator.jsonl"
     deadline = time.monotonic() + 90
     while not (coord.exists() and coord.read_text().count('"iteration"') > 5):

@@ -29,7 +29,14 @@ from ps_common.metrics import read_jsonl
 from ps_ml.datasets import load_dataset
 from ps_ml.reference import train_reference_batches
 from ps_worker.memory import choose_cuda_allocator
-from tests.cluster_util import committed_batches, consistent_end, joined_member, start_servers, wait_exit, write_config
+from tests.cluster_util import (
+    committed_batches,
+    consistent_end,
+    joined_member,
+    start_job,
+    wait_exit,
+    write_config,
+)
 
 pytestmark = pytest.mark.system
 
@@ -82,8 +89,8 @@ def run_job(procs, tmp_path, data: dict):
     """Two shards and two workers to the end; (config, run dir, commit records, events)."""
     cfg_path, cfg = write_config(tmp_path, data)
     run_dir = tmp_path / "run"
-    eps = start_servers(procs, cfg_path, 2, run_dir)
-    for ch in start_indexed_workers(procs, cfg_path, eps[0], 2, run_dir):
+    eps, workers = start_job(procs, cfg_path, 2, 2, run_dir, start=start_indexed_workers)
+    for ch in workers:
         ch.proc.wait(timeout=200)
         assert ch.proc.returncode == 0, ch.tail()
     wait_exit([c for c in procs.children if c.role.startswith("shard")], timeout_s=60)
@@ -213,8 +220,7 @@ def test_a_members_forged_out_of_memory_reports_change_nothing(procs, tmp_path):
                                             "training": {"global_batch": 64, "max_iterations": 12,
                                                          "finish_timeout_s": 10}})
     run = tmp_path / "run"
-    eps = start_servers(procs, cfg_path, 2, run)
-    honest = start_indexed_workers(procs, cfg_path, eps[0], 1, run)
+    eps, honest = start_job(procs, cfg_path, 2, 1, run, start=start_indexed_workers)
     with joined_member(cfg, eps[0]) as m:
         me, wid, token, a = m.client, m.worker_id, m.token, m.assignment
         assert a is not None and a.batch_size == 32
@@ -264,8 +270,7 @@ def test_a_worker_that_dies_between_its_granted_retry_and_its_push_loses_no_samp
                                             "training": {"global_batch": 64, "max_iterations": iterations,
                                                          "finish_timeout_s": 10}})
     run = tmp_path / "run"
-    eps = start_servers(procs, cfg_path, 2, run)
-    honest = start_indexed_workers(procs, cfg_path, eps[0], 1, run)
+    eps, honest = start_job(procs, cfg_path, 2, 1, run, start=start_indexed_workers)
     with joined_member(cfg, eps[0], name="doomed") as m:
         wid, a = m.worker_id, m.assignment
         assert a is not None and a.batch_size == 32

@@ -14,7 +14,15 @@ import pytest
 from ps_common import protocol as P
 from ps_common.metrics import read_jsonl
 from ps_common.transport import RemoteError
-from tests.cluster_util import committed_batches, consistent_end, joined_member, start_servers, wait_exit, write_config
+from tests.cluster_util import (
+    committed_batches,
+    consistent_end,
+    joined_member,
+    start_job,
+    start_servers,
+    wait_exit,
+    write_config,
+)
 from tests.system.test_system_memory import start_indexed_workers
 
 pytestmark = pytest.mark.system
@@ -40,8 +48,7 @@ def _job(name: str, model: str, iterations: int) -> dict:
 def test_a_members_nonfinite_pushes_are_refused_and_change_nothing(procs, tmp_path):
     cfg_path, cfg = write_config(tmp_path, _job("nonfinite", "lenet", 6))
     run = tmp_path / "run"
-    eps = start_servers(procs, cfg_path, 2, run)
-    honest = start_indexed_workers(procs, cfg_path, eps[0], 1, run)
+    eps, honest = start_job(procs, cfg_path, 2, 1, run, start=start_indexed_workers)
     with joined_member(cfg, eps[0]) as m:
         me, wid, token, a = m.client, m.worker_id, m.token, m.assignment
         assert a is not None and a.batch_size > 0

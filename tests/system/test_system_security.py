@@ -14,7 +14,7 @@ from ps_common import protocol as P
 from ps_common.security.keys import generate_keypair
 from ps_common.security.settings import init_local_keys
 from ps_common.transport import AuthenticationFailed, Connection, RemoteError, TransportTimeout
-from tests.cluster_util import consistent_end, start_servers, start_workers, wait_exit, write_config
+from tests.cluster_util import consistent_end, start_job, wait_exit, write_config
 
 pytestmark = pytest.mark.system
 
@@ -29,8 +29,7 @@ def test_curve_allows_listed_clients_only(procs, tmp_path):
     }
     cfg_path, cfg = write_config(tmp_path, job)
     run = tmp_path / "run"
-    eps = start_servers(procs, cfg_path, 2, run)
-    workers = start_workers(procs, cfg_path, eps[0], 1, run)
+    eps, workers = start_job(procs, cfg_path, 2, 1, run)
 
     ctx = zmq.Context.instance()
     ok = Connection(ctx, eps[0], role="operator", timeout_s=10, security=sec)
