@@ -64,6 +64,7 @@ def test_hosts_with_a_link_that_changes_mid_run(tmp_path):
     if why := netns_available() or delay_available():
         pytest.skip(f"network namespaces unavailable: {why}")
     cfg = load_config(None, [*BASE, "cluster.num_workers=2", "mode.batch_policy=uniform",
+                             "training.max_seconds=7",   # the change at 3 s, then 4 s of it
                              'scenario.workers=[{}, {link: {rate_mbit: 40, delay_ms: 5, '
                              'steps: [{at_seconds: 3, rate_mbit: 10}]}}]'], env={})
     summary = LocalCluster(cfg, tmp_path / "run", progress=False).run()
