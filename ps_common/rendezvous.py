@@ -5,11 +5,14 @@ endpoint on the command line starts every other process after shard 0 is up. Eac
 spends its first 1.5-2 s importing torch and building its model, on its own core or not,
 so that order costs a job about one process's start-up. With a file the launcher starts them
 all at once: shard 0 writes its endpoint (``ps-server --endpoint-file PATH``, written whole
-by a rename) and the others do their own start-up first, then wait for it here. On a cluster
-with a shared file system (Slurm) the same file hands the endpoint from node to node.
+by a rename) and the others import torch first (most of their start-up), then wait for it
+here. On a cluster with a shared file system (Slurm) the same file hands the endpoint from
+node to node.
 
 Who starts the processes removes an old file first: a reader cannot tell an earlier run's
-endpoint from this one's.
+endpoint from this one's. Shard 0 removes its own when it ends, so that a process started
+later (a container restarted while shard 0 is down) waits for the next shard 0 instead of
+dialling a dead endpoint; one killed outright leaves it.
 """
 
 from __future__ import annotations
@@ -49,6 +52,15 @@ def write_endpoint(path: str | os.PathLike[str], endpoint: str) -> None:
     tmp.replace(path)
 
 
+def remove_endpoint(path: str | os.PathLike[str], endpoint: str) -> None:
+    """Remove ``path`` if it still holds ``endpoint`` (not a newer shard 0's)."""
+    try:
+        if Path(path).read_text().strip() == endpoint:
+            Path(path).unlink()
+    except OSError:
+        pass
+
+
 def resolve_endpoint(spec: str, timeout_s: float, *, poll_s: float = 0.05) -> str:
     """``spec`` itself, or for ``file:PATH`` the endpoint shard 0 writes there, waited for up to
     ``timeout_s`` (``transport.connect_timeout_s``: as long as a worker waits for an
@@ -70,6 +82,6 @@ def resolve_endpoint(spec: str, timeout_s: float, *, poll_s: float = 0.05) -> st
                 raise UsageError(f"{path} holds {text[:80]!r}, not an endpoint (tcp://HOST:PORT or ipc://PATH)")
             return text
         if time.monotonic() >= deadline:
-            raise EndpointNotWritten(f"shard 0 wrote no endpoint into {path} within {timeout_s:.0f}s "
+            raise EndpointNotWritten(f"shard 0 wrote no endpoint into {path} within {timeout_s:g} s "
                               "(is it running with --endpoint-file there?)")
         time.sleep(poll_s)

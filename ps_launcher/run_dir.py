@@ -16,7 +16,8 @@ from ps_common.errors import PsError
 #: What ``ps-launch`` and the processes it starts write into a run directory.
 RUN_ENTRIES = frozenset({"config.yaml", "final", "logs", "metrics", "secrets", "checkpoints",
                          "summary.json", "summary.md", "accuracy.png", "workers.png", "lab",
-                         "job.secret", "coordinator.endpoint"})  # the last two: Slurm runs
+                         "job.secret",                         # Slurm runs
+                         "coordinator.endpoint", "coordinator.endpoint.tmp"})  # ps_common.rendezvous
 
 
 def _is_run_entry(name: str) -> bool:

@@ -10,7 +10,7 @@ from pathlib import Path
 from ps_common.cli_util import add_common_args, load_cli_config, setup_logging, watch_parent
 from ps_common.dmlc import DmlcEnv, read_dmlc_env
 from ps_common.errors import PsError
-from ps_common.rendezvous import resolve_endpoint, write_endpoint
+from ps_common.rendezvous import remove_endpoint, resolve_endpoint, write_endpoint
 from ps_common.security.credentials import generate_master
 from ps_server.job_config import check_job_config
 from ps_server.threads import sleep_between_updates
@@ -100,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     except PsError as exc:
         print(f"ps-server: error: {exc}", file=sys.stderr)
         return 1
+    finally:
+        if args.endpoint_file:   # a process started after this one ends waits for the next shard 0
+            remove_endpoint(args.endpoint_file, server.endpoint)
     return server.exit_code
 
 

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from ps_common.errors import UsageError
-from ps_common.rendezvous import EndpointNotWritten, endpoint_file, resolve_endpoint, write_endpoint
+from ps_common.rendezvous import EndpointNotWritten, endpoint_file, remove_endpoint, resolve_endpoint, write_endpoint
 
 
 def test_an_endpoint_is_itself():
@@ -30,6 +30,26 @@ def test_the_endpoint_written_later_is_read(tmp_path):
     finally:
         timer.cancel()
     assert [p.name for p in tmp_path.iterdir()] == ["coordinator.endpoint"]   # no temporary left
+
+
+def test_a_new_endpoint_replaces_the_file_not_its_contents(tmp_path):
+    """Written by a rename: a reader holds the old file or the new one, never a half-written one."""
+    path = tmp_path / "coordinator.endpoint"
+    write_endpoint(path, "tcp://127.0.0.1:1")
+    with open(path) as old:
+        write_endpoint(path, "tcp://127.0.0.1:2")
+        assert old.read() == "tcp://127.0.0.1:1\n"       # the open file was not rewritten in place
+    assert resolve_endpoint(f"file:{path}", 1.0) == "tcp://127.0.0.1:2"
+
+
+def test_shard_0_removes_only_its_own_endpoint(tmp_path):
+    path = tmp_path / "coordinator.endpoint"
+    write_endpoint(path, "tcp://127.0.0.1:2")
+    remove_endpoint(path, "tcp://127.0.0.1:1")            # an earlier shard 0 ending late
+    assert path.exists()
+    remove_endpoint(path, "tcp://127.0.0.1:2")
+    assert not path.exists()
+    remove_endpoint(path, "tcp://127.0.0.1:2")            # gone already: nothing to do
 
 
 def test_nothing_written_in_time_names_the_file(tmp_path):
@@ -56,13 +76,16 @@ def test_file_needs_a_path():
         resolve_endpoint("file:", 1.0)
 
 
-def test_a_worker_whose_shard_0_never_writes_exits_with_the_reason(tmp_path):
-    """The real CLI: it starts up, waits transport.connect_timeout_s for the file, then exits 2
-    naming it (not a traceback, not a hang)."""
+def test_a_worker_waits_after_its_start_up_and_exits_with_the_reason(tmp_path):
+    """The real CLI: it imports torch first (the point: that overlaps shard 0's start-up), then
+    waits transport.connect_timeout_s for the file, then exits 2 naming it (not a traceback,
+    not a hang)."""
     path = tmp_path / "coordinator.endpoint"
-    proc = subprocess.run(
-        [sys.executable, "-m", "ps_worker.cli", "--config", "configs/quick_synthetic.yaml", "--server", f"file:{path}",
-         "--set", "transport.connect_timeout_s=0.5", "--secret-file", str(tmp_path / "s")],
-        capture_output=True, text=True, timeout=120)
+    code = ("import sys; from ps_worker import cli; "
+            f"rc = cli.main(['--config', 'configs/quick_synthetic.yaml', '--server', 'file:{path}', "
+            f"'--set', 'transport.connect_timeout_s=0.5', '--secret-file', '{tmp_path / 's'}']); "
+            "print('torch imported before the wait:', 'torch' in sys.modules); sys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert f"shard 0 wrote no endpoint into {path}" in proc.stderr, proc.stderr[-2000:]
+    assert f"shard 0 wrote no endpoint into {path} within 0.5 s" in proc.stderr, proc.stderr[-2000:]
+    assert "torch imported before the wait: True" in proc.stdout, proc.stdout
