@@ -82,11 +82,15 @@ def start_servers(procs: ProcessGroup, cfg_path: Path, num_shards: int, run_dir:
 
 def start_job(procs: ProcessGroup, cfg_path: Path, num_shards: int, num_workers: int, run_dir: Path,
               env: dict[str, str] | None = None, worker_env: dict[str, str] | None = None,
-              start: Callable[..., list] | None = None) -> tuple[list[str], list]:
+              start: Callable[..., list] | None = None, evaluator: bool = False) -> tuple[list[str], list]:
     """Shards and workers started at once, as ps-launch starts them (each process's 1.5-2 s of
     start-up overlaps the others'); ``start``: how to start the workers, given shard 0's
-    endpoint (default :func:`start_workers`). Returns the shards' endpoints and the workers."""
+    endpoint (default :func:`start_workers`); ``evaluator``: an evaluator too (role
+    "evaluator" in ``procs``). Returns the shards' endpoints and the workers."""
     shards, spec = _start_shards(procs, cfg_path, num_shards, run_dir, env)
+    if evaluator:
+        procs.start("evaluator", "ps_worker.evaluator_cli",
+                    ["--config", str(cfg_path), "--server", spec, "--run-dir", str(run_dir)])
     kw = {} if worker_env is None else {"env": worker_env}
     workers = (start or start_workers)(procs, cfg_path, spec, num_workers, run_dir, **kw)
     return _endpoints(procs, shards, cfg_path), workers

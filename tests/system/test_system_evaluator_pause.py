@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from ps_common.metrics import read_jsonl
-from tests.cluster_util import final_params, start_servers, start_workers, wait_exit, write_config
+from tests.cluster_util import final_params, start_job, wait_exit, write_config
 
 pytestmark = pytest.mark.system
 
@@ -76,10 +76,8 @@ def test_an_evaluator_that_dies_holds_training_up_for_at_most_the_pause_timeout(
         "cluster": {"num_shards": 2, "num_workers": 2},
         "evaluator": {"every_iterations": 10, "nice": 0, "pause_training": True, "pause_timeout_s": 2.0}})
     run_dir = tmp_path / "run"
-    ep0 = start_servers(procs, cfg_path, 2, run_dir)[0]
-    evaluator = procs.start("evaluator", "ps_worker.evaluator_cli",
-                            ["--config", str(cfg_path), "--server", ep0, "--run-dir", str(run_dir)])
-    workers = start_workers(procs, cfg_path, ep0, 2, run_dir)
+    _, workers = start_job(procs, cfg_path, 2, 2, run_dir, evaluator=True)
+    evaluator = next(c for c in procs.children if c.role == "evaluator")
     coord_log = run_dir / "metrics" / "coordinator.jsonl"
     deadline = time.monotonic() + 120
     while not any(r.get("event") == "eval" for r in _lines(coord_log)):
@@ -121,10 +119,8 @@ def test_the_evaluator_follows_a_rollback_and_the_result_is_single_process_sgd(p
         "checkpoint": {"every_iterations": 10}, "heartbeat": {"interval_s": 0.2, "timeout_s": 2.0},
         "evaluator": {"every_iterations": 10, "nice": 0, "pause_training": pause, "pause_timeout_s": 5.0}})
     run = tmp_path / "run"
-    eps = start_servers(procs, cfg_path, 2, run)
-    evaluator = procs.start("evaluator", "ps_worker.evaluator_cli",
-                            ["--config", str(cfg_path), "--server", eps[0], "--run-dir", str(run)])
-    workers = start_workers(procs, cfg_path, eps[0], 2, run)
+    eps, workers = start_job(procs, cfg_path, 2, 2, run, evaluator=True)
+    evaluator = next(c for c in procs.children if c.role == "evaluator")
     deadline = time.monotonic() + 120
     while status(eps[0]).version < 25:
         assert time.monotonic() < deadline, "version 25 not reached"
