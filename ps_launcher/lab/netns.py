@@ -162,6 +162,7 @@ class Host:
     delay_ms: float = 0.0
     procs: list[subprocess.Popen] = field(default_factory=list, repr=False)
     _relay: subprocess.Popen | None = field(default=None, repr=False)
+    _handle: str = field(default="1:", repr=False)    # of this host's tbf qdiscs (set_rate)
 
     @property
     def veth_br(self) -> str:
@@ -210,11 +211,14 @@ class Host:
             # longer than a new, smaller bucket would wait forever, and the link with it (seen
             # lowering 40 to 10 Mbit/s: bucket 20,000 to 16,384 bytes, a worker lost and hung).
             # So a smaller bucket comes with a fresh qdisc; the queue it drops is resent by TCP.
+            # The fresh one takes the other handle, which makes the kernel graft it in place of
+            # the old in one step: deleting the old first left the link unshaped until the new
+            # one came (seen in CI: an upload lowered from 100 to 20 Mbit/s ran at 495).
             fresh = self.rate_mbit is not None and tbf_burst(rate_mbit) < tbf_burst(self.rate_mbit)
+            if fresh:
+                self._handle = "2:" if self._handle == "1:" else "1:"
             for ns, dev in ((self.ns, HOST_IF), (br, self.veth_br)):
-                if fresh:
-                    _run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], check=False)
-                _run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", *args])
+                _run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "handle", self._handle, *args])
         self.rate_mbit = rate_mbit
 
     def set_delay(self, delay_ms: float | None) -> None:
