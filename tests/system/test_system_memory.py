@@ -78,11 +78,12 @@ def job(policy: str, probe: bool = False, headroom: bool = False, iterations: in
     }
 
 
-def start_indexed_workers(procs, cfg_path, endpoint, n, run_dir) -> list:
-    """worker-i gets scenario entry i (not the join order's id), as under ps-launch."""
+def start_indexed_workers(procs, cfg_path, endpoint, n, run_dir, env=None) -> list:
+    """worker-i gets scenario entry i (not the join order's id), as under ps-launch; ``env`` as
+    :func:`~tests.cluster_util.start_workers`' (so that ``start_job(worker_env=...)`` works)."""
     return [procs.start(f"worker-{i}", "ps_worker.cli",
                         ["--config", str(cfg_path), "--server", endpoint, "--run-dir", str(run_dir),
-                         "--name", f"worker-{i}", "--scenario-index", str(i)]) for i in range(n)]
+                         "--name", f"worker-{i}", "--scenario-index", str(i)], env=env) for i in range(n)]
 
 
 def run_job(procs, tmp_path, data: dict):
