@@ -25,6 +25,11 @@ More threads pay only where every shard has cores of its own. The shards' thread
 updates, as ps-server's do (``OMP_WAIT_POLICY=PASSIVE``, ``ps_server/threads.py``), unless the
 environment sets a policy or ``--spinning-threads`` leaves libgomp's default (spin after each step).
 
+``--params-part-bytes B [B ...]``: the PS rows once per size of the parts each shard sends a
+new version's slice in, each part as soon as the update has computed it
+(``transport.params_part_bytes``; 0: the whole slice once the update is done, as before they
+were streamed), against the same raw runs.
+
 ``--phases``: after the table, each shard's wall time per phase per iteration (its own record,
 ``ps_server.timings``: decoding, handling the push, the commit's update, answering, sending) and
 its CPU, so the gap to raw can be placed.
@@ -57,7 +62,8 @@ from ps_ml.models import build_model, count_parameters  # noqa: E402
 MODEL = "mlp10m"
 
 
-def job(num_shards: int, num_workers: int, iterations: int, secret_dir: Path, shard_threads: int = 1):
+def job(num_shards: int, num_workers: int, iterations: int, secret_dir: Path, shard_threads: int = 1,
+        part_bytes: int | None = None):
     from ps_common.security.credentials import generate_master
 
     secret = secret_dir / "job.secret"
@@ -69,6 +75,7 @@ def job(num_shards: int, num_workers: int, iterations: int, secret_dir: Path, sh
         "optimizer": {"lr": 0.01, "momentum": 0.9},
         "cluster": {"num_shards": num_shards, "num_workers": num_workers, "shard_threads": shard_threads},
         "evaluator": {"enabled": False},
+        **({} if part_bytes is None else {"transport": {"params_part_bytes": part_bytes}}),
     })
 
 
@@ -89,8 +96,13 @@ def _serve(cfg, shard: int, coordinator: str | None, q, no_update: bool = False,
         import ps_server.shard
 
         ps_server.shard.all_finite = lambda a: True  # type: ignore[assignment]
-        srv.state.optimizer.step_weighted = (  # type: ignore[method-assign]
-            lambda params, grads, lr_scale=1.0, out=None: params)
+
+        def skip_update(params, grads, lr_scale=1.0, out=None, done=None, block=None):
+            if done is not None:
+                done(params.size)  # every part may go: nothing is computed
+            return params
+
+        srv.state.optimizer.step_weighted = skip_update  # type: ignore[method-assign]
     q.put(srv.endpoint)
     cpu0 = time.process_time()
     srv.run()
@@ -132,10 +144,11 @@ def _ps_client(cfg, endpoint: str, iters: int, warmup: int, q, compute_s: float 
 
 
 def run_ps(num_shards: int, num_workers: int, iters: int, warmup: int, no_update: bool = False,
-           compute_s: float = 0.0, phases: list[dict] | None = None, shard_threads: int = 1) -> list[float]:
+           compute_s: float = 0.0, phases: list[dict] | None = None, shard_threads: int = 1,
+           part_bytes: int | None = None) -> list[float]:
     """``phases``: gets each shard's per-phase record (:class:`ps_server.timings.Timings`), by shard."""
     with tempfile.TemporaryDirectory(prefix="lbps-bench-") as secret_dir:  # the job's secret, removed after
-        cfg = job(num_shards, num_workers, iters + warmup, Path(secret_dir), shard_threads)
+        cfg = job(num_shards, num_workers, iters + warmup, Path(secret_dir), shard_threads, part_bytes)
         return _run_ps(cfg, num_shards, num_workers, iters, warmup, no_update, compute_s, phases)
 
 
@@ -262,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="rows with these numbers of shards (and raw echo processes)")
     ap.add_argument("--shard-threads", type=int, nargs="+", default=[1], metavar="N",
                     help="PS rows once per thread count of each shard's update (cluster.shard_threads)")
+    ap.add_argument("--params-part-bytes", type=int, nargs="+", default=[None], metavar="B",
+                    help="PS rows once per size of the parts a shard streams each new slice in "
+                         "(transport.params_part_bytes; 0: whole, after the update); default: the config's")
     ap.add_argument("--spinning-threads", action="store_true",
                     help="leave libgomp's default wait policy to the shards, whose update threads then spin "
                          "after each step (ps-server sets OMP_WAIT_POLICY=PASSIVE: ps_server/threads.py)")
@@ -284,50 +300,60 @@ def main(argv: list[str] | None = None) -> int:
              if compute_s else "")
           + "\n")
     # Each row is printed once its repeats are done (a run cut short by a time limit keeps them).
-    print("| workers | shards = raw connections | shard threads | PS push+pull (ms) | raw pyzmq round trip "
-          "(ms) | raw, heap kept (ms) | PS GB/s | raw, heap kept GB/s | PS / raw, heap kept | PS / raw |")
-    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
-    profiles: list[tuple[int, int, int, list[dict]]] = []
+    print("| workers | shards = raw connections | shard threads | answers in parts of | PS push+pull (ms) | "
+          "raw pyzmq round trip (ms) | raw, heap kept (ms) | PS GB/s | raw, heap kept GB/s | PS / raw, heap kept "
+          "| PS / raw |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    profiles: list[tuple[int, int, tuple[int, int | None], list[dict]]] = []
     for workers in args.workers:
         for shards in args.shards:
             raw, kept = [], []
-            ps: dict[int, list[float]] = {t: [] for t in args.shard_threads}
-            shard_phases: dict[int, list[dict]] = {t: [] for t in args.shard_threads}
+            variants = [(t, b) for t in args.shard_threads for b in args.params_part_bytes]
+            ps: dict[tuple[int, int | None], list[float]] = {v: [] for v in variants}
+            shard_phases: dict[tuple[int, int | None], list[dict]] = {v: [] for v in variants}
             for _ in range(args.repeats):
                 raw.append(statistics.median(run_raw(nbytes, workers, shards, args.iters, args.warmup, compute_s)))
                 kept.append(statistics.median(run_raw(nbytes, workers, shards, args.iters, args.warmup, compute_s,
                                                       kept=True)))
-                for t in args.shard_threads:
-                    ps[t].append(statistics.median(run_ps(shards, workers, args.iters, args.warmup, args.no_update,
-                                                          compute_s, shard_phases[t] if args.phases else None, t)))
+                for v in variants:
+                    ps[v].append(statistics.median(run_ps(shards, workers, args.iters, args.warmup, args.no_update,
+                                                          compute_s, shard_phases[v] if args.phases else None, *v)))
             moved = 2 * nbytes * workers  # push + pull, per client
-            for t in args.shard_threads:
-                ratios = [r / p for r, p in zip(raw, ps[t])]        # each repeat's runs, back to back
-                kept_ratios = [r / p for r, p in zip(kept, ps[t])]
-                print(f"| {workers} | {shards} | {t} | {_range([p * 1e3 for p in ps[t]], '{:.1f}')} | "
+            for v in variants:
+                ratios = [r / p for r, p in zip(raw, ps[v])]        # each repeat's runs, back to back
+                kept_ratios = [r / p for r, p in zip(kept, ps[v])]
+                print(f"| {workers} | {shards} | {v[0]} | {_parts(v[1])} | "
+                      f"{_range([p * 1e3 for p in ps[v]], '{:.1f}')} | "
                       f"{_range([r * 1e3 for r in raw], '{:.1f}')} | {_range([r * 1e3 for r in kept], '{:.1f}')} | "
-                      f"{moved / statistics.median(ps[t]) / 1e9:.2f} | {moved / statistics.median(kept) / 1e9:.2f} | "
+                      f"{moved / statistics.median(ps[v]) / 1e9:.2f} | {moved / statistics.median(kept) / 1e9:.2f} | "
                       f"{_range(kept_ratios, '{:.2f}')} | {_range(ratios, '{:.2f}')} |", flush=True)
                 if args.phases:
-                    profiles.append((workers, shards, t, shard_phases[t]))
+                    profiles.append((workers, shards, v, shard_phases[v]))
     work = ("the shards skipped the finiteness check and the update (--no-update)" if args.no_update else
             "PS time includes the shard's finiteness check, weighted aggregation and SGD-with-momentum "
             "update of 10M parameters per iteration")
     print(f"\n{work}; raw is the same bytes echoed with no work, with glibc's default heap and with the "
           "heap kept as the PS processes keep it (ps_common.heap: frames over 32 MB are otherwise a fresh "
           "mmap each time). Each ratio is a repeat's raw / PS, run back to back, median (min-max).")
-    for workers, shards, threads, per_shard in profiles:
-        print(phase_table(workers, shards, threads, per_shard))
+    for workers, shards, (threads, part_bytes), per_shard in profiles:
+        print(phase_table(workers, shards, threads, per_shard, _parts(part_bytes)))
     return 0
 
 
-def phase_table(workers: int, shards: int, threads: int, per_shard: list[dict]) -> str:
+def _parts(part_bytes: int | None) -> str:
+    """The parts column: the streamed answers' part size, or whole answers."""
+    size = validate({}).transport.params_part_bytes if part_bytes is None else part_bytes
+    return f"{size / 2**20:g} MiB" if size else "whole, after the update"
+
+
+def phase_table(workers: int, shards: int, threads: int, per_shard: list[dict], parts: str = "") -> str:
     """Each shard's wall ms per phase and iteration (its commits), and its CPU: the loop's thread
     (``cpu_total``) and the whole process, ZeroMQ's I/O threads included (``process_cpu``)."""
     iterations = [max(1, t.get("commit", {}).get("n", 1)) for t in per_shard]
     names = sorted({k for t in per_shard for k in t}, key=lambda k: -max(t.get(k, {}).get("s", 0.0)
                                                                             for t in per_shard))
-    lines = [f"\nshards' phases, {workers} worker(s), {shards} shard(s), {threads} thread(s) each: ms per iteration "
+    lines = [f"\nshards' phases, {workers} worker(s), {shards} shard(s), {threads} thread(s) each, answers in "
+             f"parts of {parts}: ms per iteration "
              f"({', '.join(f'shard {k}: {n} commits' for k, n in enumerate(iterations))})",
              "| phase | " + " | ".join(f"shard {k}" for k in range(len(per_shard))) + " |",
              "|---|" + "---|" * len(per_shard)]

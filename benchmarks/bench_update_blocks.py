@@ -4,9 +4,10 @@ Why: between two commits a shard's momentum, parameters and the gradients it is 
 the CPU cache, so each of the update's 2 + N passes (``ps_server/optimizer.py``) reads them
 from memory again. Run a block at a time through every pass, a block's arrays stay in the
 cache from one pass to the next. This times :meth:`ps_server.optimizer.SGD.step_weighted` with
-``BLOCK`` set to the whole slice (one block: the passes as before) and to smaller blocks,
-alternating, each step after streaming 96 MB through the caches (as the transfers between two
-commits do), and once without that ("hot").
+blocks of the whole slice (one block: the passes as before), of smaller fixed sizes and of the
+shard's own choice (``block_elements()``: ``BLOCK`` per torch thread), alternating, each step
+after streaming 96 MB through the caches (as the transfers between two commits do), and once
+without that ("hot").
 
 Usage::
 
@@ -44,23 +45,19 @@ def measure(n: int, n_grads: int, steps: int, cold: bool) -> dict[str, list[floa
     grads = [(rng.standard_normal(n).astype(np.float32), 1.0 / n_grads) for _ in range(n_grads)]
     junk = np.ones(24_000_000, dtype=np.float32)        # 96 MB, three times this VM's L3
     cfg = OptimizerConfig(lr=0.01, momentum=0.9)
-    labels = {f"whole slice ({n:,})": n, **{f"{b:,}": b for b in BLOCKS}}
+    labels = {f"whole slice ({n:,})": n, **{f"{b:,}": b for b in BLOCKS},
+              f"the shard's ({optimizer.block_elements():,})": optimizer.block_elements()}
     opts = {label: optimizer.SGD(cfg, n) for label in labels}
     outs = {label: np.empty(n, dtype=np.float32) for label in labels}
     times: dict[str, list[float]] = {label: [] for label in labels}
-    saved = optimizer.BLOCK
-    try:
-        for step in range(steps + 2):
-            for label, block in labels.items():
-                optimizer.BLOCK = block
-                if cold:
-                    junk += 1.0
-                t0 = time.perf_counter()
-                opts[label].step_weighted(params, grads, out=outs[label])
-                if step >= 2:                          # the first two: the momentum's first step, warm-up
-                    times[label].append((time.perf_counter() - t0) * 1e3)
-    finally:
-        optimizer.BLOCK = saved
+    for step in range(steps + 2):
+        for label, block in labels.items():
+            if cold:
+                junk += 1.0
+            t0 = time.perf_counter()
+            opts[label].step_weighted(params, grads, out=outs[label], block=block)
+            if step >= 2:                          # the first two: the momentum's first step, warm-up
+                times[label].append((time.perf_counter() - t0) * 1e3)
     first = next(iter(outs.values()))
     assert all(np.array_equal(first, o) for o in outs.values()), "blocks changed the bits"
     return times

@@ -207,6 +207,10 @@ class TransportConfig(StrictModel):
                                                           "observers), all connections together")
     max_frames: int = Field(4, ge=1, description="frames per message")
     shard_sync_s: float = Field(1.0, gt=0, description="how often a follower shard reports to shard 0")
+    params_part_bytes: int = Field(
+        4 << 20, ge=0, description="a shard sends a new version's slice to the workers in parts of this "
+                                   "many bytes, each as soon as the update has computed it, so the transfer "
+                                   "overlaps the rest of the update; 0: whole, once the update is done")
 
 
 class RayConfig(StrictModel):

@@ -34,7 +34,7 @@ from ps_common.frozen import fill, plain_defaults
 from ps_common.report import Telemetry
 
 MAGIC = b"LBPS"
-VERSION = 9
+VERSION = 10
 HEADER_PREFIX = MAGIC + bytes([VERSION])
 MAX_HEADER_BYTES = 1 << 20
 ALLOWED_DTYPES = frozenset({"<f4", "<f8", "<i8", "<i4", "|u1"})
@@ -243,6 +243,12 @@ class Pull(Message):
 
 @dataclass
 class Params(Message):
+    """A shard's slice at ``version``, whole (``parts`` 1) or as one of ``parts`` messages that
+    carry consecutive pieces of it, each starting at element ``offset``, in order: a shard
+    sends each piece of a new version as soon as its update has computed it, so the transfer
+    overlaps the rest of the update (``transport.params_part_bytes``). Every part repeats the
+    header fields; only the first (offset 0) carries the assignment."""
+
     TYPE: ClassVar[str] = "params"
     ARRAYS: ClassVar[tuple[int, int]] = (1, 1)
     shard: int = 0
@@ -252,6 +258,8 @@ class Params(Message):
     stop: bool = False
     assignment: Union[Assignment, None] = None
     log_hash: str = ""  # digest of every commit applied up to this version
+    offset: int = field(default=0, metadata={"range": (0, 1 << 40)})
+    parts: int = field(default=1, metadata={"range": (1, 1 << 20)})
 
 
 # ----- shard control: follower <-> coordinator (over the follower's link to shard 0) ----------

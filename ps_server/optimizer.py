@@ -19,6 +19,7 @@ still be referenced by zero-copy sends in flight and must never change under the
 from __future__ import annotations
 
 import warnings
+from typing import Callable
 
 import numpy as np
 import torch
@@ -33,14 +34,21 @@ def _t(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(a)
 
 
-#: Elements per block of the update: 2 MB of float32 per array, so that a block's momentum,
-#: gradients, parameters and result (8-10 MB) stay in this VM's 32 MB L3 cache between their
-#: passes. Measured with one thread, arrays out of the cache (``benchmarks/bench_update_blocks.py``):
-#: 0.78-0.86 of the time of the whole slice at once, for 5M and 10M parameters and one or two
-#: gradients. With ``cluster.shard_threads`` T, each pass of a block is split among the T threads
-#: (a shared cache holds the block either way), at the cost of 2 + N parallel steps per block
-#: instead of per slice: not measured on a host with cores to spare yet (``speed_checks.sh blocks``).
+#: Elements per block of the update and per torch thread: 2 MB of float32 per array, so that a
+#: block's momentum, gradients, parameters and result (8-10 MB) stay in this VM's 32 MB L3 cache
+#: between their passes. Measured with one thread, arrays out of the cache
+#: (``benchmarks/bench_update_blocks.py``): 0.78-0.86 of the time of the whole slice at once, for
+#: 5M and 10M parameters and one or two gradients. With ``cluster.shard_threads`` T a block holds
+#: T times as many elements (:func:`block_elements`), so that each thread's share of a pass stays
+#: as large: on a 16-core host with 8 threads, blocks of this size alone cost 1.44-1.71x the
+#: whole slice's time (2 + N parallel steps per block, each waking the threads), and even blocks
+#: of 1,048,576 cost 1.15-1.31x (``docs/results/speed_checks_h100_2026-11-28/blocks.txt``).
 BLOCK = 1 << 19
+
+
+def block_elements(threads: int | None = None) -> int:
+    """Elements per block of the update with ``threads`` torch threads (default: torch's now)."""
+    return BLOCK * max(1, threads if threads is not None else torch.get_num_threads())
 
 
 def _weighted_sum(grads: list[tuple[torch.Tensor, float]], out: torch.Tensor) -> None:
@@ -75,19 +83,26 @@ class SGD:
         return self.step_weighted(params, [(grad, 1.0)], lr_scale)
 
     def step_weighted(self, params: np.ndarray, grads: list[tuple[np.ndarray, float]],
-                      lr_scale: float = 1.0, out: np.ndarray | None = None) -> np.ndarray:
+                      lr_scale: float = 1.0, out: np.ndarray | None = None,
+                      done: Callable[[int], None] | None = None, block: int | None = None) -> np.ndarray:
         """One step with gradient d = sum(w_i g_i) (in the order given); returns the new
-        parameters, in ``out`` if given (a free buffer, never ``params``)."""
+        parameters, in ``out`` if given (a free buffer, never ``params``). ``done(end)`` is
+        called after each block with the end of the prefix ``result[:end]`` that is final
+        (the shard streams it to the workers while the rest is computed); ``block`` overrides
+        :func:`block_elements` (tests)."""
         result = out if out is not None else np.empty_like(params)
         p, r = _t(params), _t(result)
         gs = [(_t(g), w) for g, w in grads]
         buf = None if self.buf is None else _t(self.buf)
         acc = _t(self._acc)
         lr = self.lr * lr_scale
-        for start in range(0, params.size, BLOCK):
-            block = slice(start, start + BLOCK)
-            self._step_block(p[block], [(g[block], w) for g, w in gs], r[block],
-                             None if buf is None else buf[block], acc[block], lr)
+        step = block or block_elements()
+        for start in range(0, params.size, step):
+            part = slice(start, start + step)
+            self._step_block(p[part], [(g[part], w) for g, w in gs], r[part],
+                             None if buf is None else buf[part], acc[part], lr)
+            if done is not None:
+                done(min(start + step, params.size))
         if buf is not None:
             self._has_buf = True
         return result

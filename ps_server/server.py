@@ -21,6 +21,7 @@ queued, so a stall of the loop cannot declare a worker lost whose heartbeats are
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import logging
 import os
@@ -58,6 +59,8 @@ from ps_server.checkpoint import (
 from ps_server.follow import Follow
 from ps_server.layout import partition
 from ps_server.lead import Lead
+from ps_server.optimizer import block_elements
+from ps_server.params_parts import PartCutter
 from ps_server.pulls import PendingPull, PendingPulls
 from ps_server.roles import SHARD_PERMISSIONS
 from ps_server.router import Limits, Refused, RouterLoop
@@ -154,6 +157,7 @@ class ShardServer:
                         "the path can read or alter it. Turn on security.curve for multi-host runs. !!!",
                         shard, bind_host)
         self.pulls = PendingPulls(t.max_pending_pulls_per_peer, t.max_pending_pulls)
+        self.part_elems = t.params_part_bytes // 4  # float32
         self.job_digest = cfg.job_digest()
         self.incarnation = os.urandom(6).hex()
         self.stop_event = StopFlag()
@@ -207,6 +211,7 @@ class ShardServer:
                 self.role.after_messages()
                 if self._dirty:
                     self.serve_pulls()
+                self.state.finish_update()  # a commit nobody waited for: its update now, not later
                 if time.monotonic() >= next_tick:
                     next_tick = time.monotonic() + self.timeouts.tick_s
                     self.role.tick(time.monotonic())
@@ -315,9 +320,47 @@ class ShardServer:
         self._dirty = True
 
     def serve_pulls(self) -> None:
+        """Answer every pull that can be answered now. Right after a commit, the new version's
+        parameters go out in parts (``transport.params_part_bytes``), each sent as soon as the
+        update has computed it, to every pull that waited for that version."""
         self._dirty = False
-        for p, reply in self.pulls.take_ready(self._pull_reply):
+        st = self.state
+        ready = self.pulls.take_ready(self._pull_reply)
+        streamed = []
+        if st.updating and 0 < self.part_elems < st.size:
+            buf = st.newest_params
+            streamed = [(p, r) for p, r in ready if isinstance(r, P.Params) and r.arrays[0] is buf]
+            ready = [(p, r) for p, r in ready if not (isinstance(r, P.Params) and r.arrays[0] is buf)]
+        else:
+            st.finish_update()  # a whole reply is sent zero-copy: its array must be final
+        for p, reply in ready:
             self.router.reply(p.ident, reply)
+            self.role.answered(p, reply)
+        if streamed:
+            self._stream(streamed)
+        st.finish_update()
+
+    def _stream(self, answers: list[tuple[PendingPull, P.Params]]) -> None:
+        """Finish the pending update, sending each waiting pull every part of the new slice as
+        soon as it is final. A pull whose part could not be sent (its peer gone or not reading)
+        gets no more: its worker waits for its deadline, as for a whole reply dropped."""
+        st = self.state
+        buf = st.newest_params
+        cutter = PartCutter(st.size, self.part_elems)
+        live = list(answers)
+
+        def send_ready(end: int) -> None:
+            for lo, hi in cutter.ready(end):
+                for p, r in list(live):
+                    part = dataclasses.replace(r, offset=lo, parts=cutter.count, arrays=[buf[lo:hi]],
+                                               assignment=r.assignment if lo == 0 else None)
+                    if not self.router.reply(p.ident, part):
+                        live.remove((p, r))
+
+        # Blocks no larger than a part, so that the first part leaves after a part's worth of
+        # the update (with many threads the optimizer's own blocks hold most of a slice).
+        st.finish_update(send_ready, block=min(block_elements(), self.part_elems))
+        for p, reply in answers:
             self.role.answered(p, reply)
 
     def _pull_reply(self, p: PendingPull) -> P.Message | None:
@@ -349,7 +392,7 @@ class ShardServer:
                 assignment = got
         return P.Params(shard=self.shard_id, version=st.version, version_time=st.version_time,
                         samples=st.samples_applied, stop=stop, assignment=assignment,
-                        log_hash=st.log_hash, arrays=[st.params])
+                        log_hash=st.log_hash, arrays=[st.newest_params])
 
     # ----- checkpoints ----------------------------------------------------------------------------
     def write_checkpoint(self) -> None:

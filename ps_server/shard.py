@@ -6,6 +6,11 @@ version, then applies exactly those: g = sum(x_i g_i) / sum(x_i), summed in work
 the bits do not depend on arrival order. Every shard therefore goes through the same versions,
 and ``log_hash`` (a digest chained over every applied commit) proves it: two shards at the same
 version with the same hash applied the same gradient sets.
+
+Applying a commit settles its bookkeeping at once (version, history, settled iterations) and
+leaves the arithmetic pending, so that the server can send each piece of the new parameters
+while the rest is computed (:meth:`ShardState.finish_update`). Reading :attr:`ShardState.params`
+or any optimizer state finishes a pending update first, so nothing else ever sees half of one.
 """
 
 from __future__ import annotations
@@ -55,6 +60,16 @@ class Held:
 
 
 @dataclass
+class PendingUpdate:
+    """The arithmetic of an applied commit, not done yet: ``out`` becomes the new parameters."""
+
+    base: np.ndarray
+    grads: list[tuple[np.ndarray, float]]
+    lr_scale: float
+    out: np.ndarray
+
+
+@dataclass
 class Applied:
     version: int
     iteration: int
@@ -70,7 +85,8 @@ class ShardState:
         if params.dtype != np.float32 or params.ndim != 1:
             raise ValueError("shard parameters must be a flat float32 vector")
         self.shard = shard
-        self.params = params
+        self._params = params
+        self._pending: PendingUpdate | None = None
         self.size = params.size
         self.optimizer = SGD(opt_cfg, self.size)
         self.reject_nonfinite = reject_nonfinite
@@ -94,7 +110,7 @@ class ShardState:
         # a reference, not a copy; at most ``max_snapshots`` are kept.
         self.snapshot_every = snapshot_every
         self.max_snapshots = max_snapshots
-        self.snapshots: dict[int, tuple[np.ndarray, float, int]] = {}
+        self._snapshots: dict[int, tuple[np.ndarray, float, int]] = {}
         self._snapshot()
 
     # ----- receiving ------------------------------------------------------------------------
@@ -173,15 +189,41 @@ class ShardState:
             grads.append(h)
         return grads
 
+    @property
+    def params(self) -> np.ndarray:
+        """The parameters of this version, complete (a pending update is finished first)."""
+        self.finish_update()
+        return self._params
+
+    @property
+    def snapshots(self) -> dict[int, tuple[np.ndarray, float, int]]:
+        """Parameters at every ``snapshot_every``-th version (a pending update's own once done)."""
+        self.finish_update()
+        return self._snapshots
+
+    @property
+    def newest_params(self) -> np.ndarray:
+        """This version's parameter buffer, still being written while :attr:`updating`: only
+        for sending its pieces from :meth:`finish_update`'s ``done``, never whole."""
+        return self._params
+
+    @property
+    def updating(self) -> bool:
+        """An applied commit's arithmetic is still pending."""
+        return self._pending is not None
+
     def apply(self, iteration: int, entries: Sequence[Sequence[int]], lr_scale: float) -> Applied:
-        """Apply one commit: version + 1. Raises MissingGradient (state unchanged) when a named
-        gradient is not held here with that batch size."""
+        """Apply one commit: version + 1, its arithmetic left pending (:meth:`finish_update`).
+        Raises MissingGradient (state unchanged) when a named gradient is not held here with
+        that batch size."""
+        self.finish_update()  # the previous commit's, first: the momentum goes from one to the next
         grads = self.check_holds(iteration, entries)
         total = sum(h.batch_size for h in grads)
         if total > 0:
-            self.params = self.optimizer.step_weighted(
-                self.params, [(h.grad, h.batch_size / total) for h in grads], lr_scale,
-                out=self._free_buffer())
+            out = self._free_buffer()
+            self._pending = PendingUpdate(self._params, [(h.grad, h.batch_size / total) for h in grads],
+                                          lr_scale, out)
+            self._params = out
         for w, _ in entries:
             self._forget((int(w), iteration))
             self._settle(int(w), iteration)
@@ -190,8 +232,22 @@ class ShardState:
         applied = [[int(w), int(x)] for w, x in entries]
         self.log_hash = next_log_hash(self.log_hash, self.version, iteration, applied, lr_scale)
         self.version_time = self.clock()
-        self._snapshot()
+        if self._pending is None:
+            self._snapshot()
         return Applied(self.version, iteration, applied, total, self.log_hash)
+
+    def finish_update(self, done: Callable[[int], None] | None = None, block: int | None = None) -> None:
+        """Do a pending update's arithmetic, if any, ``block`` elements at a time (default: the
+        optimizer's); ``done(end)`` is called each time the prefix ``newest_params[:end]`` is
+        final (and must not read :attr:`params`)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        self.optimizer.step_weighted(pending.base, pending.grads, pending.lr_scale, out=pending.out, done=done,
+                                     block=block)
+        if done is not None:
+            done(self.size)  # (every block has said so already; a repeat hands out nothing)
+        self._snapshot()
 
     def _free_buffer(self) -> np.ndarray:
         """A parameter buffer nothing else holds any more (no send in flight, no snapshot, not
@@ -199,7 +255,7 @@ class ShardState:
         page faults on every step (about 4 ms per 5M parameters here)."""
         for buf in self._pool:
             # held by the pool list, this loop and getrefcount itself: nobody else
-            if buf is not self.params and sys.getrefcount(buf) <= 3:
+            if buf is not self._params and sys.getrefcount(buf) <= 3:
                 return buf
         buf = np.empty(self.size, dtype=np.float32)
         if len(self._pool) < self.max_buffers:
@@ -208,16 +264,16 @@ class ShardState:
 
     def _snapshot(self) -> None:
         if self.snapshot_every and self.version % self.snapshot_every == 0:
-            self.snapshots[self.version] = (self.params, self.version_time, self.samples_applied)
-            while len(self.snapshots) > self.max_snapshots:
-                del self.snapshots[next(iter(self.snapshots))]
+            self._snapshots[self.version] = (self._params, self.version_time, self.samples_applied)
+            while len(self._snapshots) > self.max_snapshots:
+                del self._snapshots[next(iter(self._snapshots))]
 
     # ----- checkpoints ------------------------------------------------------------------------
     def state_arrays(self) -> dict[str, np.ndarray]:
         """Arrays of this version. Parameters are replaced, never mutated; the momentum buffer
         is copied because the next step updates it in place (a background writer may still be
         saving it)."""
-        arrays = {"params": self.params}
+        arrays = {"params": self.params}  # finishes a pending update: the momentum is its too
         for k, v in self.optimizer.state_arrays().items():
             arrays[k] = v.copy()
         return arrays
@@ -231,7 +287,8 @@ class ShardState:
         params = arrays["params"]
         if params.dtype != np.float32 or params.shape != (self.size,):
             raise ValueError(f"checkpoint holds {params.dtype}{list(params.shape)}, shard has float32[{self.size}]")
-        self.params = params.copy()
+        self.finish_update()  # it would write the momentum buffer about to be loaded
+        self._params = params.copy()
         self.optimizer.load_state_arrays(arrays)
         self.version = int(meta["version"])
         self.samples_applied = int(meta["samples_applied"])
@@ -242,7 +299,8 @@ class ShardState:
         """Back to this very version, as a restore of its checkpoint would leave it: held
         gradients, settled iterations and snapshots dropped (they belong to the iterations the
         job abandons); parameters, optimizer state and history kept."""
+        self.finish_update()
         self.version_time = self.clock()
         self.held, self._held_per_worker, self.settled = {}, {}, {}
-        self.snapshots = {}
+        self._snapshots = {}
         self._snapshot()

@@ -24,6 +24,7 @@ from ps_common.report import Telemetry
 from ps_common.security.settings import SecurityConfig
 from ps_common.timeouts import DEFAULT_TIMEOUTS, Timeouts
 from ps_common.transport import Connection, RemoteError, TransportTimeout, undialable
+from ps_worker.slice_assembly import SliceAssembly
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +166,7 @@ class ShardClients:
         the same on every shard. Async modes take each shard's latest slice."""
         first: float | None = None
         replies: dict[int, P.Params] = {}
+        arriving: dict[int, SliceAssembly] = {}  # answers of which some parts are in place
         poller = zmq.Poller()
         for conn in self.conns:
             poller.register(conn.sock, zmq.POLLIN)
@@ -210,7 +212,7 @@ class ShardClients:
                         # The coordinator ended this membership (rolled back, declared lost): the
                         # worker joins again on new connections, so nothing left queued on these
                         # can be mistaken for a later answer, and a shard that died is not waited for.
-                        self._drain(waiting - {k}, 0.2)
+                        self._drain(waiting - {k} - set(arriving), 0.2, _owed(arriving, k))
                         raise
                     if push_again is not None:
                         # A shard refused this push for good (a NaN in its slice, a size or plan
@@ -219,7 +221,7 @@ class ShardClients:
                         # that long for it (120 s by default). Join again at once: the new Join
                         # ends this membership, the coordinator drops what the other shards hold
                         # of the gradient, and its samples are served again.
-                        self._drain(waiting - {k}, 0.2)
+                        self._drain(waiting - {k} - set(arriving), 0.2, _owed(arriving, k))
                         raise PullAborted(f"shard {k} refused the push: [{exc.code}] {exc}") from None
                     # Keep draining the other shards' answers, so none is left queued to be
                     # mistaken for the answer to a later request.
@@ -229,13 +231,20 @@ class ShardClients:
                 if not isinstance(reply, P.Params):
                     raise P.ProtocolError(f"{conn.endpoint}: expected params, got {reply.TYPE}")
                 first = first or time.perf_counter()
-                if k == 0 and reply.stop and honor_stop:
-                    self._drain(waiting - {0}, self.timeouts.stop_drain_s)
+                if k == 0 and reply.stop and honor_stop and k not in arriving:
+                    self._drain(waiting - {0} - set(arriving), self.timeouts.stop_drain_s,
+                                {**_owed(arriving, 0), 0: reply.parts - 1})
                     return PullResult(reply.version, reply.version_time, True, None,
                                       first - t0, time.perf_counter() - first)
-                replies[k] = reply
                 a, b = self.ranges[k]
-                params[a:b] = reply.arrays[0]
+                if (parts := arriving.get(k)) is None:
+                    parts = arriving[k] = SliceAssembly(k, reply, params[a:b])
+                else:
+                    parts.add(reply)
+                if not parts.complete:
+                    continue
+                del arriving[k]
+                replies[k] = parts.head
                 waiting.discard(k)
             if error is not None or not consistent or not replies:
                 continue
@@ -258,14 +267,20 @@ class ShardClients:
         return PullResult(r0.version, max(r.version_time for r in replies.values()), r0.stop,
                           r0.assignment, first - t0, time.perf_counter() - first, r0.samples)
 
-    def _drain(self, shards: set[int], timeout_s: float) -> None:
-        """After a stop, read the other shards' answers so nothing stale stays queued."""
+    def _drain(self, shards: set[int], timeout_s: float, owed: dict[int, int] | None = None) -> None:
+        """Read the answers still coming from ``shards``, every part of each, and the parts
+        ``owed`` by answers begun already, so nothing stale stays queued to be mistaken for a
+        later answer."""
+        owed = dict(owed or {})
         deadline = time.monotonic() + timeout_s
-        for k in sorted(shards):
-            try:
-                self.conns[k].recv(max(0.0, deadline - time.monotonic()))
-            except (TransportTimeout, RemoteError, P.ProtocolError):
-                pass
+        for k in sorted(shards | set(owed)):
+            left = owed.get(k)  # None: the answer's first message is still to come
+            while left is None or left > 0:
+                try:
+                    msg = self.conns[k].recv(max(0.0, deadline - time.monotonic()))
+                except (TransportTimeout, RemoteError, P.ProtocolError):
+                    break
+                left = (msg.parts if isinstance(msg, P.Params) else 1) - 1 if left is None else left - 1
 
     def send_to_coordinator(self, msg: P.Message, expect: type[P.Message],
                             timeout_s: float | None = None) -> P.Message:
@@ -275,6 +290,11 @@ class ShardClients:
         for c in self.conns:
             c.close()
         self.conns = []
+
+
+def _owed(arriving: dict[int, SliceAssembly], skip: int) -> dict[int, int]:
+    """Parts still to come of the answers begun, but shard ``skip``'s."""
+    return {k: a.head.parts - a.count for k, a in arriving.items() if k != skip}
 
 
 def _die(kill: dict) -> None:

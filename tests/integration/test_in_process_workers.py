@@ -12,6 +12,7 @@ import zmq
 
 from ps_ml.datasets import load_dataset
 from ps_ml.reference import train_reference
+from ps_server import optimizer
 from ps_server.server import ShardServer
 from ps_worker.worker import Worker, resolve_device
 from tests.cluster_util import write_config
@@ -38,8 +39,14 @@ def no_tf32():
     torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
-def test_in_process_workers_match_single_process_sgd(tmp_path, no_tf32, device):
+@pytest.mark.parametrize("device, part_bytes", [
+    ("cpu", 4 << 20), ("cpu", 16384), pytest.param("cuda", 4 << 20, marks=CUDA)], ids=["cpu", "cpu-streamed", "cuda"])
+def test_in_process_workers_match_single_process_sgd(tmp_path, no_tf32, device, part_bytes, monkeypatch):
+    """``cpu-streamed``: each shard sends every new slice in parts of 4,096 parameters, each as
+    soon as its block of the update is done (blocks of 4,096 here), and the workers put the
+    parts together: the same end as whole answers."""
+    if part_bytes < 4 << 20:
+        monkeypatch.setattr(optimizer, "BLOCK", part_bytes // 4)
     _, cfg = write_config(tmp_path, {
         "run": {"seed": 5}, "model": {"name": "lenet"},
         "data": {"dataset": "synthetic", "synthetic_train": 512, "synthetic_test": 128},
@@ -48,6 +55,7 @@ def test_in_process_workers_match_single_process_sgd(tmp_path, no_tf32, device):
         "cluster": {"num_shards": 2, "num_workers": 2},
         "mode": {"batch_policy": "fixed", "batch_policy_args": {"weights": [1, 3]}},
         "worker": {"device": device}, "evaluator": {"enabled": False},
+        "transport": {"params_part_bytes": part_bytes},
     })
     ctx = zmq.Context.instance()
     s0 = ShardServer(cfg, 0, ctx=ctx)
@@ -65,6 +73,12 @@ def test_in_process_workers_match_single_process_sgd(tmp_path, no_tf32, device):
             t.join(timeout=120)
         assert [w.iterations_done for w in workers] == [20, 20]
         final = np.concatenate([s0.state.params, s1.state.params])
+        sent = [s.router.timings.as_dict()["send.params"]["n"] for s in (s0, s1)]
+        answers = 20 * 2 + 2  # every iteration's answer to each worker, and the first pulls
+        if part_bytes < 4 << 20:
+            assert all(n >= answers * (s.state.size // 4096) for n, s in zip(sent, (s0, s1))), sent
+        else:
+            assert sent == [answers] * 2, sent
     finally:
         s0.stop_event.set()
         s1.stop_event.set()

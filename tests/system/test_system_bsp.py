@@ -46,8 +46,9 @@ PLAN_DELAY = {"LBBSP_FAULTS": '{"plan_delay": {"shard": 1, "seconds": 0.03}}'}
     ("uniform", {}, PLAN_DELAY)], ids=["uniform", "fixed", "uniform-plans-late"])
 def test_bsp_equals_single_process_sgd(procs, tmp_path, policy, args, env):
     job = {**JOB, "mode": {"sync": "bsp", "batch_policy": policy, "batch_policy_args": args}}
-    if policy == "fixed":  # shards that split their update over three threads end the same
+    if policy == "fixed":  # shards that split their update over three threads end the same,
         job["cluster"] = {**JOB["cluster"], "shard_threads": 3}
+        job["transport"] = {"params_part_bytes": 8192}  # and send each new slice in parts
     cfg_path, cfg = write_config(tmp_path, job)
     run_dir = tmp_path / "run"
     eps, workers = start_job(procs, cfg_path, 2, 3, run_dir, env=env)
@@ -68,6 +69,8 @@ def test_bsp_equals_single_process_sgd(procs, tmp_path, policy, args, env):
         assert rec["torch_threads"] == (3 if policy == "fixed" else 1), rec
         # ps-server lets the update threads sleep between updates, unless the environment chose
         assert rec["omp_wait_policy"] == os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
+        answers, sent = ITERATIONS * 3 + 3, rec["timings"]["send.params"]["n"]  # and the first pulls
+        assert sent >= answers * 4 if policy == "fixed" else answers <= sent < 2 * answers, (sent, answers)
     if env is not None:
         refused = shutdown[1]["counters"].get("refused.plan_pending", 0)
         assert refused > 0, f"no push reached shard 1 before its plan: {shutdown[1]['counters']}"
