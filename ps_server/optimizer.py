@@ -6,7 +6,8 @@ x_i / sum(x_i) and fuses the aggregation into the momentum buffer with torch's i
 ``add_(alpha=...)`` (one pass per gradient), so plain momentum SGD costs 2 + N passes instead of
 the 3N + 5 of aggregate-then-step. Weight decay and Nesterov take the general path.
 
-Both paths run a block of :data:`BLOCK` elements at a time through all their passes, so that
+Both paths run a block of :data:`BLOCK` elements per torch thread at a time (or a shard's part
+of a streamed answer, if smaller) through all their passes, so that
 the block's momentum, gradients and parameters stay in the CPU cache from one pass to the
 next: memory then sees about one read of each array and one write of each result, instead of
 one per pass (between two commits the whole slice has left the cache). Each element goes

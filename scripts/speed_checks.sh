@@ -15,16 +15,19 @@
 #   passive    the 2-shard data-plane rows with 1, 4 and 8 threads per shard, spinning after
 #              each step (libgomp's default, --spinning-threads) and sleeping between updates
 #              (OMP_WAIT_POLICY=PASSIVE, as ps-server sets it); not in the default steps: name it
+#   parts      the 2-shard data-plane rows with 8 threads per shard, each new version answered
+#              whole after the update and in 4 MiB parts streamed during it
+#              (--params-part-bytes 0 4194304); not in the default steps: name it
 #   blocks     bench_update_blocks: a shard's update in blocks against the whole slice at once,
 #              with 1 and 8 threads (5M parameters, one and two gradients)
 #   fleet      bench_fleet: the decision's share of the iteration in a real run
 #   manager    bench_manager table (a): decision time at 1,000 and 10,000 workers
 #   cold       bench_decision_cold: a decision's CPU tight, after a sleep and after a spin
-# Each step's arguments can be replaced: DATAPLANE_ARGS, PASSIVE_ARGS, BLOCKS_ARGS, FLEET_ARGS,
+# Each step's arguments can be replaced: DATAPLANE_ARGS, PASSIVE_ARGS, PARTS_ARGS, BLOCKS_ARGS, FLEET_ARGS,
 # MANAGER_ARGS, COLD_ARGS.
 # Logs go to OUTDIR/<step>.txt. Needs the project's dependencies importable from here:
-#   PYTHONPATH=$PWD bash scripts/speed_checks.sh OUTDIR [dataplane] [passive] [blocks] [fleet] [manager] [cold]
-# (no step named: all but passive, in that order). On the lent device machine (Python 3.12, no pydantic
+#   PYTHONPATH=$PWD bash scripts/speed_checks.sh OUTDIR [dataplane] [passive] [parts] [blocks] [fleet] [manager] [cold]
+# (no step named: all but passive and parts, in that order). On the lent device machine (Python 3.12, no pydantic
 # or orjson in its image) the missing packages travel as wheels, fetched here into an ignored .whl:
 #   echo /.whl/ >> .git/info/exclude; python3 -m pip download --no-deps --only-binary=:all: \
 #     --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
@@ -70,6 +73,12 @@ if wants passive; then
     timeout 200 $py benchmarks/bench_dataplane.py $wait ${PASSIVE_ARGS:---repeats 1 --iters 8 --shards 2 \
       --shard-threads 1 4 8 --phases} 2>&1 | tee -a "$out/passive.txt"
   done
+fi
+
+if wants parts; then
+  step "data plane, two shards, answers whole and streamed in parts" | tee "$out/parts.txt"
+  timeout 240 $py benchmarks/bench_dataplane.py ${PARTS_ARGS:---repeats 2 --iters 8 --shards 2 --shard-threads 8 \
+    --params-part-bytes 0 4194304} 2>&1 | tee -a "$out/parts.txt"
 fi
 
 if wants blocks; then
