@@ -98,6 +98,8 @@ def _serve(cfg, shard: int, coordinator: str | None, q, no_update: bool = False,
         ps_server.shard.all_finite = lambda a: True  # type: ignore[assignment]
 
         def skip_update(params, grads, lr_scale=1.0, out=None, done=None, block=None):
+            if out is not None:  # the new version's buffer: the parameters, unchanged
+                np.copyto(out, params)
             if done is not None:
                 done(params.size)  # every part may go: nothing is computed
             return params
@@ -265,8 +267,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="raw and PS runs per row, alternating (raw, PS, raw, PS, ...), so that the "
                          "machine's drift hits both alike; the table shows median (min-max)")
     ap.add_argument("--no-update", action="store_true",
-                    help="diagnostic: shards skip the finiteness check and the update, so the PS time "
-                         "is the protocol's and the barrier's alone")
+                    help="diagnostic: shards skip the finiteness check and the update's arithmetic (the "
+                         "parameters are copied unchanged into the new version's buffer), so the PS time "
+                         "is the protocol's and the barrier's, and one copy")
     ap.add_argument("--compute-ms", type=float, default=0.0,
                     help="CPU-busy milliseconds each client spends before every exchange (not timed)")
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2], choices=[1, 2],

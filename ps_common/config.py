@@ -209,8 +209,16 @@ class TransportConfig(StrictModel):
     shard_sync_s: float = Field(1.0, gt=0, description="how often a follower shard reports to shard 0")
     params_part_bytes: int = Field(
         4 << 20, ge=0, description="a shard sends a new version's slice to the workers in parts of this "
-                                   "many bytes, each as soon as the update has computed it, so the transfer "
-                                   "overlaps the rest of the update; 0: whole, once the update is done")
+                                   "many bytes (0, or at least 4096; at most hwm / 2 parts), each as soon as "
+                                   "the update has computed it, so the transfer overlaps the rest of the "
+                                   "update; 0: whole, once the update is done")
+
+    @field_validator("params_part_bytes")
+    @classmethod
+    def _part_floor(cls, v: int) -> int:
+        if 0 < v < 4096:
+            raise ValueError("must be 0 (whole answers) or at least 4096 bytes")
+        return v
 
 
 class RayConfig(StrictModel):

@@ -23,3 +23,12 @@ class PartCutter:
             out.append((self.sent, hi))
             self.sent = hi
         return out
+
+
+def answer_part_elements(size: int, part_bytes: int, hwm: int) -> int:
+    """Elements per part of a ``size``-element float32 slice's answers (0: whole answers), at
+    most ``hwm // 2`` parts: every part is a message, and a worker's queue holds ``hwm`` (the
+    rest, sent without blocking, would be dropped, and that worker would wait for its deadline)."""
+    if part_bytes <= 0:
+        return 0
+    return max(part_bytes // 4, -(-size // max(1, hwm // 2)))

@@ -152,10 +152,14 @@ class RouterLoop:
             frames = P.encode(P.error_for(exc, "internal"))
         if isinstance(msg, P.Error):
             self.counters["errors_sent"] += 1
+        return self.send_encoded(ident, frames, msg.TYPE)
+
+    def send_encoded(self, ident: bytes, frames: list[Any], kind: str) -> bool:
+        """:meth:`reply` for a message encoded already (one part of an answer sent to many)."""
         t0 = time.perf_counter()
         try:
             send_frames(self.sock, [ident, *frames], _NOBLOCK)
-            self.timings.since(f"send.{msg.TYPE}", t0)
+            self.timings.since(f"send.{kind}", t0)
             return True
         except zmq.Again:
             self.counters["replies_dropped.hwm"] += 1

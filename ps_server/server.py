@@ -60,7 +60,7 @@ from ps_server.follow import Follow
 from ps_server.layout import partition
 from ps_server.lead import Lead
 from ps_server.optimizer import block_elements
-from ps_server.params_parts import PartCutter
+from ps_server.params_parts import PartCutter, answer_part_elements
 from ps_server.pulls import PendingPull, PendingPulls
 from ps_server.roles import SHARD_PERMISSIONS
 from ps_server.router import Limits, Refused, RouterLoop
@@ -157,7 +157,7 @@ class ShardServer:
                         "the path can read or alter it. Turn on security.curve for multi-host runs. !!!",
                         shard, bind_host)
         self.pulls = PendingPulls(t.max_pending_pulls_per_peer, t.max_pending_pulls)
-        self.part_elems = t.params_part_bytes // 4  # float32
+        self.part_elems = answer_part_elements(hi - lo, t.params_part_bytes, t.hwm)
         self.job_digest = cfg.job_digest()
         self.incarnation = os.urandom(6).hex()
         self.stop_event = StopFlag()
@@ -347,15 +347,27 @@ class ShardServer:
         st = self.state
         buf = st.newest_params
         cutter = PartCutter(st.size, self.part_elems)
-        live = list(answers)
+        live = [True] * len(answers)
+        router = self.router
 
         def send_ready(end: int) -> None:
             for lo, hi in cutter.ready(end):
-                for p, r in list(live):
+                # Only the first part differs between workers (their assignments): a later one is
+                # encoded once per header and its frames go to every worker.
+                shared: dict[tuple, list] = {}
+                for i, (p, r) in enumerate(answers):
+                    if not live[i]:
+                        continue
                     part = dataclasses.replace(r, offset=lo, parts=cutter.count, arrays=[buf[lo:hi]],
                                                assignment=r.assignment if lo == 0 else None)
-                    if not self.router.reply(p.ident, part):
-                        live.remove((p, r))
+                    if lo == 0:
+                        live[i] = router.reply(p.ident, part)
+                        continue
+                    key = (r.version, r.version_time, r.samples, r.stop, r.log_hash)
+                    frames = shared.get(key)
+                    if frames is None:
+                        frames = shared[key] = P.encode(part)
+                    live[i] = router.send_encoded(p.ident, frames, part.TYPE)
 
         # Blocks no larger than a part, so that the first part leaves after a part's worth of
         # the update (with many threads the optimizer's own blocks hold most of a slice).
@@ -371,7 +383,7 @@ class ShardServer:
                 if stop:
                     return P.Error(code="beyond_final", message=f"the run stopped at version {st.version}")
                 return None
-            snap = st.snapshots.get(p.min_version)
+            snap = st.snapshot_at(p.min_version)
             if snap is None:
                 if p.min_version != st.version:
                     return P.Error(code="snapshot_gone",

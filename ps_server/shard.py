@@ -87,6 +87,7 @@ class ShardState:
         self.shard = shard
         self._params = params
         self._pending: PendingUpdate | None = None
+        self._finishing = False
         self.size = params.size
         self.optimizer = SGD(opt_cfg, self.size)
         self.reject_nonfinite = reject_nonfinite
@@ -240,14 +241,27 @@ class ShardState:
         """Do a pending update's arithmetic, if any, ``block`` elements at a time (default: the
         optimizer's); ``done(end)`` is called each time the prefix ``newest_params[:end]`` is
         final (and must not read :attr:`params`)."""
-        pending, self._pending = self._pending, None
+        pending = self._pending
         if pending is None:
             return
-        self.optimizer.step_weighted(pending.base, pending.grads, pending.lr_scale, out=pending.out, done=done,
-                                     block=block)
-        if done is not None:
-            done(self.size)  # (every block has said so already; a repeat hands out nothing)
+        if self._finishing:  # ``done`` read the state: it would see half an update
+            raise RuntimeError("the shard's state was read while its update was being computed")
+        self._finishing = True
+        try:
+            self.optimizer.step_weighted(pending.base, pending.grads, pending.lr_scale, out=pending.out,
+                                         done=done, block=block)
+            if done is not None:
+                done(self.size)  # (every block has said so already; a repeat hands out nothing)
+        finally:
+            self._finishing = False
+        self._pending = None
         self._snapshot()
+
+    def snapshot_at(self, version: int) -> tuple[np.ndarray, float, int] | None:
+        """The snapshot of ``version``, if kept; only this version's own waits for its update."""
+        if version == self.version:
+            self.finish_update()
+        return self._snapshots.get(version)
 
     def _free_buffer(self) -> np.ndarray:
         """A parameter buffer nothing else holds any more (no send in flight, no snapshot, not

@@ -10,7 +10,7 @@ import pytest
 from ps_common import protocol as P
 from ps_common.config import OptimizerConfig
 from ps_server import optimizer
-from ps_server.params_parts import PartCutter
+from ps_server.params_parts import PartCutter, answer_part_elements
 from ps_server.shard import ShardState
 from ps_worker.slice_assembly import SliceAssembly
 
@@ -202,3 +202,43 @@ def test_the_part_fields_are_bounded_on_decode():
         frames[0] = P.HEADER_PREFIX + P.msgpack.packb({**body, **bad})
         with pytest.raises(P.ProtocolError):
             P.decode(frames)
+
+
+def test_a_read_from_inside_the_update_is_refused_not_answered_with_half_of_it():
+    s = shard()
+    commit(s, 0)
+
+    def peek(end: int) -> None:
+        _ = s.params
+
+    with pytest.raises(RuntimeError, match="while its update was being computed"):
+        s.finish_update(peek)
+
+
+def test_an_older_snapshot_is_read_without_finishing_the_pending_update():
+    s = shard(snapshot_every=1)
+    commit(s, 0)
+    old = s.snapshot_at(1)  # this version's own: finished first
+    commit(s, 1)
+    assert s.snapshot_at(1) is old and s.updating
+    assert s.snapshot_at(2) is not None and not s.updating
+
+
+def test_answers_have_at_most_half_the_high_water_mark_in_parts():
+    assert answer_part_elements(10_000_000, 4 << 20, hwm=100) == 1 << 20   # 10 parts
+    assert answer_part_elements(10_000_000, 4096, hwm=100) == 200_000        # 50 parts, not 2,442
+    assert answer_part_elements(10_000_000, 4096, hwm=1) == 10_000_000       # one part: whole
+    assert answer_part_elements(10_000_000, 0, hwm=100) == 0                 # whole answers
+
+
+@pytest.mark.parametrize("value, ok", [(0, True), (4096, True), (1, False), (4095, False), (-1, False)])
+def test_a_part_size_is_zero_or_at_least_a_page(value, ok):
+    from pydantic import ValidationError
+
+    from ps_common.config import TransportConfig
+
+    if ok:
+        assert TransportConfig(params_part_bytes=value).params_part_bytes == value
+    else:
+        with pytest.raises(ValidationError, match="params_part_bytes"):
+            TransportConfig(params_part_bytes=value)
