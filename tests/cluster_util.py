@@ -97,10 +97,13 @@ def start_job(procs: ProcessGroup, cfg_path: Path, num_shards: int, num_workers:
 
 
 def start_workers(procs: ProcessGroup, cfg_path: Path, endpoint: str, n: int, run_dir: Path,
-                  extra: list[str] = (), env: dict[str, str] | None = None) -> list:
+                  extra: list[str] = (), env: dict[str, str] | None = None, scenario_index: bool = False) -> list:
+    """worker-0 .. worker-(n-1); with ``scenario_index`` worker-i gets scenario entry i (not the
+    join order's id), as under ps-launch."""
     return [procs.start(f"worker-{i}", "ps_worker.cli",
                         ["--config", str(cfg_path), "--server", endpoint, "--run-dir", str(run_dir),
-                         "--name", f"worker-{i}", *extra], env=env) for i in range(n)]
+                         "--name", f"worker-{i}", *extra,
+                         *(["--scenario-index", str(i)] if scenario_index else [])], env=env) for i in range(n)]
 
 
 def read_line(stream: IO[str], timeout_s: float) -> str:

@@ -34,6 +34,7 @@ from tests.cluster_util import (
     consistent_end,
     joined_member,
     start_job,
+    start_workers,
     wait_exit,
     write_config,
 )
@@ -79,11 +80,8 @@ def job(policy: str, probe: bool = False, headroom: bool = False, iterations: in
 
 
 def start_indexed_workers(procs, cfg_path, endpoint, n, run_dir, env=None) -> list:
-    """worker-i gets scenario entry i (not the join order's id), as under ps-launch; ``env`` as
-    :func:`~tests.cluster_util.start_workers`' (so that ``start_job(worker_env=...)`` works)."""
-    return [procs.start(f"worker-{i}", "ps_worker.cli",
-                        ["--config", str(cfg_path), "--server", endpoint, "--run-dir", str(run_dir),
-                         "--name", f"worker-{i}", "--scenario-index", str(i)], env=env) for i in range(n)]
+    """worker-i gets scenario entry i, as under ps-launch (``start_job(start=...)`` calls this)."""
+    return start_workers(procs, cfg_path, endpoint, n, run_dir, env=env, scenario_index=True)
 
 
 def run_job(procs, tmp_path, data: dict):
