@@ -1,7 +1,8 @@
 """Where a server's time goes: cumulative seconds and counts per phase, cheap enough to keep on.
 
 The shard server adds the time of every handler (by message type) and of each step of a commit
-(decide, apply, answer, write down); the totals go into the shard's ``shutdown`` record, so a
+(decide, apply, answer, write down; the update's arithmetic is done while answering, so that its
+parts can leave as they are computed, and counts under answer); the totals go into the shard's ``shutdown`` record, so a
 benchmark can print a per-phase profile of a real run next to the workers' own phase times.
 """
 
