@@ -4,6 +4,7 @@ job secret with its role files. Every test is marked with its tier, the folder i
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -17,6 +18,16 @@ os.environ.setdefault("PYTHONPATH", str(ROOT))
 from ps_launcher.processes import ProcessGroup  # noqa: E402
 
 TIERS = ("unit", "integration", "system")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A SIGTERM to pytest (``timeout``, a CI runner giving up) ends the run as Ctrl-C does, so
+    that every fixture's teardown still runs: the ``procs`` fixture's children live in process
+    groups of their own, which a signal to pytest alone never reaches."""
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
