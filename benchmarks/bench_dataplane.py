@@ -56,7 +56,7 @@ sys.path.insert(0, str(ROOT))
 
 import zmq  # noqa: E402
 
-from ps_common.config import validate  # noqa: E402
+from ps_common.config import TransportConfig, validate  # noqa: E402
 from ps_ml.models import build_model, count_parameters  # noqa: E402
 
 MODEL = "mlp10m"
@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _parts(part_bytes: int | None) -> str:
     """The parts column: the streamed answers' part size, or whole answers."""
-    size = validate({}).transport.params_part_bytes if part_bytes is None else part_bytes
+    size = TransportConfig().params_part_bytes if part_bytes is None else part_bytes
     return f"{size / 2**20:g} MiB" if size else "whole, after the update"
 
 

@@ -90,7 +90,7 @@ class SGD:
         parameters, in ``out`` if given (a free buffer, never ``params``). ``done(end)`` is
         called after each block with the end of the prefix ``result[:end]`` that is final
         (the shard streams it to the workers while the rest is computed); ``block`` overrides
-        :func:`block_elements` (tests)."""
+        :func:`block_elements` (a streaming shard's parts, benchmarks, tests)."""
         result = out if out is not None else np.empty_like(params)
         p, r = _t(params), _t(result)
         gs = [(_t(g), w) for g, w in grads]

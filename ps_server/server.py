@@ -326,11 +326,16 @@ class ShardServer:
         self._dirty = False
         st = self.state
         ready = self.pulls.take_ready(self._pull_reply)
-        streamed = []
+        streamed: list[tuple[PendingPull, P.Params]] = []
         if st.updating and 0 < self.part_elems < st.size:
             buf = st.newest_params
-            streamed = [(p, r) for p, r in ready if isinstance(r, P.Params) and r.arrays[0] is buf]
-            ready = [(p, r) for p, r in ready if not (isinstance(r, P.Params) and r.arrays[0] is buf)]
+            whole: list[tuple[PendingPull, P.Message]] = []
+            for p, r in ready:
+                if isinstance(r, P.Params) and r.arrays[0] is buf:
+                    streamed.append((p, r))
+                else:
+                    whole.append((p, r))
+            ready = whole
         else:
             st.finish_update()  # a whole reply is sent zero-copy: its array must be final
         for p, reply in ready:
@@ -358,16 +363,16 @@ class ShardServer:
                 for i, (p, r) in enumerate(answers):
                     if not live[i]:
                         continue
-                    part = dataclasses.replace(r, offset=lo, parts=cutter.count, arrays=[buf[lo:hi]],
-                                               assignment=r.assignment if lo == 0 else None)
                     if lo == 0:
-                        live[i] = router.reply(p.ident, part)
+                        live[i] = router.reply(p.ident, dataclasses.replace(
+                            r, offset=0, parts=cutter.count, arrays=[buf[lo:hi]]))
                         continue
                     key = (r.version, r.version_time, r.samples, r.stop, r.log_hash)
                     frames = shared.get(key)
                     if frames is None:
-                        frames = shared[key] = P.encode(part)
-                    live[i] = router.send_encoded(p.ident, frames, part.TYPE)
+                        frames = shared[key] = P.encode(dataclasses.replace(
+                            r, offset=lo, parts=cutter.count, arrays=[buf[lo:hi]], assignment=None))
+                    live[i] = router.send_encoded(p.ident, frames, P.Params.TYPE)
 
         # Blocks no larger than a part, so that the first part leaves after a part's worth of
         # the update (with many threads the optimizer's own blocks hold most of a slice).

@@ -280,7 +280,9 @@ class ShardClients:
                     msg = self.conns[k].recv(max(0.0, deadline - time.monotonic()))
                 except (TransportTimeout, RemoteError, P.ProtocolError):
                     break
-                left = (msg.parts if isinstance(msg, P.Params) else 1) - 1 if left is None else left - 1
+                if left is None:  # a first message: a Params announces its parts, anything else is whole
+                    left = msg.parts if isinstance(msg, P.Params) else 1
+                left -= 1
 
     def send_to_coordinator(self, msg: P.Message, expect: type[P.Message],
                             timeout_s: float | None = None) -> P.Message:
