@@ -60,19 +60,20 @@ class Workspace:
         return b[:rows]
 
 
-def _row_quantile(a: np.ndarray, q: float, *, inplace: bool = False) -> np.ndarray:
+def _row_quantile(a: np.ndarray, q: float, *, inplace: bool = False, full: bool = False) -> np.ndarray:
     """``np.nanquantile(a, q, axis=1)`` (linear interpolation) in one sort: NaNs sort last, so
     row i's values are its first n_i. nanquantile loops over rows in Python: 280 ms for
     10,000 workers x 32 iterations, against a few ms here. Once every row is full (the steady
     state) both positions are the same in every row. (numpy sorts short rows with SIMD
     networks: 0.4 ms for 10,000 x 32, where ``np.partition`` at two positions takes 3.5 ms.)
-    ``inplace``: sort ``a`` itself (a scratch buffer) instead of a copy."""
+    ``inplace``: sort ``a`` itself (a scratch buffer) instead of a copy. ``full``: the caller
+    knows that no row holds a NaN, so they are not looked for."""
     if inplace:
         a.sort(axis=1)
         s = a
     else:
         s = np.sort(a, axis=1)
-    if a.shape[1] and not np.isnan(s[:, -1]).any():   # NaNs sort last: none in any row
+    if a.shape[1] and (full or not np.isnan(s[:, -1]).any()):   # NaNs sort last: none in any row
         pos = q * (a.shape[1] - 1)
         lo = int(math.floor(pos))
         hi = min(lo + 1, a.shape[1] - 1)
@@ -125,29 +126,40 @@ def stall_share(finish: np.ndarray, compute: np.ndarray, x: np.ndarray,
 
     ``scratch``: two buffers of ``finish``'s shape for the temporaries (:class:`Workspace`).
     """
+    w_buf, r_buf = scratch if scratch is not None else (np.empty_like(finish), np.empty_like(finish))
     with np.errstate(invalid="ignore", divide="ignore"):
-        w_buf, r_buf = scratch if scratch is not None else (np.empty_like(finish), np.empty_like(finish))
-        ones = _ones(finish.shape[1])
-        work = np.divide(x, planned, out=w_buf)
-        unplanned = ~(planned > 0)                                    # nan > 0 is False
-        if unplanned.any():                                           # its measured compute stands in
-            np.copyto(work, compute, where=unplanned)
-        missing = np.isnan(finish)                                    # windows still filling
+        return _stall_share(finish, compute, x, planned, w_buf, r_buf)
+
+
+def _stall_share(finish: np.ndarray, compute: np.ndarray, x: np.ndarray, planned: np.ndarray,
+                 w_buf: np.ndarray, r_buf: np.ndarray, full: bool = False) -> np.ndarray:
+    """:func:`stall_share` into the buffers, under the caller's ``np.errstate`` (invalid and
+    divide ignored). ``full``: the caller knows every window is full (no NaN in ``finish``),
+    so the windows still filling are not looked for: each numpy call costs the decision several
+    µs when the coordinator has been idle (``benchmarks/bench_decision_cold.py``)."""
+    work = np.divide(x, planned, out=w_buf)
+    planned_ok = planned > 0                                      # nan > 0 is False
+    if not planned_ok.all():                                      # its measured compute stands in
+        np.copyto(work, compute, where=~planned_ok)
+    ragged = False
+    if not full:
+        missing = np.isnan(finish)                                # windows still filling
         ragged = bool(missing.any())
         if ragged:
             work[missing] = np.nan
-        base = _row_quantile(np.subtract(finish, work, out=r_buf), STALL_BASE_QUANTILE,
-                             inplace=True)                            # nan rows: no finish yet
-        if ragged:                                                    # sums over the times there are
-            n = finish.shape[1] - np.count_nonzero(missing, axis=1)
-            work[missing] = 0.0
-            np.copyto(r_buf, finish)
-            r_buf[missing] = 0.0
-            finish_sum = r_buf @ ones
-        else:
-            n, finish_sum = finish.shape[1], finish @ ones
-        share = (work @ ones) / (finish_sum - n * base)
-    return np.where(np.isfinite(share) & (share > 0), np.minimum(share, 1.0), 1.0)
+    base = _row_quantile(np.subtract(finish, work, out=r_buf), STALL_BASE_QUANTILE,
+                         inplace=True, full=not ragged)           # nan rows: no finish yet
+    ones = _ones(finish.shape[1])
+    if ragged:                                                    # sums over the times there are
+        n = finish.shape[1] - np.count_nonzero(missing, axis=1)
+        work[missing] = 0.0
+        np.copyto(r_buf, finish)
+        r_buf[missing] = 0.0
+        finish_sum = r_buf @ ones
+    else:
+        n, finish_sum = finish.shape[1], finish @ ones
+    share = np.minimum((work @ ones) / (finish_sum - n * base), 1.0)   # nan stays nan, inf is 1
+    return np.where(share > 0, share, 1.0)                        # nan, 0 or less: no share known
 
 
 #: Window entries with CPU times a worker needs before its quota replaces its clocks.
@@ -213,6 +225,16 @@ def quota_speed(finish: np.ndarray, cpu: np.ndarray, work_cpu: np.ndarray, x: np
 def _at(column: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
     """``column`` at positions ``rows`` (None: all of it, no copy)."""
     return column if rows is None else column[rows]
+
+
+def _finite_entry(row: Sequence[Any]) -> bool:
+    """Does a saved finish-window row hold what :meth:`LBBSPCpuPolicy._observe` writes: a finite
+    batch size, a finite finish time > 0 and a finite compute time?"""
+    try:
+        x, f, c = (float(r) for r in row[:3])
+    except (TypeError, ValueError):
+        return False
+    return math.isfinite(x) and math.isfinite(c) and math.isfinite(f) and f > 0
 
 
 def _ring_order(count: int, size: int) -> list[int]:
@@ -537,6 +559,7 @@ class LBBSPCpuPolicy(SlotPolicy):
         self._fc = np.zeros((0, self.finish_window))  # compute_s of the same iterations
         self._fv = np.full((0, self.finish_window), math.nan)  # the speed each batch was planned with
         self._workspace = Workspace()
+        self._rows_of: tuple[np.ndarray, Callable[[np.ndarray, str], np.ndarray]] | None = None
         self._vplan = np.zeros(0)                     # predicted speed at the last decision, nan: none
         self._fn = np.zeros(0, dtype=np.int64)        # finish times seen per worker
         if not (0.0 <= threshold < 1.0):
@@ -722,54 +745,76 @@ class LBBSPCpuPolicy(SlotPolicy):
         :func:`stall_share`, so that stalls which come from the worker's own work are charged to
         its samples rather than fixed. Workers the quota model plans (``use_quota``) skip all
         that: their clocks are not what it reads."""
-        ready = (self._fn[slots] >= 4) & (v > 0)
+        fn = self._fn[slots]
+        ready = (fn >= 4) & (v > 0)
         if not ready.any():
             return v, oh
-        assert self.finish_quantile is not None  # the caller asks only when it is set
-        out, v_out = oh.copy(), v.copy()
+        every = bool(ready.all())
+        out = v_out = None
         if self.use_quota:
-            ready = self._quota_model(slots, ready, v_out, out)
-            if not ready.any():
-                return v_out, out
-        s = slots[ready]
-        vr = v[ready]
-        rows = self._window_rows(s)
-        finish = rows(self._ff, "finish")
-        ws, k, w = self._workspace, s.size, self.finish_window
-        rest = ws.get("rest", k, w)
-        if self.finish_tail == "finish":
-            x = rows(self._fx, "x")
-            if self.stalls == "per_sample":
-                vr = vr * stall_share(finish, rows(self._fc, "compute"), x, rows(self._fv, "planned"),
-                                      scratch=(ws.get("work", k, w), rest))
-            with np.errstate(invalid="ignore", divide="ignore"):
-                np.divide(x, vr[:, None], out=rest)
-                np.subtract(finish, rest, out=rest)
-        else:
-            np.subtract(finish, rows(self._fc, "compute"), out=rest)
-        q = _row_quantile(rest, self.finish_quantile, inplace=True)
+            held = ready & (self._quota[slots] < 1.0)           # nan: False
+            if held.any():
+                out, v_out = oh.copy(), v.copy()
+                ready = self._quota_model(slots, ready, held, v_out, out)
+                if not ready.any():
+                    return v_out, out
+                every = False
+        if every:                    # the steady state: every row, nothing to copy or scatter
+            vr, q = self._tail_rows(slots, v, full=int(fn.min()) >= self.finish_window)
+            return vr, np.maximum(0.0, q)
+        if out is None or v_out is None:
+            out, v_out = oh.copy(), v.copy()
+        vr, q = self._tail_rows(slots[ready], v[ready], full=False)
         out[ready] = np.maximum(0.0, q)
         v_out[ready] = vr
         return v_out, out
 
+    def _tail_rows(self, s: np.ndarray, vr: np.ndarray, full: bool) -> tuple[np.ndarray, np.ndarray]:
+        """(v_i, the ``finish_quantile`` of finish_j - x_j / v_i) for slots ``s`` with speeds
+        ``vr`` (lowered by :func:`stall_share` first where ``stalls="per_sample"``). ``full``:
+        every one of their windows is full, so no NaN is looked for (written entries are finite:
+        :meth:`_observe` keeps only finite speeds and finish times, restores drop the others)."""
+        assert self.finish_quantile is not None  # the caller asks only when it is set
+        rows = self._window_rows(s)
+        finish = rows(self._ff, "finish")
+        ws, k, w = self._workspace, s.size, self.finish_window
+        rest = ws.get("rest", k, w)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            if self.finish_tail == "finish":
+                x = rows(self._fx, "x")
+                if self.stalls == "per_sample":
+                    vr = vr * _stall_share(finish, rows(self._fc, "compute"), x, rows(self._fv, "planned"),
+                                           ws.get("work", k, w), rest, full)
+                np.divide(x, vr[:, None], out=rest)
+                np.subtract(finish, rest, out=rest)
+            else:
+                np.subtract(finish, rows(self._fc, "compute"), out=rest)
+        return vr, _row_quantile(rest, self.finish_quantile, inplace=True, full=full)
+
     def _window_rows(self, s: np.ndarray) -> Callable[[np.ndarray, str], np.ndarray]:
         """Rows ``s`` of a (slots x window) state array: a view when the slots run in one block
         (the usual case), else a copy into the reused buffer ``name`` (see Workspace). Only the
-        buffers are ever written."""
+        buffers are ever written. Remembered for the last ``s`` object: the manager hands the
+        same slots array to every decision until membership changes (slot arrays are never
+        written in place)."""
+        cached = self._rows_of
+        if cached is not None and cached[0] is s:
+            return cached[1]
         ws, k, w = self._workspace, s.size, self.finish_window
         if s[-1] - s[0] == k - 1 and (k == 1 or (s[1:] > s[:-1]).all()):   # distinct slots
             lo = int(s[0])
-            return lambda a, name: a[lo:lo + k]
-        return lambda a, name: np.take(a, s, axis=0, out=ws.get(name, k, w))
+            rows: Callable[[np.ndarray, str], np.ndarray] = lambda a, name: a[lo:lo + k]  # noqa: E731
+        else:
+            rows = lambda a, name: np.take(a, s, axis=0, out=ws.get(name, k, w))  # noqa: E731
+        self._rows_of = (s, rows)
+        return rows
 
-    def _quota_model(self, slots: np.ndarray, ready: np.ndarray, v: np.ndarray, c: np.ndarray) -> np.ndarray:
-        """For the ``ready`` workers held to less than a core (their reports' ``cpu_quota``) whose
-        reports carry CPU times, set (v, c) in place to :func:`quota_speed`'s: what the quota
-        lets them sustain, not what their clocks showed between its stalls. Returns ``ready``
-        without the workers it planned."""
-        held = ready & (self._quota[slots] < 1.0)           # nan: False
-        if not held.any():
-            return ready
+    def _quota_model(self, slots: np.ndarray, ready: np.ndarray, held: np.ndarray, v: np.ndarray,
+                     c: np.ndarray) -> np.ndarray:
+        """For the ``held`` workers (``ready`` ones held to less than a core by their reports'
+        ``cpu_quota``; at least one) whose reports carry CPU times, set (v, c) in place to
+        :func:`quota_speed`'s: what the quota lets them sustain, not what their clocks showed
+        between its stalls. Returns ``ready`` without the workers it planned."""
         pos = np.flatnonzero(held)
         hs = slots if pos.size == slots.size else slots[pos]
         rows = self._window_rows(hs)
@@ -912,7 +957,7 @@ class LBBSPCpuPolicy(SlotPolicy):
             self._seen[self._slots.add(int(k))] = int(v)
         for k, rows in state.get("finish", {}).items():
             s = self._slots.add(int(k))
-            rows = list(rows)[-self.finish_window:]
+            rows = [r for r in rows if _finite_entry(r)][-self.finish_window:]   # as _observe writes
             for j, row in enumerate(rows):
                 self._fx[s, j], self._ff[s, j], self._fc[s, j] = (float(r) for r in row[:3])
                 self._fv[s, j] = float(row[3]) if len(row) > 3 else math.nan

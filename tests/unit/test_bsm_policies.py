@@ -477,6 +477,7 @@ def test_row_quantile_matches_numpys_nanquantile():
         np.testing.assert_allclose(_row_quantile(a, q), ref, equal_nan=True)
         np.testing.assert_allclose(_row_quantile(full, q), np.quantile(full, q, axis=1))
         np.testing.assert_allclose(_row_quantile(full[:, :1], q), full[:, 0])
+        assert np.array_equal(_row_quantile(full, q, full=True), _row_quantile(full, q))   # no NaN look
 
 
 def test_stall_share_is_planned_work_over_time_above_the_floor():
@@ -503,6 +504,36 @@ def test_stall_share_is_planned_work_over_time_above_the_floor():
     floor = np.quantile((finish - work)[:, :20], STALL_BASE_QUANTILE, axis=1)
     ref = np.minimum(1.0, work[:, :20].sum(1) / (finish[:, :20] - floor[:, None]).sum(1))
     np.testing.assert_allclose(stall_share(ragged, compute, x, unplanned), ref)
+
+
+def test_stall_share_of_full_windows_skips_the_nan_look_and_changes_no_bit():
+    """``full=True`` (every window full, as the policy knows from its counts) gives the same bits
+    as the path that looks for windows still filling, unplanned batches included; a share that
+    is nan, infinite, zero or negative is 1 (no stall charged), as before the fast path."""
+    import numpy as np
+
+    from batchsize_manager.lbbsp import _stall_share, stall_share
+
+    rng = np.random.default_rng(11)
+    x = rng.integers(1, 200, (40, 32)).astype(float)
+    planned = rng.uniform(1e3, 1e4, (40, 32))
+    planned[:5, :4] = np.nan                      # not planned yet: compute stands in
+    compute = x / 5e3
+    finish = compute + rng.uniform(0.001, 0.05, (40, 32))
+    bufs = (np.empty_like(finish), np.empty_like(finish))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        fast = _stall_share(finish, compute, x, planned, *bufs, full=True)
+    assert np.array_equal(fast, stall_share(finish, compute, x, planned))
+    # nan (0 / 0), inf (work over a zero denominator), zero and negative shares
+    zero_x = np.zeros((1, 32))
+    flat = np.ones((1, 32))
+    inf_x = np.zeros((1, 32))
+    inf_x[0, :4] = 1.0                            # 28 of 32 idle: floor 1, sum(finish) = 32
+    neg_finish = np.ones((1, 32))
+    neg_finish[0, 0] = -100.0                     # floor above the mean: denominator < 0
+    cases = [(flat, zero_x, flat), (flat, inf_x, flat), (neg_finish, np.ones((1, 32)), np.full((1, 32), 1e6))]
+    for f, xx, pl in cases:
+        assert stall_share(f, f, xx, pl).tolist() == [1.0]
 
 
 @pytest.mark.parametrize("full", [False, True], ids=["room", "no-headroom"])
@@ -613,6 +644,27 @@ def test_cpu_quota_windows_survive_a_checkpoint():
         q.observe(r)
     ws = sorted(recs[-1].sizes)
     assert m.policy.assign(ws, 512) == q.assign(ws, 512)
+
+
+def test_a_restored_finish_window_keeps_only_entries_a_report_could_have_written():
+    """Saved window rows that are not finite (a hand-edited or damaged checkpoint) are dropped on
+    restore, so the decision's fast path, which trusts every entry of a full window to be finite,
+    never sorts a NaN into a quantile: the restored policy decides as one restored without them."""
+    import math
+
+    m = BatchSizeManager("lbbsp-cpu", 512, policy_args={"refit": "sync"})
+    simulate(m, quota_workers(), 60)
+    state = m.policy.state_dict()
+    clean = get_policy("lbbsp-cpu", refit="sync")
+    clean.load_state_dict(state)
+    rows = state["finish"]["1"]
+    bad = [[math.nan, 0.03, 0.01], [64, math.inf, 0.01], [64, 0.0, 0.01], ["x", 1, 2], [1.0]]
+    damaged = dict(state, finish=dict(state["finish"], **{"1": rows[:10] + bad + rows[10:]}))
+    q = get_policy("lbbsp-cpu", refit="sync")
+    q.load_state_dict(damaged)
+    assert q.state_dict()["finish"] == state["finish"]
+    ws = sorted(int(w) for w in state["finish"])
+    assert q.assign(ws, 512) == clean.assign(ws, 512)
 
 
 def test_cpu_quota_model_takes_extreme_but_well_formed_reports():
