@@ -560,6 +560,7 @@ class LBBSPCpuPolicy(SlotPolicy):
         self._fv = np.full((0, self.finish_window), math.nan)  # the speed each batch was planned with
         self._workspace = Workspace()
         self._rows_of: tuple[np.ndarray, Callable[[np.ndarray, str], np.ndarray]] | None = None
+        self._bounds: tuple[tuple[np.ndarray, np.ndarray, int], tuple[np.ndarray, np.ndarray]] | None = None
         self._vplan = np.zeros(0)                     # predicted speed at the last decision, nan: none
         self._fn = np.zeros(0, dtype=np.int64)        # finish times seen per worker
         if not (0.0 <= threshold < 1.0):
@@ -657,18 +658,17 @@ class LBBSPCpuPolicy(SlotPolicy):
 
     def _observe(self, batch: ReportBatch, slots: np.ndarray) -> None:
         v = batch.speed()
-        ok = np.isfinite(v)
-        if not ok.all():
+        rows = None
+        if not batch.speeds_finite():
+            ok = np.isfinite(v)
             slots, v = slots[ok], v[ok]
             rows = np.flatnonzero(ok)
-        else:
-            rows = None
-        if slots.size == 0:
-            return
+            if slots.size == 0:
+                return
         seen = self._seen[slots] + 1
         self._seen[slots] = seen
-        go = seen > self.warmup
-        if not go.all():
+        if int(seen.min()) <= self.warmup:             # some are still warming up
+            go = seen > self.warmup
             slots, v = slots[go], v[go]
             rows = np.flatnonzero(go) if rows is None else rows[go]
             if slots.size == 0:
@@ -682,14 +682,14 @@ class LBBSPCpuPolicy(SlotPolicy):
         a = self.overhead_alpha
         self._overhead[slots] = np.where(np.isnan(prev), o, a * o + (1 - a) * prev)
         if self.finish_quantile is not None:
-            fin = _at(batch.finish, rows)
-            has = fin > 0                               # the coordinator's reports: all
+            fin = _at(batch.finish, rows)               # finite, 0 where not seen
             fs, at = slots, rows
-            if not has.all():
-                keep = np.flatnonzero(has)
+            if not fin.min() > 0:                       # the coordinator's reports: all seen
+                keep = np.flatnonzero(fin > 0)
                 fs, fin, at = slots[keep], fin[keep], keep if rows is None else rows[keep]
             if fs.size:
-                pos = self._fn[fs] % self.finish_window
+                count = self._fn[fs]
+                pos = count % self.finish_window
                 self._fx[fs, pos] = _at(batch.batch, at)
                 self._ff[fs, pos] = fin
                 self._fc[fs, pos] = _at(batch.compute, at)   # finite and > 0, as the speed is
@@ -697,13 +697,12 @@ class LBBSPCpuPolicy(SlotPolicy):
                 if self.use_quota:
                     self._fcpu[fs, pos] = _at(batch.measured("cpu_s"), at)
                     self._fwork[fs, pos] = _at(batch.measured("compute_cpu_s"), at)
-                self._fn[fs] += 1
+                self._fn[fs] = count + 1
         if self.use_quota:
             self._quota[slots] = _at(batch.measured("cpu_quota"), rows)
 
     def _feed(self, slots: np.ndarray, v: np.ndarray, exog: np.ndarray | None) -> None:
-        self._pred.update(slots, v, exog)
-        pos = (self._pred.n_updates(slots) - 1) % self.history
+        pos = (self._pred.update(slots, v, exog) - 1) % self.history
         self._hv[slots, pos] = v
         if self._hx.shape[2]:
             self._hx[slots, pos] = 0.0 if exog is None else exog
@@ -864,15 +863,7 @@ class LBBSPCpuPolicy(SlotPolicy):
             else:
                 assert prev is not None
                 px = prev[1]
-                f = self.max_factor
-                if f is None:
-                    lo, hi = np.full(ids.size, float(min_batch)), caps
-                else:
-                    # Bounds [x / f, x * f] around the previous split: one noisy iteration moves a
-                    # worker's batch by at most a factor f, a real change is followed in a few
-                    # decisions. Feasible because the previous split lies inside them.
-                    hi = np.minimum(caps, np.ceil(px * f))
-                    lo = np.maximum(float(min_batch), np.floor(px / f))
+                lo, hi = self._bounds_around(px, caps, min_batch)
                 out = finish_time_split_arrays(v, c, total, lo, hi)
                 t_prev = float((c + px / v).max())
                 t_new = float((c + out / v).max())
@@ -887,6 +878,23 @@ class LBBSPCpuPolicy(SlotPolicy):
             self._prev = (ids.copy(), out.copy())
         self._prev_bounds = (ids, caps, total, min_batch)
         return out.copy()
+
+    def _bounds_around(self, px: np.ndarray, caps: np.ndarray, min_batch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(lo, hi) for the next split around the previous one, ``px``. Bounds [x / f, x * f]
+        (``max_factor``): one noisy iteration moves a worker's batch by at most a factor f, a
+        real change is followed in a few decisions; feasible because ``px`` lies inside them.
+        The same arrays while ``px`` (kept splits keep their array), ``caps`` and the floor stay."""
+        key = (px, caps, min_batch)
+        cached = self._bounds
+        if cached is not None and cached[0][0] is px and cached[0][1] is caps and cached[0][2] == min_batch:
+            return cached[1]
+        f = self.max_factor
+        if f is None:
+            bounds = np.full(px.size, float(min_batch)), caps
+        else:
+            bounds = np.maximum(float(min_batch), np.floor(px / f)), np.minimum(caps, np.ceil(px * f))
+        self._bounds = (key, bounds)
+        return bounds
 
     def _prev_within(self, ids: np.ndarray, total: int, min_batch: int, caps: np.ndarray) -> bool:
         """Is the previous split still a valid answer? Known without looking when this decision

@@ -130,12 +130,15 @@ class BatchSizeManager:
             return
         t0 = self.clock() if timed else 0.0
         c0 = self.cpu_clock()
-        batch = ReportBatch(self._pending)
-        self._pending = []
-        self._apply(batch)
+        self._apply_pending()
         self._pending_cpu_s += self.cpu_clock() - c0
         if timed:
             self._pending_s += self.clock() - t0
+
+    def _apply_pending(self) -> None:
+        batch = ReportBatch(self._pending)
+        self._pending = []
+        self._apply(batch)
 
     def _apply(self, batch: ReportBatch) -> None:
         """Hand a batch of live workers' reports to the policy (and record OOM caps)."""
@@ -366,9 +369,10 @@ class BatchSizeManager:
     def assign(self) -> dict[int, int]:
         """The next {worker: batch size} for the live workers: Σ = X, each within its bounds."""
         t0 = self.clock()
-        c0, flushed_cpu = self.cpu_clock(), self._pending_cpu_s  # flushes inside count once, below
+        c0, flushed_cpu = self.cpu_clock(), self._pending_cpu_s  # earlier flushes' CPU, counted once
         try:
-            self._flush()
+            if self._pending:             # inside this decision's own timing: no clocks of its own
+                self._apply_pending()
             ids, live = self.membership.sorted_ids()
             caps = self._caps_array(ids)
             feasible = (ids, caps, self.global_batch, self.min_batch)

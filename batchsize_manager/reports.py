@@ -210,7 +210,7 @@ class ReportBatch:
     """
 
     __slots__ = ("reports", "n", "small", "_worker", "_batch", "_compute", "_tels", "_rows", "_head",
-                 "_cols", "_oom", "_any_oom", "_exog", "_speed", "_overhead")
+                 "_cols", "_oom", "_any_oom", "_exog", "_speed", "_speed_finite", "_overhead")
 
     def __init__(self, reports: Sequence[WorkerReport]) -> None:
         self.reports = reports if isinstance(reports, list) else list(reports)
@@ -227,6 +227,7 @@ class ReportBatch:
         self._any_oom: bool | None = None
         self._exog: np.ndarray | None = None
         self._speed: np.ndarray | None = None
+        self._speed_finite: bool | None = None
         self._overhead: np.ndarray | None = None
 
     @classmethod
@@ -366,8 +367,9 @@ class ReportBatch:
         """:meth:`WorkerReport.speed` per report: samples/s of compute, nan where unusable."""
         if self._speed is None:
             if self.small:
-                self._speed = np.array([_speed_one(r.batch_size, r.telemetry.compute_s)
-                                        for r in self.reports], dtype=np.float64)
+                speeds = [_speed_one(r.batch_size, r.telemetry.compute_s) for r in self.reports]
+                self._speed_finite = all(v == v for v in speeds)     # nan or finite, each
+                self._speed = np.array(speeds, dtype=np.float64)
             else:
                 c = self.compute
                 with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
@@ -376,6 +378,12 @@ class ReportBatch:
                     ok = (v > 0) & (v < math.inf) & (c > 0)
                 self._speed = np.where(ok, v, math.nan)
         return self._speed
+
+    def speeds_finite(self) -> bool:
+        """Is every report's :meth:`speed` usable? (known without a numpy call for a small batch)"""
+        if self._speed_finite is None:
+            self._speed_finite = bool(np.isfinite(self.speed()).all())
+        return self._speed_finite
 
     def overhead(self) -> np.ndarray:
         """:func:`overhead_one` per report: the server-observed finish time minus compute
@@ -420,6 +428,8 @@ class ReportBatch:
             col = getattr(self, name)
             if col is not None:
                 setattr(sub, name, col[idx])
+        if self._speed_finite:
+            sub._speed_finite = True
         if self._tels is not None:
             sub._tels = [self._tels[i] for i in idx.tolist()]
         if self._rows is not _UNREAD and not sub.small:

@@ -71,13 +71,16 @@ class BatchPredictor:
         self._reset_slots(slots, keys)
 
     # ----- the interface --------------------------------------------------------------------
-    def update(self, slots: np.ndarray, values: np.ndarray, exog: np.ndarray | None = None) -> None:
-        """Record one observation for each of ``slots`` (unique): speeds and (n, n_exog) inputs."""
+    def update(self, slots: np.ndarray, values: np.ndarray, exog: np.ndarray | None = None) -> np.ndarray:
+        """Record one observation for each of ``slots`` (unique): speeds and (n, n_exog) inputs.
+        Returns each slot's count of observations, this one included (:meth:`n_updates`)."""
         self.poll()
         prev = self._last[slots]
         self._last[slots] = values
-        self._n[slots] += 1
+        n = self._n[slots] + 1
+        self._n[slots] = n
         self._update(slots, values, exog, prev)
+        return n
 
     def predict(self, slots: np.ndarray) -> np.ndarray:
         """Next-iteration speed of each slot: nan before its first update, else finite and > 0."""

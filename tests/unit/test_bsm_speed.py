@@ -234,6 +234,12 @@ def test_report_columns_follow_the_per_report_rules(n):
     got_v = b.speed()
     for g, e in zip(got_v.tolist(), exp_v):
         assert (math.isnan(g) and e is None) or g == e
+    assert b.speeds_finite() == all(e is not None for e in exp_v)
+    fresh = ReportBatch(reps)                     # asked before the column is read
+    assert fresh.speeds_finite() == b.speeds_finite()
+    usable = [i for i, e in enumerate(exp_v) if e is not None]
+    if usable:
+        assert b.take(np.array(usable)).speeds_finite()
     assert b.exog().tolist() == [r.telemetry.exog() for r in reps]
     sub = b.take(np.array([n - 1, 0]))
     assert sub.worker.tolist() == [n - 1, 0] and sub.oom.tolist() == [b.oom[-1], b.oom[0]]
