@@ -44,6 +44,7 @@ class BatchPredictor:
         self._last = np.zeros(0)
         self._n = np.zeros(0, dtype=np.int64)
         self._arrays: dict[str, Any] = {}            # name -> fill value, for resize/reset
+        self._polled = False     # update() polled and no predict() since: predict need not poll
 
     # ----- storage --------------------------------------------------------------------------
     def _def(self, name: str, tail: tuple[int, ...], dtype: Any, fill: Any) -> None:
@@ -75,6 +76,7 @@ class BatchPredictor:
         """Record one observation for each of ``slots`` (unique): speeds and (n, n_exog) inputs.
         Returns each slot's count of observations, this one included (:meth:`n_updates`)."""
         self.poll()
+        self._polled = True
         prev = self._last[slots]
         self._last[slots] = values
         n = self._n[slots] + 1
@@ -83,8 +85,13 @@ class BatchPredictor:
         return n
 
     def predict(self, slots: np.ndarray) -> np.ndarray:
-        """Next-iteration speed of each slot: nan before its first update, else finite and > 0."""
-        self.poll()
+        """Next-iteration speed of each slot: nan before its first update, else finite and > 0.
+        Polls for finished refits unless :meth:`update` did since the last predict (a decision
+        applies its reports, then predicts: one look at the refit pipe per decision, not two)."""
+        if self._polled:
+            self._polled = False
+        else:
+            self.poll()
         raw = self._predict(slots)
         last = self._last[slots]
         ok = np.isfinite(raw) & (raw > 0.0)          # comparisons with nan never warn

@@ -262,3 +262,23 @@ def test_refits_are_staggered_over_the_period():
     first = next(i for i, k in enumerate(staggered) if k)
     assert staggered[first] == 100 and max(staggered[first + 1:]) <= 10
     assert sorted(set(together[first + 1:])) == [0, 100]
+
+
+def test_a_decision_looks_for_finished_refits_once():
+    """update() polls the refit pipe; the predict() that follows it (the same decision) does not
+    poll again, a predict() with no update before it does: results that land in between are
+    swapped in at the next decision's update."""
+    p = BatchEMA()
+    calls = []
+    p.poll = lambda: calls.append(1) or 0          # type: ignore[method-assign]
+    p.resize(4)
+    slots = np.arange(4)
+    assert p.update(slots, np.full(4, 100.0)).tolist() == [1, 1, 1, 1]
+    assert len(calls) == 1
+    p.predict(slots)
+    assert len(calls) == 1                          # the update's look counts for this decision
+    p.predict(slots)
+    assert len(calls) == 2                          # no update since: look again
+    assert p.update(slots[:2], np.full(2, 50.0)).tolist() == [2, 2]
+    p.predict(slots)
+    assert len(calls) == 3
