@@ -328,7 +328,10 @@ class SlotPolicy(BatchPolicy):
             if rest.size == 0:
                 return
             batch = batch.take(rest)
-        slots = self._slots.lookup(batch.worker, create=True)
+        if batch.small:                           # a few reports: dict lookups, no id column
+            slots = self._slots.lookup_list([r.worker_id for r in batch.reports], create=True)
+        else:
+            slots = self._slots.lookup(batch.worker, create=True)
         rounds = occurrence_rounds(slots, self._scratch)
         if rounds is None:
             self._observe(batch, slots)

@@ -4,11 +4,13 @@ Vectorised policies and predictors keep one row per worker in preallocated array
 Python object per worker, so that an iteration's reports update every worker with a handful of
 numpy operations. A slot is handed out on join (or on the first sight of an id), reset by its
 owner, and recycled after a leave; capacity doubles when it runs out. Looking up many ids costs one
-gather for ids in [0, 2**22) (the ids this project hands out) and a dict lookup for the others.
+gather for ids in [0, 2**22) (the ids this project hands out) and a dict lookup for the others; a
+few ids (a small decision's reports) are looked up in the dict alone, with no numpy call.
 """
 
 from __future__ import annotations
 
+import operator
 import weakref
 from typing import Callable
 
@@ -33,7 +35,7 @@ class SlotTable:
         self._init_ref = weakref.WeakMethod(init) if hasattr(init, "__self__") else (lambda: init)
         self.capacity = 0
         self._lut = np.full(0, -1, dtype=np.int64)
-        self._far: dict[int, int] = {}
+        self._slot_of: dict[int, int] = {}            # every id with a slot (the LUT mirrors ids < 2**22)
         self._ids = np.zeros(0, dtype=np.int64)        # slot -> worker id
         self._used = np.zeros(0, dtype=bool)
         self._free: list[int] = []
@@ -72,16 +74,14 @@ class SlotTable:
     # ----- single ids -----------------------------------------------------------------------
     def get(self, w: int) -> int:
         """The slot of ``w`` or -1."""
-        if 0 <= w < self._lut.size:
-            return int(self._lut[w])
-        return self._far.get(w, -1)
+        return self._slot_of.get(w, -1)
 
     def __contains__(self, w: int) -> bool:
         return self.get(w) >= 0
 
     def add(self, w: int) -> int:
         """The slot of ``w``, handing out (and initialising) a fresh one if it has none."""
-        w = int(w)
+        w = operator.index(w)                     # an integer (numpy's too), never a float
         s = self.get(w)
         if s >= 0:
             return s
@@ -97,8 +97,7 @@ class SlotTable:
         self._used[s] = True
         if self._lut_fit(w):
             self._lut[w] = s
-        else:
-            self._far[w] = s
+        self._slot_of[w] = s
         self.version += 1
         cb = self._init_ref()
         if cb is not None:
@@ -113,8 +112,7 @@ class SlotTable:
             return -1
         if 0 <= w < self._lut.size:
             self._lut[w] = -1
-        else:
-            self._far.pop(w, None)
+        del self._slot_of[w]
         self._used[s] = False
         self._free.append(s)
         self.version += 1
@@ -130,8 +128,7 @@ class SlotTable:
         n = ids.size
         lut = self._lut
         if n <= 16:                                    # a few ids: no array machinery
-            get = self.add if create else self.get
-            return np.array([get(w) for w in ids.tolist()], dtype=np.int64)
+            return self.lookup_list(ids.tolist(), create)
         if n and lut.size and ids.min() >= 0 and ids.max() < lut.size:
             out = lut[ids]
         else:
@@ -139,12 +136,20 @@ class SlotTable:
             inr = (ids >= 0) & (ids < lut.size)
             out[inr] = lut[ids[inr]]
             for i in np.flatnonzero(~inr).tolist():
-                out[i] = self._far.get(int(ids[i]), -1)
+                out[i] = self._slot_of.get(int(ids[i]), -1)
         if create:
             miss = np.flatnonzero(out < 0)
             for i in miss.tolist():
                 out[i] = self.add(int(ids[i]))
         return out
+
+    def lookup_list(self, ids: list[int], create: bool = False) -> np.ndarray:
+        """:meth:`lookup` of a few ids given as Python ints (dict lookups, one array at the end)."""
+        if create:
+            slot_of, add = self._slot_of, self.add
+            return np.array([slot_of[w] if w in slot_of else add(w) for w in ids], dtype=np.int64)
+        get = self._slot_of.get
+        return np.array([get(w, -1) for w in ids], dtype=np.int64)
 
     def ids(self) -> np.ndarray:
         """Ids that hold a slot (in slot order)."""
