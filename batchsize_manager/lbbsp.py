@@ -21,11 +21,13 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from batchsize_manager.allocation import (
+    SMALL_N,
     CapsArg,
     bounded_split_arrays,
     caps_array,
     check_feasible_arrays,
     finish_time_split_arrays,
+    split_small,
 )
 from batchsize_manager.policies import BatchPolicy, register_policy
 from batchsize_manager.reports import EXOG_KEYS, ReportBatch, WorkerReport, occurrence_rounds
@@ -564,6 +566,7 @@ class LBBSPCpuPolicy(SlotPolicy):
         self._workspace = Workspace()
         self._rows_of: tuple[np.ndarray, Callable[[np.ndarray, str], np.ndarray]] | None = None
         self._bounds: tuple[tuple[np.ndarray, np.ndarray, int], tuple[np.ndarray, np.ndarray]] | None = None
+        self._bounds_lists_of: tuple[list[int], list[float], list[float]] | None = None
         self._vplan = np.zeros(0)                     # predicted speed at the last decision, nan: none
         self._fn = np.zeros(0, dtype=np.int64)        # finish times seen per worker
         if not (0.0 <= threshold < 1.0):
@@ -867,10 +870,20 @@ class LBBSPCpuPolicy(SlotPolicy):
                 assert prev is not None
                 px = prev[1]
                 lo, hi = self._bounds_around(px, caps, min_batch)
-                out = finish_time_split_arrays(v, c, total, lo, hi)
-                t_prev = float((c + px / v).max())
-                t_new = float((c + out / v).max())
-                if not t_new < t_prev * (1.0 - self.threshold):
+                if v.size <= SMALL_N:    # Python floats, as the split itself: the same operations
+                    vl, cl = v.tolist(), c.tolist()
+                    pl, lol, hil = self._bounds_lists
+                    xl = split_small(vl, cl, total, lol, hil)
+                    t_prev = max([ci + xi / vi for ci, xi, vi in zip(cl, pl, vl)])
+                    t_new = max([ci + xi / vi for ci, xi, vi in zip(cl, xl, vl)])
+                    out = np.array(xl, dtype=np.int64) if t_new < t_prev * (1.0 - self.threshold) else px
+                else:
+                    out = finish_time_split_arrays(v, c, total, lo, hi)
+                    t_prev = float((c + px / v).max())
+                    t_new = float((c + out / v).max())
+                if out is px:
+                    t_new = t_prev
+                elif not t_new < t_prev * (1.0 - self.threshold):
                     out = px
                     t_new = t_prev
                 self.predicted_s = t_new
@@ -897,7 +910,18 @@ class LBBSPCpuPolicy(SlotPolicy):
         else:
             bounds = np.maximum(float(min_batch), np.floor(px / f)), np.minimum(caps, np.ceil(px * f))
         self._bounds = (key, bounds)
+        self._bounds_lists_of = None
         return bounds
+
+    @property
+    def _bounds_lists(self) -> tuple[list[int], list[float], list[float]]:
+        """The previous split and the bounds of :meth:`_bounds_around`'s last answer, as lists
+        (made once per answer, for the Python-float split of a few workers)."""
+        if self._bounds_lists_of is None:
+            assert self._bounds is not None
+            (px, _, _), (lo, hi) = self._bounds
+            self._bounds_lists_of = (px.tolist(), lo.tolist(), hi.tolist())
+        return self._bounds_lists_of
 
     def _prev_within(self, ids: np.ndarray, total: int, min_batch: int, caps: np.ndarray) -> bool:
         """Is the previous split still a valid answer? Known without looking when this decision

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from batchsize_manager.allocation import check_feasible_arrays
+from batchsize_manager.allocation import SMALL_N, check_feasible_arrays
 from batchsize_manager.membership import Member, Membership
 from batchsize_manager.memory import CannotFit, MemoryCaps
 from batchsize_manager.policies import BatchPolicy, get_policy
@@ -108,6 +108,7 @@ class BatchSizeManager:
         self._pending_cpu_s = 0.0      # CPU of reading and applying reports since the last assign()
                                        # (flushes, observe_many's chunks; not of queuing them)
         self._caps_cache: tuple[Any, Any, np.ndarray] | None = None
+        self._caps_list_of: tuple[np.ndarray, list[float]] | None = None
         self._feasible: tuple[np.ndarray, np.ndarray, int, int] | None = None  # last bounds checked
         #: reports are applied in chunks of this size: a chunk is read while its reports are still
         #: in the CPU cache (10,000 freshly received reports read at once cost twice as much)
@@ -366,6 +367,13 @@ class BatchSizeManager:
             caps[pos[hit]] = np.minimum(caps[pos[hit]], vs[hit])
         return caps
 
+    def _caps_list(self, caps: np.ndarray) -> list[float]:
+        """``caps`` (:meth:`_caps_array`'s array) as a list, made once per caps array."""
+        cached = self._caps_list_of
+        if cached is None or cached[0] is not caps:
+            cached = self._caps_list_of = (caps, caps.tolist())
+        return cached[1]
+
     def assign(self) -> dict[int, int]:
         """The next {worker: batch size} for the live workers: Σ = X, each within its bounds."""
         t0 = self.clock()
@@ -383,8 +391,9 @@ class BatchSizeManager:
             if self._native:
                 x = self._policy.assign_arrays(ids, self.global_batch, self.min_batch, caps,
                                                checked=True)
-                self._validate_arrays(ids, x, caps)
-                out = dict(zip(live, x.tolist()))
+                xs = x.tolist()
+                self._validate_arrays(ids, x, caps, xs)
+                out = dict(zip(live, xs))
                 self._last_ids, self._last_x, self._last_dict = ids, x, None
                 return out
             capd = {w: int(c) for w, c in zip(live, caps.tolist()) if c != math.inf}
@@ -413,15 +422,26 @@ class BatchSizeManager:
     def last_assignment(self, value: Mapping[int, int]) -> None:
         self._last_dict = dict(value)
 
-    def _validate_arrays(self, ids: np.ndarray, x: np.ndarray, caps: np.ndarray) -> None:
+    def _validate_arrays(self, ids: np.ndarray, x: np.ndarray, caps: np.ndarray, xs: list[int]) -> None:
+        """The policy's split (``x``, and ``xs`` as a list) sums to X and keeps every bound; a
+        few workers are checked on the list (no numpy calls: each costs a paced decision µs)."""
         name = self._policy.name or type(self._policy).__name__
         if x.shape != ids.shape:
             raise RuntimeError(f"batch policy {name} answered {x.size} sizes for {ids.size} workers")
-        total = int(x.sum())
+        small = x.size <= SMALL_N
+        total = int(sum(xs) if small else x.sum())
         if total != self.global_batch:
             raise RuntimeError(f"batch policy {name} split sums to {total}, "
-                               f"not X={self.global_batch}: {dict(zip(ids.tolist(), x.tolist()))}")
-        bad = (x < self.min_batch) | (x > caps)
+                               f"not X={self.global_batch}: {dict(zip(ids.tolist(), xs))}")
+        if small:
+            lo = self.min_batch
+            bad_at = [i for i, (xi, ci) in enumerate(zip(xs, self._caps_list(caps))) if xi < lo or xi > ci]
+            if not bad_at:
+                return
+            bad = np.zeros(x.size, dtype=bool)
+            bad[bad_at] = True
+        else:
+            bad = (x < self.min_batch) | (x > caps)
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             cap = caps[i]

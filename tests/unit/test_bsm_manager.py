@@ -6,6 +6,7 @@ import json
 import time
 from typing import Sequence
 
+import numpy as np
 import pytest
 
 from batchsize_manager import BatchPolicy, BatchSizeManager, WorkerReport, get_policy
@@ -213,6 +214,50 @@ def test_a_policy_that_ignores_the_caps_is_checked():
         capped.assign()
     # The three-argument call (no caps) works on every built-in policy.
     assert get_policy("lbbsp-gpu").assign([0, 1], 10, 1) == {0: 5, 1: 5}
+
+
+class FixedArrayPolicy(BatchPolicy):
+    """A native (array) policy that answers a fixed split, right or wrong."""
+
+    native_arrays = True
+
+    def __init__(self, answer: list[int]) -> None:
+        self.answer = answer
+
+    def assign(self, workers: Sequence[int], global_batch: int, min_batch: int = 1, *,
+               max_batch: CapsArg = None) -> dict[int, int]:
+        return dict(zip(sorted(workers), self.answer))
+
+    def assign_arrays(self, ids: np.ndarray, global_batch: int, min_batch: int, caps: np.ndarray, *,
+                      checked: bool = False) -> np.ndarray:
+        return np.array(self.answer, dtype=np.int64)
+
+
+@pytest.mark.parametrize("n", [4, 40], ids=["few-workers-on-lists", "many-workers-in-numpy"])
+def test_an_array_policy_split_is_checked_for_its_sum_and_every_bound(n):
+    """The manager checks a native policy's answer as it checks a dict policy's: the sum, then
+    the first worker outside [min_batch, cap] (few workers on Python lists, many in numpy)."""
+    def manager(answer: list[int]) -> BatchSizeManager:
+        m = BatchSizeManager(FixedArrayPolicy(answer), 10 * n, min_batch=2, max_batch=30)
+        for w in range(n):
+            m.join(w)
+        return m
+
+    good = [10] * n
+    assert manager(good).assign() == dict.fromkeys(range(n), 10)
+    with pytest.raises(RuntimeError, match=f"split sums to {10 * n + 1}, not X={10 * n}"):
+        manager([11] + [10] * (n - 1)).assign()
+    low = [10] * n
+    low[1], low[2] = 1, 19                          # the sum holds, worker 1 is below the floor
+    with pytest.raises(RuntimeError, match="gave worker 1 batch 1, outside \\[2, 30\\]"):
+        manager(low).assign()
+    high = [10] * n
+    high[:3] = [2, 2, 5]                            # 21 fewer samples here ...
+    high[-1] = 31                                   # ... and worker n-1 above the cap of 30
+    with pytest.raises(RuntimeError, match=f"gave worker {n - 1} batch 31, outside \\[2, 30\\]"):
+        manager(high).assign()
+    with pytest.raises(RuntimeError, match=f"answered {n - 1} sizes for {n} workers"):
+        manager([10] * (n - 1)).assign()
 
 
 class Tee:
