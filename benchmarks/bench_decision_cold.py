@@ -12,6 +12,10 @@ is on the same table as the manager's; three more time one numpy call, 20 calls 
 Usage::
 
     python benchmarks/bench_decision_cold.py [--workers 4 100 1000] [--decisions 150]
+    python benchmarks/bench_decision_cold.py --workers 4 --gaps 0 0.1 1 5 30 100
+
+``--gaps``: the cold start against the idle time before a decision (the first row is the
+tight loop, the ratio column is against it).
 
 CPU times are this thread's (``time.thread_time``); mean over the decisions after 20 warm-up ones.
 """
@@ -37,8 +41,12 @@ WARMUP = 20
 GAP_S = 0.05
 
 
-def idle(mode: str) -> None:
-    if mode == "sleep 50 ms":
+def idle(mode: str | float) -> None:
+    """Between two decisions: a sleep of ``mode`` seconds when a number, else the named mode."""
+    if isinstance(mode, float):
+        if mode > 0:
+            time.sleep(mode)
+    elif mode == "sleep 50 ms":
         time.sleep(GAP_S)
     elif mode == "spin 50 ms":
         end = time.perf_counter() + GAP_S
@@ -46,7 +54,7 @@ def idle(mode: str) -> None:
             pass
 
 
-def manager_run(n: int, mode: str, decisions: int) -> tuple[float, float]:
+def manager_run(n: int, mode: str | float, decisions: int) -> tuple[float, float]:
     """Mean CPU seconds of (applying the reports, deciding) per decision, lbbsp-cpu with EMA."""
     from batchsize_manager import BatchSizeManager
     from batchsize_manager.simulation import SimulatedWorker, Simulation
@@ -153,7 +161,7 @@ def numpy_call_jobs() -> dict[str, Callable[[], None]]:
             "reference: 22 numpy calls, 21 kinds": distinct}
 
 
-def reference_run(job: Callable[[], None], mode: str, decisions: int) -> float:
+def reference_run(job: Callable[[], None], mode: str | float, decisions: int) -> float:
     ts = []
     for _ in range(decisions):
         t0 = time.thread_time()
@@ -167,10 +175,26 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workers", type=int, nargs="+", default=[4, 100, 1000])
     ap.add_argument("--decisions", type=int, default=150)
+    ap.add_argument("--gaps", type=float, nargs="+", default=None, metavar="MS",
+                    help="instead: one whole decision (apply + decide, EMA, at the first --workers) "
+                         "after sleeps of these many ms, to show how the cold start grows with the idle time")
     args = ap.parse_args(argv)
     if args.decisions <= WARMUP:
         ap.error(f"--decisions must exceed the {WARMUP} warm-up ones")
     us = lambda s: f"{s * 1e6:.1f}"  # noqa: E731
+    if args.gaps is not None:
+        n = args.workers[0]
+        print(f"## One lbbsp-cpu (ema) decision at {n} workers after an idle sleep: CPU µs (mean of "
+              f"{args.decisions - WARMUP} decisions)\n")
+        print("| sleep between decisions (ms) | apply the reports | decide | whole | whole / first row |")
+        print("|---|---|---|---|---|")
+        base = None
+        for gap in args.gaps:
+            apply_s, decide_s = manager_run(n, gap / 1e3, args.decisions)
+            base = base or apply_s + decide_s
+            print(f"| {gap:g} | {us(apply_s)} | {us(decide_s)} | {us(apply_s + decide_s)} | "
+                  f"{(apply_s + decide_s) / base:.1f}x |")
+        return 0
     lines = ["| what | workers | " + " | ".join(f"{m}: CPU µs" for m in MODES) + " | sleep / tight |",
              "|---|---|" + "---|" * (len(MODES) + 1)]
     for n in args.workers:
