@@ -870,8 +870,9 @@ class LBBSPCpuPolicy(SlotPolicy):
                 assert prev is not None
                 px = prev[1]
                 lo, hi = self._bounds_around(px, caps, min_batch)
-                if v.size <= SMALL_N:    # Python floats, as the split itself: the same operations
-                    vl, cl = v.tolist(), c.tolist()
+                vl = v.tolist() if v.size <= SMALL_N else None
+                if vl is not None and min(vl) > 0:   # Python floats, as the split itself: same operations
+                    cl = c.tolist()
                     pl, lol, hil = self._bounds_lists
                     xl = split_small(vl, cl, total, lol, hil)
                     t_prev = max([ci + xi / vi for ci, xi, vi in zip(cl, pl, vl)])

@@ -668,6 +668,24 @@ def test_a_few_workers_split_the_same_on_python_floats_as_in_numpy(monkeypatch, 
         monkeypatch.setattr(lbbsp, "SMALL_N", 16)
 
 
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")   # numpy's times: inf
+def test_a_zero_speed_forecast_is_split_by_the_numpy_rules_not_a_python_division():
+    """A forecast speed of 0 (an underflow: nothing a report can produce directly) must not
+    raise ZeroDivisionError on the small path: it takes the numpy path, whose split clamps the
+    speed and whose times are infinite, as before the small path existed."""
+    import numpy as np
+
+    p = get_policy("lbbsp-cpu")
+    ws = [0, 1, 2, 3]
+    first = p.assign(ws, 256)
+    speeds = iter([np.array([1e3, 2e3, 3e3, 4e3]), np.array([0.0, 2e3, 3e3, 4e3])])
+    p._estimate_arrays = lambda slots, plan=False: (next(speeds), np.zeros(4))   # type: ignore[method-assign]
+    second = p.assign(ws, 256)
+    assert sum(second.values()) == 256 and second != first
+    third = p.assign(ws, 256)                      # worker 0 at speed 0: kept at its floor
+    assert sum(third.values()) == 256 and third[0] <= second[0]
+
+
 def test_a_restored_finish_window_keeps_only_entries_a_report_could_have_written():
     """Saved window rows that are not finite (a hand-edited or damaged checkpoint) are dropped on
     restore, so the decision's fast path, which trusts every entry of a full window to be finite,
