@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
@@ -32,6 +33,10 @@ def grown(a: np.ndarray, capacity: int, fill: Any) -> np.ndarray:
     return out
 
 
+#: How recent an update's look at the refit pipe must be for the predict after it to skip its own.
+POLLED_FOR_S = 0.005
+
+
 class BatchPredictor:
     """Base class: last value and update count per slot, growth, the finite-forecast guard."""
 
@@ -44,7 +49,7 @@ class BatchPredictor:
         self._last = np.zeros(0)
         self._n = np.zeros(0, dtype=np.int64)
         self._arrays: dict[str, Any] = {}            # name -> fill value, for resize/reset
-        self._polled = False     # update() polled and no predict() since: predict need not poll
+        self._polled_at: float | None = None   # when update() last polled, if no predict() since
 
     # ----- storage --------------------------------------------------------------------------
     def _def(self, name: str, tail: tuple[int, ...], dtype: Any, fill: Any) -> None:
@@ -76,7 +81,7 @@ class BatchPredictor:
         """Record one observation for each of ``slots`` (unique): speeds and (n, n_exog) inputs.
         Returns each slot's count of observations, this one included (:meth:`n_updates`)."""
         self.poll()
-        self._polled = True
+        self._polled_at = time.monotonic()
         prev = self._last[slots]
         self._last[slots] = values
         n = self._n[slots] + 1
@@ -86,11 +91,11 @@ class BatchPredictor:
 
     def predict(self, slots: np.ndarray) -> np.ndarray:
         """Next-iteration speed of each slot: nan before its first update, else finite and > 0.
-        Polls for finished refits unless :meth:`update` did since the last predict (a decision
-        applies its reports, then predicts: one look at the refit pipe per decision, not two)."""
-        if self._polled:
-            self._polled = False
-        else:
+        Polls for finished refits unless :meth:`update` did less than :data:`POLLED_FOR_S` ago
+        with no predict since: a decision applies its reports, then predicts, and looks at the
+        refit pipe once, not twice; reports applied well before the decision do not count."""
+        polled_at, self._polled_at = self._polled_at, None
+        if polled_at is None or time.monotonic() - polled_at > POLLED_FOR_S:
             self.poll()
         raw = self._predict(slots)
         last = self._last[slots]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -23,7 +24,7 @@ from batchsize_manager import BatchSizeManager
 from batchsize_manager.simulation import SimulatedWorker, Simulation
 from predictors import get_predictor
 from predictors.arima import BatchARIMA
-from predictors.batch import BatchEMA, BatchLast, ScalarPredictors, get_batch_predictor
+from predictors.batch import POLLED_FOR_S, BatchEMA, BatchLast, ScalarPredictors, get_batch_predictor
 from predictors.narx import BatchNARX, NARXConfig, design, init_weights, train
 
 K = 6
@@ -265,9 +266,10 @@ def test_refits_are_staggered_over_the_period():
 
 
 def test_a_decision_looks_for_finished_refits_once():
-    """update() polls the refit pipe; the predict() that follows it (the same decision) does not
-    poll again, a predict() with no update before it does: results that land in between are
-    swapped in at the next decision's update."""
+    """update() polls the refit pipe; the predict() that follows it within POLLED_FOR_S (the
+    same decision) does not poll again; a predict() with no update before it, or after an
+    update long before it, does: results that land in between are swapped in at the next
+    decision's update."""
     p = BatchEMA()
     calls = []
     p.poll = lambda: calls.append(1) or 0          # type: ignore[method-assign]
@@ -282,3 +284,8 @@ def test_a_decision_looks_for_finished_refits_once():
     assert p.update(slots[:2], np.full(2, 50.0)).tolist() == [2, 2]
     p.predict(slots)
     assert len(calls) == 3
+    p.update(slots, np.full(4, 60.0))              # reports applied well before the decision
+    assert len(calls) == 4
+    time.sleep(2 * POLLED_FOR_S)
+    p.predict(slots)
+    assert len(calls) == 5                          # too old to stand for this decision's look
