@@ -877,14 +877,12 @@ class LBBSPCpuPolicy(SlotPolicy):
                     xl = split_small(vl, cl, total, lol, hil)
                     t_prev = max([ci + xi / vi for ci, xi, vi in zip(cl, pl, vl)])
                     t_new = max([ci + xi / vi for ci, xi, vi in zip(cl, xl, vl)])
-                    out = np.array(xl, dtype=np.int64) if t_new < t_prev * (1.0 - self.threshold) else px
+                    out = np.array(xl, dtype=np.int64)
                 else:
                     out = finish_time_split_arrays(v, c, total, lo, hi)
                     t_prev = float((c + px / v).max())
                     t_new = float((c + out / v).max())
-                if out is px:
-                    t_new = t_prev
-                elif not t_new < t_prev * (1.0 - self.threshold):
+                if not t_new < t_prev * (1.0 - self.threshold):
                     out = px
                     t_new = t_prev
                 self.predicted_s = t_new

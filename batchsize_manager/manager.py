@@ -433,17 +433,13 @@ class BatchSizeManager:
         if total != self.global_batch:
             raise RuntimeError(f"batch policy {name} split sums to {total}, "
                                f"not X={self.global_batch}: {dict(zip(ids.tolist(), xs))}")
+        lo = self.min_batch
         if small:
-            lo = self.min_batch
-            bad_at = [i for i, (xi, ci) in enumerate(zip(xs, self._caps_list(caps))) if xi < lo or xi > ci]
-            if not bad_at:
-                return
-            bad = np.zeros(x.size, dtype=bool)
-            bad[bad_at] = True
+            bad = [i for i, (xi, ci) in enumerate(zip(xs, self._caps_list(caps))) if xi < lo or xi > ci]
         else:
-            bad = (x < self.min_batch) | (x > caps)
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
+            bad = np.flatnonzero((x < lo) | (x > caps)).tolist()
+        if bad:
+            i = bad[0]
             cap = caps[i]
             raise RuntimeError(f"batch policy {name} gave worker {int(ids[i])} batch {int(x[i])}, outside "
                                f"[{self.min_batch}, {int(cap) if math.isfinite(cap) else 'X'}]")
