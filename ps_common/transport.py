@@ -41,19 +41,22 @@ DEFAULT_HWM = 100
 
 
 def make_router(ctx: zmq.Context, address: str, *, max_msg_bytes: int = -1,
-                security: SecurityConfig | None = None, hwm: int = DEFAULT_HWM) -> tuple[zmq.Socket, str]:
+                security: SecurityConfig | None = None, hwm: int = DEFAULT_HWM,
+                send_hwm: int | None = None) -> tuple[zmq.Socket, str]:
     """A bound ROUTER and the endpoint it actually got (port 0 resolved).
 
     Clients authenticate as a role (CURVE or the job secret) when ``security`` configures
     credentials. High-water marks bound what each peer's pipe may hold in both directions: a
     peer that floods is slowed by TCP back-pressure, one that does not read loses replies.
+    ``send_hwm`` (default ``hwm``) is for a server whose peers may rightly leave more answers
+    unread than that, such as every answer of an iteration's buckets.
     """
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished peer raises, not drops
     if max_msg_bytes > 0:
         sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
-    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.SNDHWM, hwm if send_hwm is None else send_hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
     try:
         secure_server_socket(sock, security, ctx)  # before bind

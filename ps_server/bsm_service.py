@@ -46,7 +46,7 @@ from ps_common.errors import PsError
 from ps_common.open_files import ensure_open_files, open_files_for
 from ps_common.security.settings import SecurityConfig
 from ps_common.security.sockets import close_socket
-from ps_common.transport import advertised, bind_address, make_router
+from ps_common.transport import DEFAULT_HWM, advertised, bind_address, make_router
 from ps_server.exchange import GradientExchange
 from ps_server.router import Limits, Refused, RouterLoop
 
@@ -86,13 +86,18 @@ class BatchSizeService:
         array_bytes = max_bucket_bytes if self.exchange is not None else 0
         # a connection per rank; without --world-size the ranks are not known: room for 1,024
         ensure_open_files(open_files_for(world_size or 1024), "ps-bsm")
+        # A rank reads the answers of an iteration's buckets only after sending its last one
+        # (DDP's hook): up to max_buckets of them wait for it, and must not be dropped.
+        send_hwm = None if self.exchange is None else max(DEFAULT_HWM, self.exchange.max_buckets + 64)
         self.sock, bound = make_router(self.ctx, bind_address(host, port),
-                                       max_msg_bytes=MAX_MSG_BYTES + array_bytes, security=security)
+                                       max_msg_bytes=MAX_MSG_BYTES + array_bytes, security=security,
+                                       send_hwm=send_hwm)
         self.endpoint = advertised(bound, advertise_host)
         self.stop_event = StopFlag()
         self.started = time.monotonic()
         self.reports = 0
         self.rejoins = 0        # joins of a live id: a restarted worker, or a takeover
+        self.answers_lost = 0   # exchange answers the socket could not take (see _send)
         self._closed = False
         #: The token of every live worker (at most X / min_batch of them).
         self._tokens: dict[int, str] = {}
@@ -261,7 +266,12 @@ class BatchSizeService:
 
     def _send(self, replies: list[tuple[bytes, P.Message]]) -> None:
         for ident, reply in replies:
-            self.router.reply(ident, reply)
+            if not self.router.reply(ident, reply) and isinstance(reply, P.ExchangeResult):
+                self.answers_lost += 1   # a rank gone, or not reading: it times out, and so fails
+                if self.answers_lost <= 20 or self.answers_lost % 1000 == 0:
+                    log.warning("the sum of bucket %d of iteration %d could not be sent to a rank "
+                                "(gone, or not reading); %d lost so far", reply.bucket,
+                                reply.iteration, self.answers_lost)
 
     def _on_stats(self, msg: P.BsmStats, role: str) -> P.Message:
         m = self.manager
@@ -279,15 +289,21 @@ class BatchSizeService:
             state=_plain_state(m.state_dict()) if msg.include_state else {})
 
 
+_internal_errors = 0   # handler failures logged with a traceback (the first 20, then 1 in 1,000)
+
+
 def _guarded(msg: P.Message, handle: Callable[[], Any]) -> Any:
     """``handle()``, with any failure but a refusal answered as ``internal``: a policy bug must
     not take the service down."""
+    global _internal_errors
     try:
         return handle()
     except Refused:
         raise
     except Exception as exc:
-        log.exception("%s failed", msg.TYPE)
+        _internal_errors += 1
+        if _internal_errors <= 20 or _internal_errors % 1000 == 0:  # a flood is not a flood of lines
+            log.exception("%s failed (%d internal errors so far)", msg.TYPE, _internal_errors)
         raise Refused("internal", f"{type(exc).__name__}: {exc}") from None
 
 

@@ -89,6 +89,10 @@ class GradientExchange:
         for r in range(self.world):
             manager.join(r)
         self.tokens: dict[int, str] = {}
+        #: How many times the job started: a rank opens once per process, so a second open by a
+        #: rank in the same generation means every rank's process is new (torchrun restarts all).
+        self.generation = 0
+        self.opened: dict[int, int] = {}   # rank -> the generation it last opened in
         self.iteration: int | None = None  # the open iteration, whose split is ``plan``
         self.plan: list[int] = []
         self.failed: str | None = None     # why the open iteration failed, if it did
@@ -104,22 +108,31 @@ class GradientExchange:
     # ----- what a rank asks ----------------------------------------------------------------
     def open(self, ident: bytes, rank: int, iteration: int) -> list[Reply]:
         """The split of ``iteration`` and a fresh token for ``rank`` (to ``ident``), starting
-        ``iteration`` if it is not the open one. A rank opens only when its process starts, so
-        an open of another iteration while this one holds buckets, or of this one by a rank
-        whose buckets are already in, comes from a restarted job (torchrun restarts every
-        rank, within seconds, long before ``stale_s``): the open iteration is abandoned at once,
-        its waiters told, and what the dead incarnation held goes with it."""
+        ``iteration`` if it is not the open one.
+
+        A rank opens only when its process starts. A second open by a rank that already opened
+        in this generation therefore comes from a restarted job (torchrun restarts every rank,
+        within seconds, long before ``stale_s``), whichever rank of it opens first: a new
+        generation begins, every earlier token is void (a process of the old job that still
+        pushes is refused), and the open iteration is abandoned at once, its waiters told, so
+        nothing a dead process sent is summed with what the new ones send. An open of another
+        iteration while this one holds buckets is a restart as well."""
         self._rank(rank)
         if iteration < 0:
             raise Refused("bad_request", f"iteration must be >= 0, got {iteration}")
-        restart = self._busy() and (iteration != self.iteration or rank in self._senders())
+        new_job = self.opened.get(rank) == self.generation
+        restart = new_job or (self._busy() and iteration != self.iteration)
         plan = None
         if restart or iteration != self.iteration or self.failed is not None:
             plan = self._decide()       # first: a refusal here leaves everything as it was
         told = self._fail(f"iteration {self.iteration} abandoned: rank {rank} opened iteration "
-                          f"{iteration} (a restarted job)") if restart else []
+                          f"{iteration} (a restarted job)") if restart and self._busy() else []
+        if restart:
+            self.generation += 1
+            self.tokens.clear()
         if plan is not None:
             self._start(iteration, plan)
+        self.opened[rank] = self.generation
         self.tokens[rank] = self.new_token()
         return told + [(ident, P.ExchangePlan(iteration=iteration, batch_sizes=list(self.plan),
                                               token=self.tokens[rank]))]
@@ -129,7 +142,7 @@ class GradientExchange:
         rank, t, b = msg.worker_id, msg.iteration, msg.bucket
         self._rank(rank)
         token = self.tokens.get(rank)
-        if token is None or not secrets.compare_digest(token, msg.token):
+        if token is None or not secrets.compare_digest(token.encode(), msg.token.encode()):
             raise Refused("unauthorized", f"wrong token for rank {rank} (open the iteration first)")
         if t != self.iteration:
             raise Refused("not_planned", f"iteration {t} is not open (open: {self.iteration})")
@@ -183,9 +196,11 @@ class GradientExchange:
                                        f"the limit of {self.max_bytes}")
         if msg.last and msg.telemetry is None:
             raise Refused("bad_request", "the last bucket carries the rank's report (telemetry)")
-        # one read pass: a sum is finite only if every term is (np.isfinite(grad).all() writes a
-        # mask first, 6x slower); the service runs without torch, so numpy sums
-        if self.plan[rank] > 0 and not np.isfinite(grad.sum()):
+        # one read pass: a sum is finite if every term is (np.isfinite(grad).all() writes a mask
+        # first, 6x slower); summed in float64, so finite float32 terms never overflow it, and a
+        # sum that does overflow (float64 terms near its limit) is checked term by term
+        if self.plan[rank] > 0 and not np.isfinite(grad.sum(dtype=np.float64)) \
+                and not np.isfinite(grad).all():
             raise Refused("non_finite", f"rank {rank}'s gradient (bucket {b}) is not finite")
         return grad, bucket
 
@@ -214,13 +229,24 @@ class GradientExchange:
         return sorted(set.intersection(*sets)) if sets else []
 
     def _decide(self) -> list[int]:
+        """The manager's next split, or :class:`Refused`: a policy that raises (a custom one's
+        bug included) fails the iteration for every rank instead of leaving it half done."""
         try:
             sizes = self.manager.assign()
         except ValueError as exc:  # the bounds cannot hold X
             raise Refused("infeasible", str(exc)) from None
-        except RuntimeError as exc:
-            raise Refused("policy_error", str(exc)) from None
+        except Exception as exc:  # noqa: BLE001 - reported to every rank as the policy's error
+            raise Refused("policy_error", f"{type(exc).__name__}: {exc}") from None
         return [int(sizes[r]) for r in range(self.world)]
+
+    def _observe(self, t: int, reports: list[Telemetry]) -> None:
+        """Every rank's report of iteration ``t`` to the manager (a policy that raises on them:
+        :class:`Refused`, as in :meth:`_decide`)."""
+        try:
+            self.manager.observe_many([WorkerReport.received(r, t, self.plan[r], tel)
+                                       for r, tel in enumerate(reports)])
+        except Exception as exc:  # noqa: BLE001
+            raise Refused("policy_error", f"{type(exc).__name__}: {exc}") from None
 
     def _start(self, iteration: int, plan: Sequence[int]) -> None:
         self.iteration = iteration
@@ -241,7 +267,8 @@ class GradientExchange:
         scratch = np.empty_like(acc)
         for r in range(self.world):
             if self.plan[r] > 0:
-                np.multiply(bucket.grads[r], self.plan[r] / total, out=scratch)
+                # dtype: a Python float weight would leave a float32 gradient's product in float32
+                np.multiply(bucket.grads[r], self.plan[r] / total, out=scratch, dtype=np.float64)
                 acc += scratch
         return acc.astype(bucket.dtype, copy=False)
 
@@ -261,9 +288,8 @@ class GradientExchange:
                 return self._fail(reason) + [(ident, self._error("iteration_failed", reason))
                                              for ident in bucket.waiting.values()]
             reports = [self.reports[r] for r in range(self.world)]
-            self.manager.observe_many([WorkerReport.received(r, t, self.plan[r], tel)
-                                       for r, tel in enumerate(reports)])
             try:
+                self._observe(t, reports)
                 next_sizes = self._decide()
             except Refused as exc:
                 waiting = list(bucket.waiting.values())

@@ -239,3 +239,42 @@ def test_the_operator_may_evict_a_worker_without_its_token_and_a_worker_may_not(
             assert worker.stats()["live"] == [0, 1]
             op.leave(0)                                # an operator evicts a worker that died
             assert worker.assign() == {1: X}
+
+
+def test_an_iteration_of_many_buckets_loses_no_answer(service):
+    """Each rank sends all its buckets and reads the answers only after the last one (as DDP's
+    hook does): with more buckets than a socket's default high-water marks (100 each side) the
+    service must queue their answers, not drop them."""
+    import threading
+
+    import torch
+
+    from batchsize_manager.integrations.ddp_server_exchange import ServerExchange
+
+    n_buckets = 700
+    svc = service(BatchSizeManager("uniform", 64), world_size=2)
+    got: dict[int, list[float]] = {}
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        ex = ServerExchange(svc.endpoint, r, timeout_s=20.0)
+        try:
+            sizes = ex.open(0)
+            tensors = [torch.full((16384,), float(r + b)) for b in range(n_buckets)]  # 64 KB each
+            futures = [ex.submit(t, b, b == n_buckets - 1, sizes[r], Telemetry(compute_s=0.01))
+                       for b, t in enumerate(tensors)]
+            got[r] = [float(f.wait()[0]) for f in futures]
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+        finally:
+            ex.close()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    want = [b + 0.5 for b in range(n_buckets)]     # the mean of r + b over ranks 0 and 1
+    assert got == {0: want, 1: want}
+    assert svc.router.counters["replies_dropped.hwm"] == 0

@@ -89,6 +89,66 @@ def test_weighted_mean_in_rank_order_whatever_the_arrival_order():
     assert all(np.array_equal(r, results[0]) for r in results)  # bit-identical
 
 
+def test_the_weighted_mean_is_summed_in_float64_to_the_bit():
+    """Weights float32 cannot hold exactly (13/61, 48/61): each float32 gradient times its
+    weight, and their sum, in float64, rounded to float32 once at the end."""
+    manager = BatchSizeManager("fixed", 61, policy_args={"weights": [13.0, 48.0]})
+    ex = GradientExchange(manager, 2)
+    open_all(ex)
+    assert ex.plan == [13, 48]
+    g = [np.random.default_rng(r).standard_normal(10_000).astype(np.float32) for r in (0, 1)]
+    push(ex, 0, g[0])
+    out = push(ex, 1, g[1])
+    want = (g[0].astype(np.float64) * (13 / 61) + g[1].astype(np.float64) * (48 / 61)).astype(np.float32)
+    np.testing.assert_array_equal(out[0][1].arrays[0], want)
+
+
+def test_finite_gradients_near_float32s_limit_are_summed_not_refused():
+    ex, _ = make()
+    open_all(ex)
+    big = [np.full(4, 3e38, np.float32), np.full(4, -3e38, np.float32), np.full(4, 3e38, np.float32)]
+    out = push(ex, 0, big[0]) + push(ex, 1, big[1]) + push(ex, 2, big[2])
+    assert [type(m).__name__ for _, m in out] == ["ExchangeResult"] * 3
+    want = np.float32((8 * 3e38 - 24 * 3e38 + 32 * 3e38) / 64)
+    np.testing.assert_allclose(out[0][1].arrays[0], want, rtol=1e-6)
+
+
+class _Raising:
+    """A custom policy with a bug: it divides by a report's compute time, which may be 0."""
+
+    name = "raising"
+
+    def join(self, worker_id: int) -> None:
+        pass
+
+    def leave(self, worker_id: int) -> None:
+        pass
+
+    def observe(self, report) -> None:
+        1.0 / report.telemetry.compute_s
+
+    def assign(self, workers, global_batch, min_batch=1, *, max_batch=None):
+        return {w: global_batch // len(workers) for w in workers}
+
+
+def test_a_policy_that_raises_fails_the_iteration_for_every_rank_and_a_restart_recovers():
+    from batchsize_manager.policies import BatchPolicy
+
+    policy = type("Raising", (_Raising, BatchPolicy), {})()
+    ex = GradientExchange(BatchSizeManager(policy, 64), 2)
+    open_all(ex)
+    g = grads(2)
+    assert push(ex, 0, g[0], telemetry=Telemetry(compute_s=0.01)) == []
+    out = push(ex, 1, g[1], telemetry=Telemetry(compute_s=0.0))
+    assert sorted((i, m.code) for i, m in out) == [(b"id0", "policy_error"), (b"id1", "policy_error")]
+    assert "ZeroDivisionError" in out[0][1].message
+    assert ex.failed is not None and not ex.buckets and ex.held_bytes == 0
+    open_all(ex)                          # the restarted job: a fresh iteration 0, nothing "done"
+    push(ex, 0, g[0], telemetry=Telemetry(compute_s=0.01))
+    out = push(ex, 1, g[1], telemetry=Telemetry(compute_s=0.02))
+    assert [type(m).__name__ for _, m in out] == ["ExchangeResult"] * 2 and ex.iteration == 1
+
+
 def test_buckets_answer_as_they_complete_and_only_the_last_moves_the_iteration():
     ex, _ = make(world=2)
     open_all(ex)
@@ -120,6 +180,7 @@ def _state(ex: GradientExchange) -> tuple:
 
 @pytest.mark.parametrize("case, code", [
     ("token", "unauthorized"),
+    ("non_ascii_token", "unauthorized"),
     ("other_rank_token", "unauthorized"),
     ("rank", "unknown_worker"),
     ("iteration", "not_planned"),
@@ -133,6 +194,8 @@ def test_pushes_without_the_ranks_token_are_refused_and_change_nothing(case, cod
     with pytest.raises(Refused) as err:
         if case == "token":
             push(ex, 1, g[1], token="forged")
+        elif case == "non_ascii_token":     # compare_digest refuses non-ASCII str: bytes compared
+            push(ex, 1, g[1], token="é" * 32)
         elif case == "other_rank_token":
             push(ex, 1, g[1], token=ex.tokens[0])
         elif case == "rank":
@@ -240,12 +303,40 @@ def test_a_restarted_job_opens_at_once_and_the_dead_incarnations_buckets_go(cras
     assert ex.abandoned == 1 and ex.completed == 1
 
 
-def test_opening_again_without_buckets_in_gives_a_fresh_token_and_abandons_nothing():
-    ex, _ = make()
+@pytest.mark.parametrize("first", [0, 2])
+@pytest.mark.parametrize("done_before", [0, 1])
+def test_a_restarted_job_voids_the_dead_one_whichever_rank_opens_first(first, done_before):
+    """Whichever rank of the restarted job opens first, a sender of the dead job's buckets (0)
+    or a rank that sent nothing (2), and whether the open iteration was opened or reached by
+    completing the one before: nothing the dead job sent is summed with the new ranks' buckets,
+    and a process of the dead job that still pushes is refused."""
+    ex, clock = make(stale_s=60.0)
     open_all(ex)
-    push(ex, 0, grads()[0])
-    before = ex.tokens[1]
-    assert open_rank(ex, 1).token != before and ex.buckets, "rank 1 sent nothing: nothing is abandoned"
+    g = grads()
+    for t in range(done_before):                  # iterations completed before the crash
+        for r in range(3):
+            push(ex, r, g[r], iteration=t)
+    t = done_before
+    push(ex, 0, g[0] + 100.0, iteration=t)       # the dead job's rank 0 sent its bucket
+    old0 = ex.tokens[0]
+    clock.now = 2.0                               # rank 1 crashed; torchrun restarts all three
+    told = ex.open(f"new{first}".encode(), first, t)
+    assert [(i, m.code) for i, m in told[:-1]] == [(b"id0", "iteration_failed")]
+    assert "restarted job" in told[0][1].message and not ex.buckets and ex.held_bytes == 0
+    with pytest.raises(Refused) as err:           # the dead job's rank 0, still pushing
+        push(ex, 0, g[0], iteration=t, token=old0)
+    assert err.value.code == "unauthorized" and not ex.buckets
+    new = [x + 10.0 for x in g]
+    push(ex, first, new[first], iteration=t)
+    for r in [r for r in range(3) if r != first]:
+        open_rank(ex, r, t)                       # the other new ranks open: no second restart
+    assert ex.generation == 1 and ex.abandoned == 1 and ex.buckets
+    for r in [r for r in range(3) if r != first]:
+        out = push(ex, r, new[r], iteration=t)
+    mean = out[0][1].arrays[0]
+    want = sum(PLAN[r] / X * new[r].astype(np.float64) for r in range(3)).astype(np.float32)
+    np.testing.assert_array_equal(mean, want)     # the dead rank 0's bucket is nowhere in it
+    assert ex.completed == done_before + 1
 
 
 def test_held_bytes_and_open_buckets_are_bounded():
