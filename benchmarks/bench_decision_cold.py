@@ -13,9 +13,14 @@ Usage::
 
     python benchmarks/bench_decision_cold.py [--workers 4 100 1000] [--decisions 150]
     python benchmarks/bench_decision_cold.py --workers 4 --gaps 0 0.1 1 5 30 100
+    python benchmarks/bench_decision_cold.py --workers 4 100 --refits narx arima
 
 ``--gaps``: the cold start against the idle time before a decision (the first row is the
 tight loop, the ratio column is against it).
+
+``--refits``: what the models that refit (NARX, ARIMA, refits in their helper process) add to a
+paced decision: the decisions split by whether a refit job was handed to the helper in them,
+one's results swapped in, both or neither, each group's mean CPU, with EMA's as the reference.
 
 CPU times are this thread's (``time.thread_time``); mean over the decisions after 20 warm-up ones.
 """
@@ -82,6 +87,45 @@ def manager_run(n: int, mode: str | float, decisions: int) -> tuple[float, float
     m.close()
     flush, decide = zip(*parts[WARMUP:])
     return statistics.fmean(flush), statistics.fmean(decide)
+
+
+def refit_run(n: int, predictor: str, decisions: int, gap_s: float = 0.03) -> dict[str, list[float]]:
+    """Decision CPU seconds (apply + decide) of lbbsp-cpu with ``predictor`` at ``n`` workers,
+    one decision per ``gap_s`` of sleep, grouped by the refit traffic in each decision."""
+    from batchsize_manager import BatchSizeManager
+    from batchsize_manager.simulation import SimulatedWorker, Simulation
+
+    m = BatchSizeManager("lbbsp-cpu", 64 * n, policy_args={"predictor": predictor})
+    workers = [SimulatedWorker(1000.0 * (1 + i % 4), overhead=0.005, saturation_batch=0, noise=0.03, seed=i)
+               for i in range(n)]
+    sim = Simulation(m, workers)
+    sim.run(40)                                   # past the models' first fits
+    pred = m.policy.predictor
+    groups: dict[str, list[float]] = {"none": [], "submit": [], "landing": [], "both": []}
+    for i in range(decisions):
+        jobs, fits = getattr(pred, "submitted_jobs", 0), getattr(pred, "landed_fits", 0)
+        sim.step()
+        submitted = getattr(pred, "submitted_jobs", 0) > jobs
+        landed = getattr(pred, "landed_fits", 0) > fits
+        if i >= WARMUP:
+            key = "both" if submitted and landed else "submit" if submitted else "landing" if landed else "none"
+            groups[key].append(m.last_decision_cpu_s)
+        time.sleep(gap_s)
+    m.close()
+    return groups
+
+
+def refit_table(workers: list[int], predictors: list[str], decisions: int) -> list[str]:
+    lines = ["| predictor | workers | decisions: none / submit / landing / both | CPU µs, mean: none | "
+             "submit | landing | both | all |", "|---|---|---|---|---|---|---|---|"]
+    for n in workers:
+        for predictor in ["ema", *predictors]:
+            g = refit_run(n, predictor, decisions)
+            every = [x for v in g.values() for x in v]
+            cell = lambda v: f"{statistics.fmean(v) * 1e6:.0f}" if v else "-"  # noqa: E731
+            lines.append(f"| {predictor} | {n:,} | {' / '.join(str(len(v)) for v in g.values())} | "
+                         + " | ".join(cell(v) for v in g.values()) + f" | {cell(every)} |")
+    return lines
 
 
 def reference_jobs() -> dict[str, Callable[[], None]]:
@@ -178,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gaps", type=float, nargs="+", default=None, metavar="MS",
                     help="instead: one whole decision (apply + decide, EMA, at the first --workers) "
                          "after sleeps of these many ms, to show how the cold start grows with the idle time")
+    ap.add_argument("--refits", nargs="+", default=None, metavar="PREDICTOR", choices=("narx", "arima"),
+                    help="instead: decisions paced 30 ms apart, grouped by the refit traffic in them "
+                         "(a job handed to the helper, results swapped in), for these predictors and EMA")
     args = ap.parse_args(argv)
     if args.decisions <= WARMUP:
         ap.error(f"--decisions must exceed the {WARMUP} warm-up ones")
@@ -194,6 +241,11 @@ def main(argv: list[str] | None = None) -> int:
             base = base or apply_s + decide_s
             print(f"| {gap:g} | {us(apply_s)} | {us(decide_s)} | {us(apply_s + decide_s)} | "
                   f"{(apply_s + decide_s) / base:.1f}x |")
+        return 0
+    if args.refits is not None:
+        print(f"## One lbbsp-cpu decision per 30 ms, by the refit traffic in it (CPU µs, mean; "
+              f"{args.decisions - WARMUP} decisions after {WARMUP} more and 40 iterations of warm-up)\n")
+        print("\n".join(refit_table(args.workers, args.refits, args.decisions)))
         return 0
     lines = ["| what | workers | " + " | ".join(f"{m}: CPU µs" for m in MODES) + " | sleep / tight |",
              "|---|---|" + "---|" * (len(MODES) + 1)]
