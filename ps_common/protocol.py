@@ -34,7 +34,7 @@ from ps_common.frozen import fill, plain_defaults
 from ps_common.report import Telemetry
 
 MAGIC = b"LBPS"
-VERSION = 10
+VERSION = 11
 HEADER_PREFIX = MAGIC + bytes([VERSION])
 MAX_HEADER_BYTES = 1 << 20
 ALLOWED_DTYPES = frozenset({"<f4", "<f8", "<i8", "<i4", "|u1"})
@@ -88,6 +88,10 @@ class Plan:
     iteration: int
     workers: list[int]
     batch_sizes: list[int]
+    #: the iteration's global batch X as it was planned (protocol 11): the batch sizes of the
+    #: workers still in the plan add up to less once a worker was lost, and a flexrr helper that
+    #: took the lost worker's chunks pushes more than they add up to. 0: their sum
+    total: int = 0
 
 
 @dataclass

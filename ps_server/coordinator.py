@@ -254,20 +254,28 @@ class Coordinator:
     def token_ok(self, worker_id: int, token: str) -> bool:
         return worker_id in self.members and hmac.compare_digest(self.token(worker_id), token)
 
-    def leave(self, worker_id: int, reason: str = "left") -> None:
+    def leave(self, worker_id: int, reason: str = "left") -> bool:
         """Remove a worker (graceful leave, declared lost, replaced); no barrier waits for it.
+        Returns whether it was a member.
 
         Its gradients that are not complete will never be: they are dropped everywhere and
-        their samples go back to the cursor. A complete one is still applied.
+        their samples go back to the cursor. A complete one is still applied. Called again for
+        a worker that already left, it drops what is no longer complete since (a shard that
+        held its gradient started again empty), so that no round waits for it.
         """
-        if self.members.leave(worker_id) is None:
-            return
-        self._sent.pop(worker_id, None)
-        self.chunk_speeds.pop(worker_id, None)
-        if not self.policy.plans_rounds:   # round modes start these afresh with every plan
-            self.reports.pop(worker_id, None)
-            self.losses.pop(worker_id, None)
-        log.info("worker %d %s; %d live", worker_id, reason, len(self.members))
+        if self.members.leave(worker_id) is not None:
+            self._sent.pop(worker_id, None)
+            self.chunk_speeds.pop(worker_id, None)
+            if not self.policy.plans_rounds:   # round modes start these afresh with every plan
+                self.reports.pop(worker_id, None)
+                self.losses.pop(worker_id, None)
+            log.info("worker %d %s; %d live", worker_id, reason, len(self.members))
+            member = True
+        elif worker_id in self.plan or worker_id in self.outstanding:
+            log.info("worker %d, gone already: %s", worker_id, reason)
+            member = False
+        else:
+            return False
         for clock, a in sorted(self.outstanding.pop(worker_id, {}).items()):
             g = self.ledger.get((worker_id, clock))
             if g is not None and g.complete:
@@ -287,6 +295,7 @@ class Coordinator:
                         self.cursor.give_back(self.chunks.drain_unclaimed())
                         self.chunks = None
                     self.replan_pending = True
+        return member
 
     def silent_workers(self, timeout_s: float) -> list[int]:
         """Workers not heard from (push or heartbeat) for longer than ``timeout_s``."""
@@ -350,7 +359,8 @@ class Coordinator:
         if not self.plan or self.stop:  # no plan: an async mode, or nobody live
             return None
         ws = sorted(self.plan)
-        return Plan(iteration=self.iteration, workers=ws, batch_sizes=[self.plan[w].batch_size for w in ws])
+        return Plan(iteration=self.iteration, workers=ws, batch_sizes=[self.plan[w].batch_size for w in ws],
+                    total=self.plan[ws[0]].global_batch)
 
     def current_global_batch(self) -> int:
         """X for the next plan: constant, or worker_batch x live workers (elastic.keep)."""

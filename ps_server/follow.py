@@ -123,7 +123,7 @@ class Follow:
             planned = plan.batch_sizes[plan.workers.index(w)]
         except ValueError:
             raise Refused("not_planned", f"worker {w} is not in iteration {t}'s plan") from None
-        largest = self.server.policy.largest_push(planned, sum(plan.batch_sizes))
+        largest = self.server.policy.largest_push(planned, plan.total or sum(plan.batch_sizes))
         if x > largest:
             raise Refused("bad_batch", f"worker {w} was planned {planned} samples for iteration {t}, "
                                        f"the push says {x}")

@@ -332,9 +332,9 @@ class Lead:
 
     def remove_worker(self, worker_id: int, reason: str) -> None:
         coord = self.coord
-        coord.leave(worker_id, reason)
-        self.metrics.write(event="worker_removed", worker=worker_id, reason=reason, live=coord.live(),
-                           version=self.server.state.version)
+        if coord.leave(worker_id, reason):    # a worker gone already: no second event
+            self.metrics.write(event="worker_removed", worker=worker_id, reason=reason,
+                               live=coord.live(), version=self.server.state.version)
         self.server.pulls_changed()  # e.g. SSP: nobody waits for the departed worker's clock any more
         self.advance()
         self._announce_plan(coord.try_start())

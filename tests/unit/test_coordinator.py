@@ -95,6 +95,29 @@ def test_a_shard_that_started_again_empty_holds_nothing_and_names_whose_gradient
         "nothing of the old shard 2's gradients is committed; they are dropped everywhere"
 
 
+@pytest.mark.parametrize("sync", ["bsp", "asp"])
+def test_a_worker_gone_before_a_shard_started_again_empty_is_not_waited_for(sync):
+    """Worker 2's gradient was complete (so it stayed in the round when it was lost), then shard 2
+    started again empty: the gradient is no longer complete, and nobody will push it again. Its
+    samples go back once and the others' round commits without it (before, leave() ignored a
+    worker that was not a member any more, and the round waited for it for good)."""
+    c = coordinator(sync)
+    ranges = c.plan[2].ranges if sync == "bsp" else c.assignment(2, 0).ranges
+    push(c, 2, it=0)
+    assert c.leave(2, "lost") and (2 in c.plan if sync == "bsp" else 2 in c.outstanding)
+    served = c.cursor.state.samples_served
+    assert c.shard_started_empty(2) == [2]
+    assert c.leave(2, "its gradient was on shard 2, which started again empty") is False
+    assert 2 not in c.plan and 2 not in c.outstanding
+    assert c.cursor.state.samples_served == served - samples_of(ranges), "given back once"
+    assert c.leave(2, "again") is False and c.cursor.state.samples_served == served - samples_of(ranges)
+    if sync == "bsp":
+        push(c, 0)
+        push(c, 1)
+        (d,) = c.decide()
+        assert d.entries == [[0, 20], [1, 20]] and [2, 0] in d.drops
+
+
 def test_a_worker_lost_after_pushing_everywhere_still_counts():
     c = coordinator()
     push(c, 0)
