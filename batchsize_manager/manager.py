@@ -178,7 +178,7 @@ class BatchSizeManager:
         if name is None:
             return None
         try:
-            cap = self.memory.out_of_memory(name, batch_size)
+            cap = self.memory.out_of_memory(name, batch_size, self.min_batch)
         except CannotFit as exc:
             log.error("%s", exc)
             return None
@@ -189,12 +189,13 @@ class BatchSizeManager:
     def out_of_memory(self, worker_id: int, batch_size: int) -> int:
         """Worker ``worker_id`` failed with ``batch_size`` samples: learn from it and return the
         size to retry with. Raises :class:`~batchsize_manager.memory.CannotFit` when a single
-        sample failed, ``KeyError`` for a worker that is not live."""
+        sample failed or the new cap would be below ``min_batch`` (nothing is learned then),
+        ``KeyError`` for a worker that is not live."""
         name = self.membership.name_of(worker_id)
         if name is None:
             raise KeyError(f"worker {worker_id} is not live")
         self._flush(timed=True)
-        cap = self.memory.out_of_memory(name, batch_size)
+        cap = self.memory.out_of_memory(name, batch_size, self.min_batch)
         log.warning("worker %d (%s) ran out of memory at batch %d; retrying with %d", worker_id,
                     name, batch_size, cap)
         return cap

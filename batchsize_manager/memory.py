@@ -22,7 +22,7 @@ therefore never picks as leader a worker without room for more samples.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import chain
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
@@ -105,8 +105,15 @@ class MemoryCaps:
 
     def _learned(self, name: str) -> int | None:
         s = self._search.get(name)
-        if s is None:
-            return None
+        return None if s is None else self._learned_from(s)
+
+    def probe_cap(self, fits: int, fails: int | None = None) -> int | None:
+        """The cap that a start-up probe alone (:meth:`probed`) would set, learning nothing: a
+        coordinator refuses a Join whose probe would leave the worker below min_batch."""
+        return self._learned_from(_Search(fits=max(0, int(fits)),
+                                          fails=None if fails is None or fails <= fits else int(fails)))
+
+    def _learned_from(self, s: _Search) -> int | None:
         fits = s.fits if s.fails is None else min(s.fits, s.fails - 1)
         head = None if s.headroom_cap is None else max(s.headroom_cap, fits)  # never below a fit
         if s.fails is None:
@@ -135,20 +142,31 @@ class MemoryCaps:
         return {n: {"fits": s.fits, "fails": s.fails, "cap": self.cap(n)} for n, s in self._search.items()}
 
     # ----- what is learned ----------------------------------------------------------------------
-    def out_of_memory(self, name: str, batch_size: int) -> int:
+    def out_of_memory(self, name: str, batch_size: int, floor: int = 1) -> int:
         """``batch_size`` failed: the size to retry with (the new cap). Raises :class:`CannotFit`
-        when one sample failed."""
+        when one sample failed, or when the new cap would fall below ``floor`` (the job's
+        min_batch: no split could include the worker, and every split would fail), and then
+        learns nothing: the worker cannot take part, the job goes on without it."""
         if batch_size <= 1:
             raise CannotFit(f"worker {name!r} ran out of memory with a single sample")
+        before = self._search.get(name)
+        kept = None if before is None else replace(before)
         s = self._entry(name)
         s.fails = batch_size if s.fails is None else min(s.fails, batch_size)
         if s.fits >= s.fails:
             s.fits = 0          # what fitted before fails now: the memory shrank, search again
         if s.headroom_cap is not None and s.headroom_cap >= batch_size:
             s.headroom_cap = None   # the estimate was wrong: trust the failure
-        self.version += 1
         cap = self.cap(name)
         assert cap is not None and cap < batch_size
+        if cap < floor:
+            if kept is None:
+                del self._search[name]
+            else:
+                self._search[name] = kept
+            raise CannotFit(f"worker {name!r} ran out of memory at {batch_size} samples: its cap would "
+                            f"be {cap}, below min_batch={floor}")
+        self.version += 1
         return cap
 
     def completed(self, name: str, batch_size: int, telemetry: Telemetry | None = None) -> None:

@@ -436,7 +436,7 @@ class Worker:
                               batch_size=a.batch_size), P.Reassignment)
         except RemoteError as exc:
             if exc.code == "cannot_fit":
-                self._leave("a single sample does not fit in memory")
+                self._leave("it cannot hold the job's smallest share (min_batch) in memory")
                 raise CannotFitInMemory(f"worker {self.name}: {exc}; raise worker.memory_limit_mb "
                                         "or use a smaller model") from None
             if exc.code in REJOIN_CODES:

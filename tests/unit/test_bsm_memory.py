@@ -123,3 +123,19 @@ def test_churn_under_new_names_keeps_the_live_workers_caps():
         m.leave(k)
     assert m.memory_caps == {0: kept} and len(set(m.memory.capped_names())) <= 8
     assert m.assign() == {0: kept, 1: 512 - kept}
+
+
+def test_a_failure_that_would_cap_a_worker_below_the_floor_is_refused_and_learns_nothing():
+    caps = MemoryCaps()
+    caps.probed("a", 8)
+    before = (caps.cap("a"), caps.version)
+    with pytest.raises(CannotFit, match="below min_batch=5"):
+        caps.out_of_memory("a", 5, floor=5)          # the retry would get 4 samples
+    assert (caps.cap("a"), caps.version) == before, "the earlier search is kept as it was"
+    with pytest.raises(CannotFit):
+        caps.out_of_memory("fresh", 4, floor=4)
+    assert caps.cap("fresh") is None and caps.capped_count() == 1
+    plain = MemoryCaps()
+    plain.probed("a", 8)
+    assert caps.out_of_memory("a", 40, floor=5) == plain.out_of_memory("a", 40) == 24  # as before
+    assert caps.probe_cap(21, 22) == 20 and caps.probe_cap(12) is None

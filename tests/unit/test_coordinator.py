@@ -479,6 +479,51 @@ def test_out_of_memory_reports_that_do_not_match_what_is_due_change_nothing(case
     assert (sizes(c), c.cursor.state_dict(), c.manager.memory_caps) == before
 
 
+def test_out_of_memory_below_min_batch_refuses_the_worker_and_the_job_goes_on():
+    """A worker (any holder of the worker credential) that reports out-of-memory again and again
+    would cap itself below min_batch, and the next split would stop the job: it is refused
+    ``cannot_fit`` instead (the worker leaves), and nothing is learned."""
+    from ps_server.coordinator import NotReassigned
+
+    cfg = validate({"training": {"global_batch": 16, "min_batch": 4, "max_iterations": 10},
+                    "cluster": {"num_workers": 2}})
+    c = Coordinator(cfg, 1000, BatchSizeManager("uniform", 16, min_batch=4), BSP(), num_shards=S)
+    c.join("honest", "i0")
+    c.join("evil", "i1")
+    c.try_start()
+    x = c.plan[1].batch_size
+    while True:
+        try:
+            x = c.out_of_memory(1, 0, x).batch_size
+        except NotReassigned as err:
+            assert err.code == "cannot_fit" and "below min_batch=4" in str(err)
+            break
+        assert x >= 4, "no cap below min_batch is ever learned"
+    caps = c.manager.memory_caps
+    assert caps.get(1, 4) >= 4 and not c.stop
+    c.leave(1, "it cannot hold min_batch samples")
+    push(c, 0)
+    (d,) = c.decide()
+    assert not c.stop and d.next_plan.workers == [0] and d.next_plan.batch_sizes == [16]
+
+
+def test_a_probe_whose_cap_falls_below_min_batch_is_refused_at_the_join():
+    """fits = min_batch but fails one above it: the margin below the failure would cap the
+    worker under min_batch, and the first split would stop the job."""
+    from ps_server.coordinator import JoinRefused
+
+    cfg = validate({"training": {"global_batch": 60, "min_batch": 21, "max_iterations": 10},
+                    "cluster": {"num_workers": 2}})
+    c = Coordinator(cfg, 1000, BatchSizeManager("uniform", 60, min_batch=21), BSP(), num_shards=S)
+    with pytest.raises(JoinRefused) as err:
+        c.join("evil", "i0", memory_fits=21, memory_fails=22)
+    assert err.value.code == "cannot_fit" and "caps it at 20" in str(err.value)
+    assert len(c.members) == 0 and c.manager.memory_caps == {}
+    c.join("a", "i1", memory_fits=40, memory_fails=41)    # a cap of 38: admitted
+    c.join("b", "i2")
+    assert c.try_start() is not None and not c.stop
+
+
 def test_a_start_up_probe_caps_the_first_plan():
     cfg = validate({"training": {"global_batch": 60, "max_iterations": 10}, "cluster": {"num_workers": 2}})
     c = Coordinator(cfg, 1000, BatchSizeManager("uniform", 60), BSP(), num_shards=S)
