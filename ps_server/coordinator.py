@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import hmac
+import itertools
 import logging
 import os
 import time
@@ -59,6 +60,40 @@ class JoinRefused(PsError):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+#: Drops one commit carries at most (the rest ride on the next ones): each is up to 28 bytes of
+#: msgpack, so a commit's header stays well under the 1 MiB a follower decodes.
+MAX_DROPS_PER_COMMIT = 16_384
+
+
+class PendingDrops:
+    """Gradients every shard should forget, each once, in the order they were found: sized
+    ``(worker, iteration, batch_size)`` (only where held at that size) or unsized ``(worker,
+    iteration)``. A follower reports what it holds at every beat, so the same unexpected entry
+    comes in again and again until a commit carries its drop: kept once, the list is bounded by
+    what the shards hold, not by time (a peer that had followers hold many gradients of
+    departed workers once grew it past what a commit can carry, and the follower stalled)."""
+
+    def __init__(self) -> None:
+        self._keys: dict[tuple[int, ...], None] = {}
+
+    def add(self, key: tuple[int, ...]) -> None:
+        self._keys[tuple(key)] = None
+
+    def take(self, limit: int) -> list[list[int]]:
+        """The first ``limit`` of them (removed), as a commit's ``drops``."""
+        out = []
+        for key in list(itertools.islice(self._keys, max(0, limit))):
+            del self._keys[key]
+            out.append(list(key))
+        return out
+
+    def clear(self) -> None:
+        self._keys.clear()
+
+    def __len__(self) -> int:
+        return len(self._keys)
 
 
 class NotReassigned(PsError):
@@ -167,7 +202,7 @@ class Coordinator:
         self.outstanding: dict[int, dict[int, Assignment]] = {}  # async: worker -> clock -> assignment
         self.ledger: dict[tuple[int, int], _Gradient] = {}
         self._completed: list[tuple[int, int]] = []  # completion order, not yet decided on
-        self._pending_drops: list[list[int]] = []
+        self._pending_drops = PendingDrops()
         self.stop = False
         self.stop_reason = ""
         self.stop_version = -1
@@ -664,12 +699,12 @@ class Coordinator:
                 self.count("have.unexpected")
                 # Sized: the assigned gradient may reach other shards under the same key before
                 # this drop does, and must survive it.
-                self._pending_drops.append([worker_id, iteration, batch_size])
+                self._pending_drops.add((worker_id, iteration, batch_size))
                 return
             g = self.ledger[key] = _Gradient(batch_size)
         elif g.batch_size != batch_size:
             self.count("have.conflict")
-            self._pending_drops.append([worker_id, iteration, batch_size])  # not the ledger's size
+            self._pending_drops.add((worker_id, iteration, batch_size))  # not the ledger's size
             return
         if shard in g.shards:
             return
@@ -716,7 +751,7 @@ class Coordinator:
 
     def _discard(self, key: tuple[int, int]) -> None:
         if self.ledger.pop(key, None) is not None:
-            self._pending_drops.append(list(key))
+            self._pending_drops.add(key)
 
     def record_report(self, report: WorkerReport, loss: float) -> None:
         """Telemetry from a worker's push to shard 0; the batch policy gets it in
@@ -759,8 +794,8 @@ class Coordinator:
             if w not in accepted:  # a late backup worker: its samples are served again
                 self.cursor.give_back(a.ranges)
                 self.count("gradients_dropped")
-        drops = self._pending_drops + [[w, it] for (w, it) in self.ledger if it <= t and w not in accepted]
-        self._pending_drops = []
+        stale = [[w, it] for (w, it) in self.ledger if it <= t and w not in accepted]
+        drops = self._pending_drops.take(MAX_DROPS_PER_COMMIT - len(stale)) + stale
         self.ledger = {k: g for k, g in self.ledger.items() if k[1] > t}
         self._completed = [k for k in self._completed if k[1] > t]
         entries = [[w, plan[w].batch_size] for w in accepted]
@@ -782,7 +817,7 @@ class Coordinator:
             a = self.outstanding.get(w, {}).get(c)
             if g is None or a is None or a.batch_size != g.batch_size:
                 self.count("have.unexpected")
-                self._pending_drops.append([w, c])
+                self._pending_drops.add((w, c))
                 continue
             del self.outstanding[w][c]
             if not self.outstanding[w]:
@@ -790,7 +825,7 @@ class Coordinator:
             info = self.members.get(w)
             if info is not None:
                 info.clock = max(info.clock, c + 1)
-            drops, self._pending_drops = self._pending_drops, []
+            drops = self._pending_drops.take(MAX_DROPS_PER_COMMIT)
             record = self._record(c, {w: a}, [w])
             self._check_stop(self.clock())  # a stop here drops everything not yet committed
             return [CommitDecision(self.version, c, [[w, a.batch_size]], a.batch_size / a.global_batch,
@@ -838,7 +873,8 @@ class Coordinator:
         """Resume: progress and cursor from the checkpoint; wait for the workers to join again."""
         self.members.clear()
         self.plan, self.outstanding, self.ledger, self.chunks = {}, {}, {}, None
-        self._completed, self._pending_drops = [], []
+        self._completed = []
+        self._pending_drops.clear()
         self._unobserved, self._ahead = {}, None
         self.pause.clear()
         self.cursor.load_state_dict(d["cursor"])
@@ -907,7 +943,8 @@ class Coordinator:
             for a in mine.values():
                 self.cursor.give_back(a.ranges)
         self.outstanding = {}
-        self._pending_drops += [list(k) for k in self.ledger]
+        for key in self.ledger:
+            self._pending_drops.add(key)
         self.ledger, self._completed = {}, []
 
     def on_eval(self, accuracy: float, final: bool = False, version: int = -1) -> bool:

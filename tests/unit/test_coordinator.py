@@ -658,3 +658,25 @@ def test_resume_leaves_the_old_members_everywhere_and_takes_the_new_ones():
     ids = [d.join(f"again{i}", f"again-{i}") for i in range(3)]
     assert ids == [3, 4, 5] and d.manager.live_workers == d.live() == ids
     assert d.try_start() is not None and sizes(d) == {3: 20, 4: 20, 5: 20}
+
+
+def test_drops_of_entries_a_follower_keeps_reporting_are_kept_once_and_a_commit_carries_a_bounded_number(
+        monkeypatch):
+    """A follower reports what it holds at every beat; gradients nobody assigned (a peer with the
+    worker credential pushing under departed workers' tokens, async modes) come back each time.
+    Their drops must not pile up between commits, nor make one commit too large to decode."""
+    from ps_server import coordinator as coordinator_module
+
+    c = coordinator("asp", workers=2)
+    bogus = [(1000 + i, 10**9, 1) for i in range(300)]
+    for _ in range(50):                           # 50 beats of the same 300 held entries
+        for w, t, x in bogus:
+            c.on_gradient(1, w, t, x)
+    assert len(c._pending_drops) == 300, "each drop is kept once, not once per beat"
+    monkeypatch.setattr(coordinator_module, "MAX_DROPS_PER_COMMIT", 128)
+    a = c.assignment(0, 0)
+    for k in range(S):
+        c.on_gradient(k, 0, 0, a.batch_size)
+    (d,) = c.decide()
+    assert len(d.drops) == 128 and d.drops[0] == [1000, 10**9, 1]
+    assert len(c._pending_drops) == 300 - 128, "the rest ride on the next commits"
