@@ -352,10 +352,13 @@ class Worker:
         retries = 0
         while True:
             t0 = time.perf_counter()
-            x, y = self._batch(a.ranges, a.batch_size)
-            t1 = time.perf_counter()
-            self.memory.begin()
+            x = y = None
             try:
+                # loading the batch allocates too (its inputs, on the device): a failure there
+                # asks for a smaller share as well, instead of ending the worker
+                x, y = self._batch(a.ranges, a.batch_size)
+                t1 = time.perf_counter()
+                self.memory.begin()
                 loss = self._gradient(x, y)
             except Exception as exc:  # noqa: BLE001 - only an allocation failure is handled
                 if not is_out_of_memory(exc):
@@ -493,10 +496,11 @@ class Worker:
 
     def _fits(self, b: int) -> bool:
         idx = np.arange(b) % self.data.num_train
-        x, y = self.data.train_batch(idx)
-        if self.device.type != "cpu":
-            x, y = x.to(self.device), y.to(self.device)
+        x = y = None
         try:
+            x, y = self.data.train_batch(idx)
+            if self.device.type != "cpu":
+                x, y = x.to(self.device), y.to(self.device)
             self._gradient(x, y)
             return True
         except Exception as exc:  # noqa: BLE001

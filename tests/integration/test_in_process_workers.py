@@ -89,3 +89,52 @@ def test_in_process_workers_match_single_process_sgd(tmp_path, no_tf32, device, 
     err = float(np.linalg.norm(final - ref) / np.linalg.norm(ref))
     print(f"{device} workers against single-process SGD on the CPU: relative error {err:.2e}")
     assert err < 1e-5
+
+
+def test_a_batch_that_does_not_fit_while_it_loads_gets_a_smaller_share(tmp_path):
+    """Loading the inputs allocates too: worker 1's loader fails with numpy's own MemoryError for
+    more than 16 samples (an allocation no host can make, as an address-space limit fails a
+    large input). The worker asks for a smaller share as it does when the backward fails, and
+    both train to the end (before, the loader's failure ended the worker)."""
+    _, cfg = write_config(tmp_path, {
+        "run": {"seed": 5}, "model": {"name": "lenet"},
+        "data": {"dataset": "synthetic", "synthetic_train": 512, "synthetic_test": 128},
+        "training": {"global_batch": 64, "max_iterations": 6},
+        "cluster": {"num_shards": 2, "num_workers": 2},
+        "mode": {"batch_policy": "fixed", "batch_policy_args": {"weights": [1, 3]}},
+        "evaluator": {"enabled": False},
+    })
+    ctx = zmq.Context.instance()
+    s0 = ShardServer(cfg, 0, ctx=ctx)
+    s1 = ShardServer(cfg, 1, coordinator=s0.endpoint, ctx=ctx)
+    for s in (s0, s1):
+        threading.Thread(target=s.run, daemon=True).start()
+    try:
+        workers = [Worker(cfg, s0.endpoint, name=f"w{i}", ctx=ctx) for i in range(2)]
+        workers[1].data = _SmallMemory(workers[1].data)
+        threads = [threading.Thread(target=w.run) for w in workers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert [w.iterations_done for w in workers] == [6, 6]
+        assert workers[1].oom_retries >= 1
+        assert s0.role.coord.manager.memory_caps[workers[1].worker_id] < 48, "learned below its first share"
+    finally:
+        s0.stop_event.set()
+        s1.stop_event.set()
+
+
+class _SmallMemory:
+    """A worker's dataset whose batches of more than 16 samples do not fit while they load."""
+
+    def __init__(self, data) -> None:
+        self._data = data
+
+    def __getattr__(self, name: str):
+        return getattr(self._data, name)
+
+    def train_batch(self, idx):
+        if len(idx) > 16:
+            np.empty(1 << 60, dtype=np.uint8)       # MemoryError: Unable to allocate 1.00 EiB
+        return self._data.train_batch(idx)
