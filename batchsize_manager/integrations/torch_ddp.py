@@ -34,7 +34,12 @@ Usage::
         bal.step()  # all ranks: timings -> rank 0's policy -> next sizes
 
 Notes: each rank's loss must be the mean over its own ``x_i`` samples (with ``no_sync``
-gradient accumulation, weight each micro-batch's mean loss by ``micro_size / x_i``). Data
+gradient accumulation, weight each micro-batch's mean loss by ``micro_size / x_i``). Every rank
+runs a forward and backward through the DDP model every iteration, one given ``x_i = 0``
+samples too (over an empty batch; the hook sends zeros): the collectives must stay in step. The
+result equals single-process SGD for models without batch-coupled layers; with batch norm each
+rank normalises over its own share and DDP broadcasts rank 0's running statistics, so uneven
+shares are not exact there (:meth:`DDPBatchBalancer.register_hook` warns). Data
 loading is by index (``rank_indices``) because the batch size changes between iterations; a
 ``DataLoader`` works with ``batch_sampler`` yielding those lists and ``num_workers=0`` (worker
 processes would prefetch batches before the next sizes are known).
@@ -49,6 +54,7 @@ when used); importing it is side-effect free.
 import dataclasses
 import math
 import time
+import warnings
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -138,15 +144,23 @@ def weighted_allreduce_hook(
         return _through_server(state, bucket)
     group = state.process_group if state.process_group is not None else dist.group.WORLD
     slot = state.report_slot
-    if slot is not None and bucket.is_last() and tensor.dtype in (torch.float32, torch.float64):
+    # The reports ride on a dense float bucket; a sparse one (an Embedding with sparse=True) is
+    # reduced as it is, and the balancer gathers the reports on their own (every rank has the
+    # same buckets, so every rank takes the same branch).
+    if (slot is not None and bucket.is_last() and tensor.dtype in (torch.float32, torch.float64)
+            and tensor.layout == torch.strided):
         return _with_reports(state, tensor, group, slot)
     known = state.global_batch
     total = torch.tensor([float(state.batch_size)], dtype=torch.float64, device=tensor.device)
-    # Scale before the sum (like DDP's pre-division) so fp16 buckets do not overflow.
-    _scale(state, tensor)
+    # Scale before the sum (like DDP's pre-division) so fp16 buckets do not overflow. With X
+    # unknown the scale is x_i, not x_i / X: a half-precision bucket is then summed in float32
+    # (x_i times a gradient easily passes fp16's 65,504) and divided before it is cast back.
+    widen = known is None and tensor.dtype in (torch.float16, torch.bfloat16) and tensor.layout == torch.strided
+    work = tensor.to(torch.float32) if widen else tensor
+    _scale(state, work)
     if known is not None and not state.verify:
         return (
-            dist.all_reduce(tensor, group=group, async_op=True)
+            dist.all_reduce(work, group=group, async_op=True)
             .get_future()
             .then(lambda fut: fut.value()[0])
         )
@@ -154,7 +168,7 @@ def weighted_allreduce_hook(
     # The sum of the sizes travels alongside: both collectives are issued in the same order on
     # every rank, and the result is read only when both are done.
     size_fut = dist.all_reduce(total, group=group, async_op=True).get_future()
-    grad_fut = dist.all_reduce(tensor, group=group, async_op=True).get_future()
+    grad_fut = dist.all_reduce(work, group=group, async_op=True).get_future()
 
     def finish(fut: torch.futures.Future[list[torch.futures.Future[Any]]]) -> torch.Tensor:
         size_done, grad_done = fut.value()
@@ -168,7 +182,8 @@ def weighted_allreduce_hook(
             return grad
         if summed <= 0:
             raise RuntimeError("all ranks have batch size 0")
-        return grad.div_(summed)
+        grad = grad.div_(summed)
+        return tensor.copy_(grad) if widen else grad
 
     return torch.futures.collect_all([size_fut, grad_fut]).then(finish)
 
@@ -552,8 +567,18 @@ class DDPBatchBalancer:
         return sampler.rank_indices(self.iteration, self._sizes, self.rank)
 
     def register_hook(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> None:
-        """Install :func:`weighted_allreduce_hook` with this balancer's state on ``ddp_model``."""
+        """Install :func:`weighted_allreduce_hook` with this balancer's state on ``ddp_model``.
+        Warns about batch-norm layers, whose statistics the weighting cannot make exact."""
         ddp_model.register_comm_hook(self.hook_state, weighted_allreduce_hook)
+        norms = [type(m).__name__ for m in ddp_model.modules()
+                 if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+        if norms:
+            warnings.warn(
+                f"the model has batch-norm layers ({', '.join(sorted(set(norms)))}): each rank "
+                f"normalises over its own x_i samples, and DDP broadcasts rank 0's running "
+                f"statistics, so with uneven shares training is not exactly the global batch's "
+                f"(a rank given 0 or 1 samples keeps stale statistics or fails in BatchNorm); "
+                f"min_batch={self.min_batch}", stacklevel=2)
 
     # ---- timing ----------------------------------------------------------------------------
 

@@ -257,6 +257,44 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
         out["lbbsp_sizes"] = lb
         out["lbbsp_telemetry"] = [r.telemetry.host_cpu for r in bal.last_reports]
 
+        # (e) sparse gradients (an Embedding with sparse=True, defined first: DDP's last bucket)
+        # under the default exchange, whose reports otherwise ride on the last bucket.
+        torch.manual_seed(MODEL_SEED)
+        sparse_model = torch.nn.Sequential(torch.nn.Embedding(50, 4, sparse=True), _MeanOver(1),
+                                           torch.nn.Linear(4, 3))
+        reference = _copy_of(sparse_model)
+        gen = torch.Generator().manual_seed(DATA_SEED)
+        tokens, labels = torch.randint(0, 50, (X, 5), generator=gen), torch.randint(0, 3, (X,), generator=gen)
+        bal = DDPBatchBalancer(X, _Scripted([sizes]))
+        ddp = DistributedDataParallel(sparse_model)
+        bal.register_hook(ddp)
+        lo = sum(sizes[:rank])
+        mine = slice(lo, lo + sizes[rank])
+        F.cross_entropy(ddp(tokens[mine]), labels[mine]).backward()
+        bal.step()
+        out["sparse_grads"] = [p.grad.to_dense().numpy().copy() for p in sparse_model.parameters()]
+        if rank == 0:
+            F.cross_entropy(reference(tokens), labels).backward()
+            out["sparse_reference"] = [p.grad.to_dense().numpy().copy() for p in reference.parameters()]
+
+        # (f) half precision with global_batch unknown ("summed"): x_i times a gradient of 300
+        # passes fp16's 65,504; the bucket is summed in float32.
+        half = torch.nn.Linear(4, 1, bias=False).half()
+        torch.nn.init.ones_(half.weight)
+        ddp = DistributedDataParallel(half)
+        ddp.register_comm_hook(WeightedHookState(256, global_batch=None), weighted_allreduce_hook)
+        ddp(torch.full((256, 4), 300.0, dtype=torch.float16)).mean().backward()
+        out["half_grad"] = half.weight.grad.float().numpy().copy()
+
+        # Batch norm cannot be made exact by weighting gradients: registering warns.
+        import warnings
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            DDPBatchBalancer(X, _Scripted([sizes])).register_hook(DistributedDataParallel(
+                torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))))
+        out["bn_warnings"] = [str(w.message) for w in caught]
+
         # A policy failure on rank 0 surfaces on every rank instead of hanging the others.
         bal = DDPBatchBalancer(X, _FailsSecondTime())
         try:
@@ -268,6 +306,21 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
     finally:
         torch.save(out, Path(out_dir) / f"rank{rank}.pt")
         dist.destroy_process_group()
+
+
+class _MeanOver(torch.nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(self.dim)
+
+
+def _copy_of(model: torch.nn.Module) -> torch.nn.Module:
+    import copy
+
+    return copy.deepcopy(model)
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
@@ -301,6 +354,27 @@ def test_weighted_gradient_equals_global_batch_gradient(ranks):
             assert _rel(res[r][f"grad_{mode}"], ref) < 1e-5, (r, mode)
     # DDP's own averaging (by world size) is wrong for uneven batches: the hook matters.
     assert _rel(res[0]["grad_default"], ref) > 1e-2
+
+
+def test_sparse_gradients_under_the_default_exchange_are_the_global_batchs(ranks):
+    """The reports ride on the last bucket only when it is dense: a sparse last bucket (before,
+    ``view`` on a sparse tensor raised on every rank) is reduced as it is, the reports gathered."""
+    world, res = ranks
+    for r in range(world):
+        for got, want in zip(res[r]["sparse_grads"], res[0]["sparse_reference"]):
+            assert _rel(got, want) < 1e-5
+
+
+def test_batch_norm_layers_are_named_in_a_warning(ranks):
+    world, res = ranks
+    for r in range(world):
+        assert any("BatchNorm1d" in m and "not exactly" in m for m in res[r]["bn_warnings"]), res[r]["bn_warnings"]
+
+
+def test_half_precision_buckets_with_x_unknown_do_not_overflow(ranks):
+    world, res = ranks
+    for r in range(world):
+        np.testing.assert_allclose(res[r]["half_grad"], np.full((1, 4), 300.0), rtol=1e-3)
 
 
 def test_verify_mode_detects_disagreeing_sizes(ranks):
