@@ -109,6 +109,11 @@ class ShardClients:
             c0.close()
             raise ShardUnreachable(f"the job's shards advertise addresses no machine can dial "
                                    f"({', '.join(bad)}): restart them with --advertise HOST")
+        try:
+            check_layout(welcome)
+        except P.ProtocolError:
+            c0.close()
+            raise
         self.welcome = welcome
         self.token = welcome.token
         self.ranges = [(int(a), int(b)) for a, b in welcome.shard_ranges]
@@ -306,3 +311,19 @@ def _die(kill: dict) -> None:
     time.sleep(float(kill.get("delay_s", 0.5)))
     log.warning("fault injection: SIGKILL in the middle of a push")
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def check_layout(welcome: P.Welcome) -> None:
+    """The shards' slices must tile the model, one per shard, in order: ``[0, a), [a, b), ...,
+    [.., num_params)``. A gap would leave parameters that no answer ever fills (the worker's
+    buffer holds whatever it held before), an overlap would write one slice over another."""
+    ranges, n = welcome.shard_ranges, welcome.num_params
+    end = 0
+    for k, r in enumerate(ranges):
+        if len(r) != 2 or r[0] != end or not r[0] < r[1]:
+            raise P.ProtocolError(f"the coordinator's shard ranges {ranges} do not tile the model's "
+                                  f"{n} parameters (shard {k})")
+        end = r[1]
+    if end != n or not ranges or len(ranges) != len(welcome.shard_endpoints):
+        raise P.ProtocolError(f"the coordinator's shard ranges {ranges} do not tile the model's {n} "
+                              f"parameters over its {len(welcome.shard_endpoints)} shards")

@@ -74,8 +74,15 @@ class SampleIndexer:
         self._orders: dict[int, np.ndarray] = {}
 
     def indices(self, ranges: list[list[int]]) -> np.ndarray:
+        """The samples of ``ranges``: refused (:class:`~ps_common.protocol.ProtocolError`) unless every range lies in
+        an epoch's order (a negative start would wrap around to other samples silently)."""
+        if not ranges:
+            raise P.ProtocolError("an assignment with no sample ranges")
         parts = []
         for epoch, a, b in ranges:
+            if not (epoch >= 0 and 0 <= a <= b <= self.n):
+                raise P.ProtocolError(f"assignment range [{epoch}, {a}, {b}] is not within an epoch "
+                                    f"of {self.n} samples")
             order = self._orders.get(epoch)
             if order is None:
                 order = sample_order(self.seed, epoch, self.n)
@@ -126,6 +133,7 @@ class Worker:
         self.run_dir = Path(run_dir) if run_dir else None
         self.metrics: MetricsWriter | None = None
         self.worker_id = -1
+        self._left = False   # this membership said goodbye (set by _leave, cleared by a join)
         self.iterations_done = 0
         self.rejoins = 0
         self.memory = MemoryLimit(self._memory_limit_mb(), self.device)
@@ -162,10 +170,14 @@ class Worker:
                 except (PullAborted, RemoteError, TransportTimeout) as exc:
                     code = getattr(exc, "code", "")
                     if isinstance(exc, RemoteError) and code not in REJOIN_CODES:
+                        self._goodbye(exc)
                         raise
                     backoff = self.timeouts.rejoin.delay(self.rejoins, self._jitter)
                     log.warning("worker %d: %s; joining again in %.2fs", self.worker_id, exc, backoff)
                     outcome = "rejoin"
+                except Exception as exc:
+                    self._goodbye(exc)
+                    raise
                 finally:
                     hb.stop()
                 if outcome == "leave":
@@ -213,6 +225,7 @@ class Worker:
         fits, fails = self.memory_probe or (0, 0)
         welcome = self._join_when_name_is_free(fits, fails)
         self.worker_id = welcome.worker_id
+        self._left = False
         try:
             self._joined(welcome)
         except BaseException:  # a member that cannot train leaves at once: no barrier waits for it
@@ -264,6 +277,7 @@ class Worker:
             existing_for(overwrite=self.overwrite))
 
     def _leave(self, reason: str) -> None:
+        self._left = True
         try:
             # Bounded: on SIGTERM or a dead launcher the shards may be gone already, and a
             # goodbye must not keep the process alive for the transport timeout (120 s).
@@ -272,6 +286,12 @@ class Worker:
                 timeout_s=min(self.timeouts.leave_s, self.cfg.transport.timeout_s))
         except Exception as exc:  # best effort: the heartbeat timeout covers a failed leave
             log.info("leave not acknowledged: %s", exc)
+
+    def _goodbye(self, exc: BaseException) -> None:
+        """A failure that ends this worker: tell the coordinator (unless done already), so that no
+        barrier waits for the heartbeat timeout to learn it."""
+        if not self._left:
+            self._leave(f"failed: {type(exc).__name__}: {str(exc)[:300]}")
 
     def _abort_reason(self, hb: Heartbeat) -> str | None:
         if hb.dropped:
@@ -515,8 +535,8 @@ class Worker:
 
     def _batch(self, ranges: list[list[int]], size: int) -> tuple[torch.Tensor, torch.Tensor]:
         idx = self.indexer.indices(ranges)
-        if idx.size != size:
-            raise RuntimeError(f"assignment ranges hold {idx.size} samples, batch size is {size}")
+        if idx.size != size or size < 1:
+            raise P.ProtocolError(f"assignment ranges hold {idx.size} samples, batch size is {size}")
         x, y = self.data.train_batch(idx)
         if self.device.type != "cpu":
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)

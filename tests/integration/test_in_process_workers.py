@@ -4,6 +4,7 @@ is present (skipped otherwise)."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -113,8 +114,11 @@ def test_a_batch_that_does_not_fit_while_it_loads_gets_a_smaller_share(tmp_path)
         workers = [Worker(cfg, s0.endpoint, name=f"w{i}", ctx=ctx) for i in range(2)]
         workers[1].data = _SmallMemory(workers[1].data)
         threads = [threading.Thread(target=w.run) for w in workers]
-        for t in threads:
-            t.start()
+        threads[0].start()
+        deadline = time.monotonic() + 30
+        while workers[0].worker_id < 0 and time.monotonic() < deadline:
+            time.sleep(0.01)               # joins in this order: worker 1 gets the 48 samples
+        threads[1].start()
         for t in threads:
             t.join(timeout=120)
         assert [w.iterations_done for w in workers] == [6, 6]

@@ -12,8 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import zmq
 
 from ps_common import protocol as P
+from ps_common.security.authenticator import stop_authenticators
 from ps_server.router import Refused
 from ps_server.server import ShardServer
 from tests.cluster_util import in_process_shard_0, write_config
@@ -97,7 +99,8 @@ def test_a_flexrr_helpers_push_is_held_by_a_follower_after_the_straggler_it_help
         _join(s0, "w1")
         token = {m.worker_id: m.token for m in sent if isinstance(m, P.Welcome)}
         epoch = [m for m in sent if isinstance(m, P.Registered)][0]
-        s1 = ShardServer(cfg, 1, coordinator="tcp://127.0.0.1:1", run_dir=tmp_path / "run1")  # link unused
+        ctx1 = zmq.Context()                          # its own: one set of credentials per context
+        s1 = ShardServer(cfg, 1, coordinator="tcp://127.0.0.1:1", run_dir=tmp_path / "run1", ctx=ctx1)  # link unused
         try:
             s1.role.member_key = epoch.member_key
 
@@ -130,3 +133,5 @@ def test_a_flexrr_helpers_push_is_held_by_a_follower_after_the_straggler_it_help
                 raise AssertionError(f"the follower refused the helper's push: {exc}") from None
         finally:
             s1.close()
+            stop_authenticators(ctx1)
+            ctx1.destroy(linger=0)
