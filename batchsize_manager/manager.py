@@ -488,8 +488,21 @@ class BatchSizeManager:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; X and the bounds stay as configured now."""
+        """Restore :meth:`state_dict` output; X and the bounds stay as configured now. All or
+        nothing: a state this manager cannot use (another policy, a damaged or hand-edited
+        file: a value of the wrong type, an infinite size) raises ``ValueError`` and leaves the
+        manager as it was, instead of half restored."""
         self._flush(timed=True)
+        before = self.state_dict()
+        try:
+            self._load_state(state)
+        except Exception as exc:
+            self._load_state(before)
+            if isinstance(exc, ValueError):
+                raise
+            raise ValueError(f"batch-size manager state not usable: {type(exc).__name__}: {exc}") from exc
+
+    def _load_state(self, state: Mapping[str, Any]) -> None:
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"unsupported BatchSizeManager state version {state.get('version')!r}")
         if state.get("policy") != self._policy.name:

@@ -437,7 +437,8 @@ class Status(Message):
 class EvalReport(Message):
     """The evaluator's measurement, so the coordinator can stop at a target accuracy.
 
-    ``final`` marks the measurement of the final version: the evaluator is done.
+    ``final`` marks the measurement of the final version: the evaluator is done. Refused when
+    ``version`` is not reached yet or ``accuracy`` is not within [0, 1].
     """
 
     TYPE: ClassVar[str] = "eval_report"
@@ -446,6 +447,9 @@ class EvalReport(Message):
     accuracy: float = 0.0
     loss: float = 0.0
     final: bool = False
+    #: the log hash of the version measured (protocol 11): a measurement of a history that a
+    #: rollback abandoned names a version the new history reached too, and must not count there
+    log_hash: str = ""
 
 
 @dataclass

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import math
 import os
 import time
 from typing import TYPE_CHECKING, Any
@@ -43,6 +44,9 @@ _NOT_MEASURED = Telemetry.from_checked({})
 MAX_TEXT = 256
 
 MAX_PENDING_JOINS = 1024
+#: Log hashes of the newest versions kept, to tell a measurement of this history from one of a
+#: history a rollback abandoned (older versions are taken as they come).
+HASHES_KEPT = 4096
 
 
 class Lead:
@@ -73,6 +77,8 @@ class Lead:
         #: process are told from its own followers' (see _on_shard_sync)
         self.rollback_epoch = int(time.time() * 1000)
         self.checkpoint_next_commit = False
+        #: version -> this history's log hash, for the newest HASHES_KEPT versions committed here
+        self.hash_at: dict[int, str] = {}
         self._stall_done = False
 
     # ----- the hooks the server calls ---------------------------------------------------------
@@ -340,7 +346,21 @@ class Lead:
         self._announce_plan(coord.try_start())
 
     def _on_eval(self, ident: bytes, role: str, msg: P.EvalReport) -> P.Message:
-        coord = self.coord
+        """A measurement: it ends a pause and may stop the job at the target accuracy, so one of
+        a version not reached, or with an accuracy no measurement gives, is refused; one of a
+        history a rollback abandoned (its log hash is not this history's at that version: it
+        was in flight across the rollback) is acknowledged and set aside."""
+        coord, st = self.coord, self.server.state
+        if not (math.isfinite(msg.accuracy) and 0.0 <= msg.accuracy <= 1.0):
+            raise Refused("bad_request", f"accuracy must be within [0, 1], got {msg.accuracy}")
+        if not 0 <= msg.version <= st.version:
+            raise Refused("not_reached", f"version {msg.version} is not reached (the job is at {st.version})")
+        known = st.log_hash if msg.version == st.version else self.hash_at.get(msg.version)
+        if msg.log_hash and known is not None and msg.log_hash != known:
+            coord.count("eval.other_history")
+            log.warning("a measurement of version %d of another history (log hash %s, this one's %s): "
+                        "set aside", msg.version, msg.log_hash, known)
+            return P.Ack(what="eval_report")
         if coord.on_eval(msg.accuracy, final=msg.final, version=msg.version):
             self.server.pulls_changed()  # the pause for this version ends: answer the workers
         # Kept with the coordinator's records, so shard 0's run directory alone gives the whole
@@ -399,6 +419,10 @@ class Lead:
         if applied.version != d.version or applied.log_hash != msg.log_hash:
             raise RuntimeError(f"coordinator state out of step: applied {applied.version}/{applied.log_hash}, "
                                f"decided {d.version}/{msg.log_hash}")
+        self.hash_at.pop(d.version, None)   # a version again after a rollback: this history's
+        self.hash_at[d.version] = applied.log_hash
+        while len(self.hash_at) > HASHES_KEPT:
+            del self.hash_at[next(iter(self.hash_at))]
         st.drop(d.drops)
         if server.policy.plans_rounds:  # the commit closes its iteration
             st.drop_through(d.iteration)

@@ -51,6 +51,7 @@ class PullResult:
     pull_s: float  # from the first answer until every slice was in place
     samples: int = 0  # shard 0's count of samples applied up to this version
     send_s: float = 0.0  # handing the push to ZeroMQ (push_pull only)
+    log_hash: str = ""  # shard 0's log hash at ``version``
 
 
 class ShardClients:
@@ -270,7 +271,8 @@ class ShardClients:
         r0 = replies[0]
         assert first is not None
         return PullResult(r0.version, max(r.version_time for r in replies.values()), r0.stop,
-                          r0.assignment, first - t0, time.perf_counter() - first, r0.samples)
+                          r0.assignment, first - t0, time.perf_counter() - first, r0.samples,
+                          log_hash=r0.log_hash)
 
     def _drain(self, shards: set[int], timeout_s: float, owed: dict[int, int] | None = None) -> None:
         """Read the answers still coming from ``shards``, every part of each, and the parts

@@ -189,6 +189,7 @@ class Evaluator:
         self.metrics = MetricsWriter(Path(run_dir) / "metrics" / "evaluator.jsonl" if run_dir else None,
                                      existing_for(overwrite=overwrite))
         self.results: list[dict[str, float]] = []
+        self._last_hash = ""
         self.skipped = 0
 
     def run(self) -> list[dict[str, float]]:
@@ -243,7 +244,8 @@ class Evaluator:
                     # The final version, exactly: every shard holds it once the stop is known.
                     if status.version != last_done:
                         self._measure(status.version, report=False, exact=True)
-                    self._report(self.results[-1] if self.results else None, final=True)
+                    self._report(self.results[-1] if self.results else None, final=True,
+                                 log_hash=self._last_hash)
                     return self.results
                 if self.paused and status.started:
                     time.sleep(next_poll_s(prev, seen_at, status.version, next_version, self.poll_s))
@@ -292,18 +294,20 @@ class Evaluator:
                "accuracy": acc, "loss": loss, "version_time": res.version_time,
                "eval_s": time.perf_counter() - t0}
         self.results.append(rec)
+        self._last_hash = res.log_hash   # of the newest measurement, which the final report repeats
         self.metrics.write(**rec)
         log.info("version %d: test accuracy %.4f loss %.4f", res.version, acc, loss)
         if report:
-            self._report(rec, final=False)
+            self._report(rec, final=False, log_hash=res.log_hash)
         return res.version
 
-    def _report(self, rec: dict | None, *, final: bool) -> None:
+    def _report(self, rec: dict | None, *, final: bool, log_hash: str = "") -> None:
         if rec is None:
             msg = P.EvalReport(final=final)
         else:
             msg = P.EvalReport(version=int(rec["version"]), samples=int(rec["samples"]),
-                               accuracy=float(rec["accuracy"]), loss=float(rec["loss"]), final=final)
+                               accuracy=float(rec["accuracy"]), loss=float(rec["loss"]), final=final,
+                               log_hash=log_hash)
         try:
             self.client.send_to_coordinator(msg, P.Ack)
         except Exception as exc:  # after the stop shard 0 may already be gone: nothing to tell

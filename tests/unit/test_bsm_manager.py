@@ -379,3 +379,26 @@ def test_bounds_are_checked_again_after_every_change(policy):
     after = m.assign()
     assert after[0] < sizes[0] and sum(after.values()) == 100 and max(after.values()) <= 45
     assert m.memory_caps[0] < sizes[0]
+
+
+@pytest.mark.parametrize("bad", [float("inf"), "twelve", [1, 2]])
+def test_a_damaged_checkpoint_leaves_the_manager_as_it_was(bad):
+    """A hand-edited value that no save writes: refused as ValueError (the coordinator then starts
+    the policy afresh), never another exception nor a half-restored manager."""
+    m = BatchSizeManager("lbbsp-gpu", 60)
+    for w in (0, 1):
+        m.join(w)
+    for t in range(6):
+        sizes = m.assign()
+        for w, x in sizes.items():
+            m.observe(WorkerReport(worker_id=w, iteration=t, batch_size=x,
+                                   telemetry=Telemetry(compute_s=x / (100.0 * (w + 1)))))
+    state = m.state_dict()
+    state["policy_state"]["split"] = {k: bad for k in state["policy_state"]["split"]}
+    fresh = BatchSizeManager("lbbsp-gpu", 60)
+    for w in (0, 1):
+        fresh.join(w)
+    before = fresh.state_dict()
+    with pytest.raises(ValueError):
+        fresh.load_state_dict(state)
+    assert fresh.state_dict() == before

@@ -1,0 +1,95 @@
+"""The evaluator's reports against a real shard 0 (``Lead`` + ``ShardServer``), as forged,
+well-formed messages: a report ends a pause and can stop the job at the target accuracy, so
+one of a version not reached or with an impossible accuracy is refused, and one of a history a
+rollback abandoned (in flight across the rollback) is set aside. Found by a review.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from ps_common import protocol as P
+from ps_server.router import Refused
+from tests.cluster_util import in_process_shard_0, write_config
+
+
+def _job(tmp_path: Path, **extra: Any) -> Any:
+    _, cfg = write_config(tmp_path, {
+        "model": {"name": "mlp"}, "data": {"dataset": "synthetic", "synthetic_train": 256, "synthetic_test": 64},
+        "training": {"global_batch": 32, "max_iterations": 50, "target_accuracy": 0.9},
+        "cluster": {"num_shards": 1, "num_workers": 1},
+        "evaluator": {"enabled": True, "pause_training": True, "every_iterations": 1, "pause_timeout_s": 30},
+        **extra})
+    return cfg
+
+
+class _Driver:
+    def __init__(self, s0: Any) -> None:
+        self.s0, self.lead, self.coord = s0, s0.role, s0.role.coord
+        self.sent: list[P.Message] = []
+        s0.router_reply = lambda _ident, msg: self.sent.append(msg) or True
+
+    def join(self, name: str, role: str = "worker") -> tuple[int, str]:
+        self.lead._on_join(name.encode(), role, P.Join(name=name, instance=name, job_digest=self.s0.job_digest))
+        welcome = [m for m in self.sent if isinstance(m, P.Welcome)][-1]
+        return welcome.worker_id, welcome.token
+
+    def push(self, worker: int, token: str) -> None:
+        x = self.coord.plan[worker].batch_size
+        self.s0._on_push(b"w", "worker", P.Push(worker_id=worker, token=token, iteration=self.coord.iteration,
+                                                batch_size=x, arrays=[np.zeros(self.s0.num_params, np.float32)]))
+        self.lead.after_messages()
+
+    def report(self, version: int, accuracy: float, log_hash: str = "") -> P.Message:
+        out = self.lead._on_eval(b"ev", "evaluator", P.EvalReport(version=version, accuracy=accuracy,
+                                                                  log_hash=log_hash))
+        self.lead.after_messages()
+        return out
+
+
+@pytest.mark.parametrize("version, accuracy, code", [
+    (999, 0.2, "not_reached"),            # before: it ended the pause at version 1
+    (1, float("nan"), "bad_request"),     # before: stored, and shown by the status
+    (1, 1.5, "bad_request"),
+    (12345, 1.0, "not_reached"),          # before: it stopped the job at the target
+])
+def test_a_report_of_a_version_not_reached_or_an_impossible_accuracy_is_refused(tmp_path, version, accuracy, code):
+    with in_process_shard_0(_job(tmp_path), tmp_path / "run") as s0:
+        d = _Driver(s0)
+        d.join("ev", "evaluator")
+        w, token = d.join("w0")
+        d.report(0, 0.1)
+        d.push(w, token)
+        assert s0.state.version == 1 and d.coord.pause.held == 1
+        with pytest.raises(Refused) as err:
+            d.report(version, accuracy)
+        assert err.value.code == code
+        assert d.coord.pause.held == 1 and not d.coord.stop and d.coord.last_accuracy == 0.1
+        d.report(1, 0.5, s0.state.log_hash)   # the real measurement ends the pause
+        assert d.coord.pause.held is None and not d.coord.stop
+
+
+def test_a_measurement_from_before_a_rollback_counts_for_nothing_in_the_new_history(tmp_path):
+    with in_process_shard_0(_job(tmp_path, checkpoint={"every_iterations": 1}), tmp_path / "run") as s0:
+        d = _Driver(s0)
+        d.join("ev", "evaluator")
+        w, token = d.join("w0")
+        d.report(0, 0.1, s0.state.log_hash)
+        d.push(w, token)
+        d.report(1, 0.2, s0.state.log_hash)
+        d.push(w, token)
+        old = s0.state.log_hash               # version 2 of the history about to be abandoned
+        s0.checkpointer.flush()
+        d.lead.rollback_all(1, "a test")
+        w, token = d.join("w0-again")
+        d.push(w, token)                      # version 2 again, of the new history
+        assert s0.state.version == 2 and s0.state.log_hash != old and d.coord.pause.held == 2
+        assert isinstance(d.report(2, 0.95, old), P.Ack)   # in flight across the rollback
+        assert d.coord.pause.held == 2 and not d.coord.stop, "set aside: the new version 2 is not measured"
+        assert d.coord.counters["eval.other_history"] == 1
+        d.report(2, 0.95, s0.state.log_hash)  # the new history's own measurement counts
+        assert d.coord.pause.held is None and d.coord.stop
