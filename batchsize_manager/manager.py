@@ -178,7 +178,9 @@ class BatchSizeManager:
         if name is None:
             return None
         try:
-            cap = self.memory.out_of_memory(name, batch_size, self.min_batch)
+            # no floor here: a report cannot send its worker away, and a cap below min_batch
+            # makes the next split fail with a clear error rather than hand the size out again
+            cap = self.memory.out_of_memory(name, batch_size)
         except CannotFit as exc:
             log.error("%s", exc)
             return None
@@ -189,8 +191,9 @@ class BatchSizeManager:
     def out_of_memory(self, worker_id: int, batch_size: int) -> int:
         """Worker ``worker_id`` failed with ``batch_size`` samples: learn from it and return the
         size to retry with. Raises :class:`~batchsize_manager.memory.CannotFit` when a single
-        sample failed or the new cap would be below ``min_batch`` (nothing is learned then),
-        ``KeyError`` for a worker that is not live."""
+        sample failed or the new cap would be below ``min_batch`` (nothing is learned then: the
+        caller sends the worker away, as the coordinator does with ``cannot_fit``), ``KeyError``
+        for a worker that is not live."""
         name = self.membership.name_of(worker_id)
         if name is None:
             raise KeyError(f"worker {worker_id} is not live")

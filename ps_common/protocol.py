@@ -583,6 +583,10 @@ class ExchangeOpen(Message):
     TYPE: ClassVar[str] = "exchange_open"
     worker_id: int = -1
     iteration: int = 0
+    #: the same for every rank of one start of the job, another for each restart (the DDP
+    #: balancer's rank 0 draws it and broadcasts it): an open under another job than the open
+    #: one's is a restart, whichever rank opens first. "": guessed from a second open by a rank
+    job: str = ""
 
 
 @dataclass

@@ -182,7 +182,7 @@ class BatchSizeService:
     def _dispatch_open(self, ident: bytes, role: str, msg: P.ExchangeOpen) -> None:
         assert self.exchange is not None
         exchange = self.exchange
-        _guarded(msg, lambda: self._send(exchange.open(ident, msg.worker_id, msg.iteration)))
+        _guarded(msg, lambda: self._send(exchange.open(ident, msg.worker_id, msg.iteration, msg.job)))
 
     def _dispatch_push(self, ident: bytes, role: str, msg: P.ExchangePush) -> None:
         assert self.exchange is not None

@@ -93,6 +93,7 @@ class GradientExchange:
         #: rank in the same generation means every rank's process is new (torchrun restarts all).
         self.generation = 0
         self.opened: dict[int, int] = {}   # rank -> the generation it last opened in
+        self.job = ""                      # the job of the current generation (ExchangeOpen.job)
         self.iteration: int | None = None  # the open iteration, whose split is ``plan``
         self.plan: list[int] = []
         self.failed: str | None = None     # why the open iteration failed, if it did
@@ -106,21 +107,24 @@ class GradientExchange:
         self.abandoned = 0   # iterations failed or abandoned
 
     # ----- what a rank asks ----------------------------------------------------------------
-    def open(self, ident: bytes, rank: int, iteration: int) -> list[Reply]:
+    def open(self, ident: bytes, rank: int, iteration: int, job: str = "") -> list[Reply]:
         """The split of ``iteration`` and a fresh token for ``rank`` (to ``ident``), starting
         ``iteration`` if it is not the open one.
 
-        A rank opens only when its process starts. A second open by a rank that already opened
-        in this generation therefore comes from a restarted job (torchrun restarts every rank,
-        within seconds, long before ``stale_s``), whichever rank of it opens first: a new
-        generation begins, every earlier token is void (a process of the old job that still
-        pushes is refused), and the open iteration is abandoned at once, its waiters told, so
-        nothing a dead process sent is summed with what the new ones send. An open of another
-        iteration while this one holds buckets is a restart as well."""
+        ``job`` names the start of the job the rank belongs to (the same on every rank of one
+        start; torchrun restarts every rank, within seconds, long before ``stale_s``). An open
+        under another job than the current one's starts a new generation, whichever rank of it
+        opens first: every earlier token is void (a process of the old job that still pushes is
+        refused), and the open iteration is abandoned at once, its waiters told, so nothing a
+        dead process sent is summed with what the new ones send. Without ``job`` the restart is
+        guessed: a rank opens only when its process starts, so a second open by a rank that
+        opened in this generation is one (this misses a restart whose first rank to open did
+        not open in the last one). An open of another iteration while this one holds buckets is
+        a restart as well."""
         self._rank(rank)
         if iteration < 0:
             raise Refused("bad_request", f"iteration must be >= 0, got {iteration}")
-        new_job = self.opened.get(rank) == self.generation
+        new_job = job != self.job if job else self.opened.get(rank) == self.generation
         restart = new_job or (self._busy() and iteration != self.iteration)
         plan = None
         if restart or iteration != self.iteration or self.failed is not None:
@@ -130,6 +134,7 @@ class GradientExchange:
         if restart:
             self.generation += 1
             self.tokens.clear()
+            self.job = job
         if plan is not None:
             self._start(iteration, plan)
         self.opened[rank] = self.generation

@@ -352,15 +352,14 @@ class Lead:
         was in flight across the rollback) is acknowledged and set aside."""
         coord, st = self.coord, self.server.state
         if not (math.isfinite(msg.accuracy) and 0.0 <= msg.accuracy <= 1.0):
-            raise Refused("bad_request", f"accuracy must be within [0, 1], got {msg.accuracy}")
-        if not 0 <= msg.version <= st.version:
-            raise Refused("not_reached", f"version {msg.version} is not reached (the job is at {st.version})")
+            return self._set_aside("eval.bad_accuracy", f"an accuracy of {msg.accuracy}")
+        if not 0 <= msg.version <= st.version:   # e.g. measured just before a rollback below it
+            return self._set_aside("eval.not_reached", f"a measurement of version {msg.version}, "
+                                                       f"not reached (the job is at {st.version})")
         known = st.log_hash if msg.version == st.version else self.hash_at.get(msg.version)
         if msg.log_hash and known is not None and msg.log_hash != known:
-            coord.count("eval.other_history")
-            log.warning("a measurement of version %d of another history (log hash %s, this one's %s): "
-                        "set aside", msg.version, msg.log_hash, known)
-            return P.Ack(what="eval_report")
+            return self._set_aside("eval.other_history", f"a measurement of version {msg.version} of "
+                                                         f"another history ({msg.log_hash}, this one's {known})")
         if coord.on_eval(msg.accuracy, final=msg.final, version=msg.version):
             self.server.pulls_changed()  # the pause for this version ends: answer the workers
         # Kept with the coordinator's records, so shard 0's run directory alone gives the whole
@@ -370,6 +369,15 @@ class Lead:
         t = self.cfg.training.target_accuracy
         if t is not None and msg.accuracy >= t:
             coord.request_stop(f"reached target_accuracy={t} (version {msg.version})")
+        return P.Ack(what="eval_report")
+
+    def _set_aside(self, counter: str, what: str) -> P.Message:
+        """A report that must not count, acknowledged all the same: the evaluator goes on (it
+        meets this after a rollback), and a forger learns nothing."""
+        self.coord.count(counter)
+        n = self.coord.counters[counter]
+        if n <= 20 or n % 1000 == 0:
+            log.warning("evaluator report set aside: %s (%d so far)", what, n)
         return P.Ack(what="eval_report")
 
     # ----- commits ----------------------------------------------------------------------------

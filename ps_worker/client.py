@@ -112,7 +112,12 @@ class ShardClients:
                                    f"({', '.join(bad)}): restart them with --advertise HOST")
         try:
             check_layout(welcome)
-        except P.ProtocolError:
+        except P.ProtocolError as exc:   # a member already: say goodbye, so no round waits for it
+            try:
+                c0.request(P.Leave(worker_id=welcome.worker_id, reason=f"refused the layout: {exc}"[:200],
+                                   token=welcome.token), P.Ack, timeout_s=2.0)
+            except Exception:  # noqa: BLE001 - best effort: the heartbeat timeout covers it
+                pass
             c0.close()
             raise
         self.welcome = welcome

@@ -48,10 +48,13 @@ class ServerExchange:
     per device); :meth:`open` once before the first backward."""
 
     def __init__(self, endpoint: str, rank: int, *, timeout_s: float = 120.0,
-                 security: SecurityConfig | None = None, ctx: zmq.Context | None = None) -> None:
+                 security: SecurityConfig | None = None, ctx: zmq.Context | None = None,
+                 job: str = "") -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.rank = int(rank)
+        #: the same on every rank of this start of the job (see ``ExchangeOpen.job``)
+        self.job = job
         self.timeout_s = float(timeout_s)
         self.client = BatchSizeClient(endpoint, timeout_s, security, ctx=ctx, max_array_bytes=1 << 40)
         self.token = ""
@@ -64,8 +67,8 @@ class ServerExchange:
 
     def open(self, iteration: int) -> list[int]:
         """Start (or restart) at ``iteration``; returns that iteration's split (one size per rank)."""
-        plan = self.client.request(P.ExchangeOpen(worker_id=self.rank, iteration=int(iteration)),
-                                   P.ExchangePlan)
+        plan = self.client.request(P.ExchangeOpen(worker_id=self.rank, iteration=int(iteration),
+                                                  job=self.job), P.ExchangePlan)
         self.token = plan.token
         self.iteration = int(iteration)
         self.next_sizes = None

@@ -53,6 +53,7 @@ when used); importing it is side-effect free.
 
 import dataclasses
 import math
+import secrets
 import time
 import warnings
 from collections import OrderedDict
@@ -507,7 +508,8 @@ class DDPBatchBalancer:
         if endpoint is not None:
             from batchsize_manager.integrations.ddp_server_exchange import ServerExchange
 
-            self.server = ServerExchange(endpoint, self.rank, timeout_s=timeout_s, security=security)
+            self.server = ServerExchange(endpoint, self.rank, timeout_s=timeout_s, security=security,
+                                         job=self._job_id())
             self._sizes: list[int] = self._check(dict(enumerate(self.server.open(0))))
             self.hook_state.server = self.server
         else:
@@ -757,6 +759,15 @@ class DDPBatchBalancer:
         gathered = [torch.empty_like(local) for _ in range(self.world_size)]
         dist.all_gather(gathered, local, group=self.group)
         return torch.stack(gathered).cpu().tolist()
+
+    def _job_id(self) -> str:
+        """A number rank 0 draws and every rank of this start of the job gets (one broadcast):
+        the exchange service tells a restarted job from this one by it, whichever rank of the
+        restarted job opens first."""
+        buf = torch.tensor([secrets.randbits(62) if self.rank == 0 else 0], dtype=torch.int64,
+                           device=self.device)
+        dist.broadcast(buf, src=self._src, group=self.group)
+        return f"{int(buf.item()):x}"
 
     def close(self) -> None:
         """Close the link to the exchange service (``exchange="servers"``); a no-op otherwise."""

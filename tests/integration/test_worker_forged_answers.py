@@ -108,3 +108,5 @@ def test_shard_slices_that_leave_parameters_out_are_refused_at_the_join():
     err, received = _run(None, lambda n: [[0, n // 2], [n // 2, n - 42]])
     assert "do not tile" in str(err)
     assert not any(isinstance(m, P.Pull) for m in received)
+    assert [type(m) for m in received if isinstance(m, (P.Join, P.Leave))] == [P.Join, P.Leave], \
+        "a member already: it says goodbye"

@@ -48,9 +48,9 @@ def push(ex: GradientExchange, rank: int, grad, *, bucket: int = 0, last: bool =
     return ex.push(f"id{rank}".encode(), msg)
 
 
-def open_rank(ex: GradientExchange, rank: int, iteration: int = 0) -> P.ExchangePlan:
+def open_rank(ex: GradientExchange, rank: int, iteration: int = 0, job: str = "") -> P.ExchangePlan:
     """Open as ``rank``; its plan (what the others were told is checked where it matters)."""
-    *_, (ident, plan) = ex.open(f"id{rank}".encode(), rank, iteration)
+    *_, (ident, plan) = ex.open(f"id{rank}".encode(), rank, iteration, job)
     assert ident == f"id{rank}".encode() and isinstance(plan, P.ExchangePlan)
     return plan
 
@@ -337,6 +337,29 @@ def test_a_restarted_job_voids_the_dead_one_whichever_rank_opens_first(first, do
     want = sum(PLAN[r] / X * new[r].astype(np.float64) for r in range(3)).astype(np.float32)
     np.testing.assert_array_equal(mean, want)     # the dead rank 0's bucket is nowhere in it
     assert ex.completed == done_before + 1
+
+
+def test_with_job_ids_a_restart_is_seen_even_when_ranks_opened_in_different_generations():
+    """Job B's rank 1 died before it opened, so its ranks opened in different generations; job C's
+    rank 1, opening first, would not be taken for a restart by the guess (a second open in its
+    generation), and its push would complete a bucket holding B's rank 0's gradient. The job
+    the balancer names in every open tells them apart."""
+    ex, clock = make(world=2, stale_s=60.0)
+    for r in (0, 1):
+        open_rank(ex, r, 0, job="A")
+    open_rank(ex, 0, 0, job="B")                 # job B: rank 0 opens and sends, rank 1 dies first
+    dead = grads(2)[0] + 100.0
+    push(ex, 0, dead)
+    told = ex.open(b"c1", 1, 0, "C")              # job C: rank 1 opens first
+    assert [(i, m.code) for i, m in told[:-1]] == [(b"id0", "iteration_failed")] and not ex.buckets
+    new = [x + 10.0 for x in grads(2)]
+    push(ex, 1, new[1])
+    assert open_rank(ex, 0, 0, job="C") and ex.buckets, "job C's rank 0 is no restart: rank 1's bucket stays"
+    out = push(ex, 0, new[0])
+    weights = [ex.plan[r] / sum(ex.plan) for r in (0, 1)]
+    want = sum(w * x.astype(np.float64) for w, x in zip(weights, new)).astype(np.float32)
+    np.testing.assert_array_equal(out[0][1].arrays[0], want)
+    assert ex.abandoned == 1 and ex.completed == 1
 
 
 def test_held_bytes_and_open_buckets_are_bounded():
