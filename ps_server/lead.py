@@ -347,18 +347,19 @@ class Lead:
 
     def _on_eval(self, ident: bytes, role: str, msg: P.EvalReport) -> P.Message:
         """A measurement: it ends a pause and may stop the job at the target accuracy, so one of
-        a version not reached, or with an accuracy no measurement gives, is refused; one of a
-        history a rollback abandoned (its log hash is not this history's at that version: it
-        was in flight across the rollback) is acknowledged and set aside."""
+        a version not reached (measured just before a rollback below it), with an accuracy no
+        measurement gives, or of a history a rollback abandoned (its log hash is not this
+        history's at that version) is acknowledged and set aside: it counts for nothing, but
+        the evaluator goes on, and a final one still says the evaluator is done."""
         coord, st = self.coord, self.server.state
         if not (math.isfinite(msg.accuracy) and 0.0 <= msg.accuracy <= 1.0):
-            return self._set_aside("eval.bad_accuracy", f"an accuracy of {msg.accuracy}")
+            return self._set_aside(msg, "eval.bad_accuracy", f"an accuracy of {msg.accuracy}")
         if not 0 <= msg.version <= st.version:   # e.g. measured just before a rollback below it
-            return self._set_aside("eval.not_reached", f"a measurement of version {msg.version}, "
+            return self._set_aside(msg, "eval.not_reached", f"a measurement of version {msg.version}, "
                                                        f"not reached (the job is at {st.version})")
         known = st.log_hash if msg.version == st.version else self.hash_at.get(msg.version)
         if msg.log_hash and known is not None and msg.log_hash != known:
-            return self._set_aside("eval.other_history", f"a measurement of version {msg.version} of "
+            return self._set_aside(msg, "eval.other_history", f"a measurement of version {msg.version} of "
                                                          f"another history ({msg.log_hash}, this one's {known})")
         if coord.on_eval(msg.accuracy, final=msg.final, version=msg.version):
             self.server.pulls_changed()  # the pause for this version ends: answer the workers
@@ -371,9 +372,12 @@ class Lead:
             coord.request_stop(f"reached target_accuracy={t} (version {msg.version})")
         return P.Ack(what="eval_report")
 
-    def _set_aside(self, counter: str, what: str) -> P.Message:
+    def _set_aside(self, msg: P.EvalReport, counter: str, what: str) -> P.Message:
         """A report that must not count, acknowledged all the same: the evaluator goes on (it
-        meets this after a rollback), and a forger learns nothing."""
+        meets this after a rollback), and a forger learns nothing. A final one still ends the
+        wait for the evaluator at the stop."""
+        if msg.final:
+            self.coord.evaluator_done = True
         self.coord.count(counter)
         n = self.coord.counters[counter]
         if n <= 20 or n % 1000 == 0:

@@ -44,9 +44,9 @@ class _Driver:
                                                 batch_size=x, arrays=[np.zeros(self.s0.num_params, np.float32)]))
         self.lead.after_messages()
 
-    def report(self, version: int, accuracy: float, log_hash: str = "") -> P.Message:
+    def report(self, version: int, accuracy: float, log_hash: str = "", final: bool = False) -> P.Message:
         out = self.lead._on_eval(b"ev", "evaluator", P.EvalReport(version=version, accuracy=accuracy,
-                                                                  log_hash=log_hash))
+                                                                  log_hash=log_hash, final=final))
         self.lead.after_messages()
         return out
 
@@ -91,5 +91,9 @@ def test_a_measurement_from_before_a_rollback_counts_for_nothing_in_the_new_hist
         assert isinstance(d.report(2, 0.95, old), P.Ack)   # in flight across the rollback
         assert d.coord.pause.held == 2 and not d.coord.stop, "set aside: the new version 2 is not measured"
         assert d.coord.counters["eval.other_history"] == 1
+        assert not d.coord.evaluator_done
+        d.report(2, 0.5, old, final=True)     # set aside too, but the evaluator is done all the same
+        assert d.coord.evaluator_done and d.coord.counters["eval.other_history"] == 2
+        assert d.coord.pause.held == 2 and not d.coord.stop
         d.report(2, 0.95, s0.state.log_hash)  # the new history's own measurement counts
         assert d.coord.pause.held is None and d.coord.stop
