@@ -48,7 +48,7 @@ from ps_common.security.settings import SecurityConfig
 from ps_common.security.sockets import close_socket
 from ps_common.transport import DEFAULT_HWM, advertised, bind_address, make_router
 from ps_server.exchange import GradientExchange
-from ps_server.router import Limits, Refused, RouterLoop
+from ps_server.router import Limits, Refused, RouterLoop, worth_logging
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +208,7 @@ class BatchSizeService:
                           f"min_batch={m.min_batch} cannot be split over more than {limit}")
         if live:
             self.rejoins += 1
-            if self.rejoins <= 50 or self.rejoins % 1000 == 0:   # a flood of joins is not a flood of lines
+            if worth_logging(self.rejoins):
                 log.info("worker %d joined again: a restart (or another process under its id); "
                          "its previous token is void (%d rejoins so far)", w, self.rejoins)
         else:
@@ -268,7 +268,7 @@ class BatchSizeService:
         for ident, reply in replies:
             if not self.router.reply(ident, reply) and isinstance(reply, P.ExchangeResult):
                 self.answers_lost += 1   # a rank gone, or not reading: it times out, and so fails
-                if self.answers_lost <= 20 or self.answers_lost % 1000 == 0:
+                if worth_logging(self.answers_lost, 20):
                     log.warning("the sum of bucket %d of iteration %d could not be sent to a rank "
                                 "(gone, or not reading); %d lost so far", reply.bucket,
                                 reply.iteration, self.answers_lost)
@@ -302,7 +302,7 @@ def _guarded(msg: P.Message, handle: Callable[[], Any]) -> Any:
         raise
     except Exception as exc:
         _internal_errors += 1
-        if _internal_errors <= 20 or _internal_errors % 1000 == 0:  # a flood is not a flood of lines
+        if worth_logging(_internal_errors, 20):
             log.exception("%s failed (%d internal errors so far)", msg.TYPE, _internal_errors)
         raise Refused("internal", f"{type(exc).__name__}: {exc}") from None
 

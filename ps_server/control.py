@@ -174,5 +174,13 @@ class Followers:
             return None
         return [c for c in self.log if c.version > version]
 
+    def hash_of(self, version: int) -> str | None:
+        """This history's log hash at ``version`` if the commit log still holds it (the log is
+        cleared when the job goes back to a checkpoint, so what it holds is this history's)."""
+        if not self.log:
+            return None
+        i = version - self.log[0].version     # the logged versions are consecutive
+        return self.log[i].log_hash if 0 <= i < len(self.log) else None
+
     def clear_log(self) -> None:
         self.log.clear()

@@ -201,12 +201,14 @@ class GradientExchange:
                                        f"the limit of {self.max_bytes}")
         if msg.last and msg.telemetry is None:
             raise Refused("bad_request", "the last bucket carries the rank's report (telemetry)")
-        # one read pass: a sum is finite if every term is (np.isfinite(grad).all() writes a mask
-        # first, 6x slower); summed in float64, so finite float32 terms never overflow it, and a
-        # sum that does overflow (float64 terms near its limit) is checked term by term
-        if self.plan[rank] > 0 and not np.isfinite(grad.sum(dtype=np.float64)) \
-                and not np.isfinite(grad).all():
-            raise Refused("non_finite", f"rank {rank}'s gradient (bucket {b}) is not finite")
+        # one read pass in the gradient's own dtype: a sum is finite if every term is; a sum that
+        # is not (a NaN, or finite terms near the dtype's limit that overflow it) is checked term
+        # by term, so only a gradient that holds a non-finite value is refused
+        if self.plan[rank] > 0:
+            with np.errstate(over="ignore", invalid="ignore"):
+                finite = np.isfinite(grad.sum())
+            if not finite and not np.isfinite(grad).all():
+                raise Refused("non_finite", f"rank {rank}'s gradient (bucket {b}) is not finite")
         return grad, bucket
 
     def expire(self) -> list[Reply]:
@@ -224,9 +226,6 @@ class GradientExchange:
 
     def _busy(self) -> bool:
         return bool(self.buckets)
-
-    def _senders(self) -> list[int]:
-        return sorted({r for bk in self.buckets.values() for r in bk.grads})
 
     def _senders_of_all(self) -> list[int]:
         """Ranks that sent every open bucket."""

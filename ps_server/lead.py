@@ -29,7 +29,7 @@ from ps_server.checkpoint import checkpoint_hashes
 from ps_server.control import Follower, Followers
 from ps_server.coordinator import CommitDecision, Coordinator, JoinRefused, NotReassigned
 from ps_server.pulls import PendingPull
-from ps_server.router import Refused
+from ps_server.router import Refused, worth_logging
 from ps_server.shard import next_log_hash
 
 if TYPE_CHECKING:
@@ -44,9 +44,6 @@ _NOT_MEASURED = Telemetry.from_checked({})
 MAX_TEXT = 256
 
 MAX_PENDING_JOINS = 1024
-#: Log hashes of the newest versions kept, to tell a measurement of this history from one of a
-#: history a rollback abandoned (older versions are taken as they come).
-HASHES_KEPT = 4096
 
 
 class Lead:
@@ -77,8 +74,6 @@ class Lead:
         #: process are told from its own followers' (see _on_shard_sync)
         self.rollback_epoch = int(time.time() * 1000)
         self.checkpoint_next_commit = False
-        #: version -> this history's log hash, for the newest HASHES_KEPT versions committed here
-        self.hash_at: dict[int, str] = {}
         self._stall_done = False
 
     # ----- the hooks the server calls ---------------------------------------------------------
@@ -357,7 +352,7 @@ class Lead:
         if not 0 <= msg.version <= st.version:   # e.g. measured just before a rollback below it
             return self._set_aside(msg, "eval.not_reached", f"a measurement of version {msg.version}, "
                                                        f"not reached (the job is at {st.version})")
-        known = st.log_hash if msg.version == st.version else self.hash_at.get(msg.version)
+        known = st.log_hash if msg.version == st.version else self.followers.hash_of(msg.version)
         if msg.log_hash and known is not None and msg.log_hash != known:
             return self._set_aside(msg, "eval.other_history", f"a measurement of version {msg.version} of "
                                                          f"another history ({msg.log_hash}, this one's {known})")
@@ -380,7 +375,7 @@ class Lead:
             self.coord.evaluator_done = True
         self.coord.count(counter)
         n = self.coord.counters[counter]
-        if n <= 20 or n % 1000 == 0:
+        if worth_logging(n, 20):
             log.warning("evaluator report set aside: %s (%d so far)", what, n)
         return P.Ack(what="eval_report")
 
@@ -431,10 +426,6 @@ class Lead:
         if applied.version != d.version or applied.log_hash != msg.log_hash:
             raise RuntimeError(f"coordinator state out of step: applied {applied.version}/{applied.log_hash}, "
                                f"decided {d.version}/{msg.log_hash}")
-        self.hash_at.pop(d.version, None)   # a version again after a rollback: this history's
-        self.hash_at[d.version] = applied.log_hash
-        while len(self.hash_at) > HASHES_KEPT:
-            del self.hash_at[next(iter(self.hash_at))]
         st.drop(d.drops)
         if server.policy.plans_rounds:  # the commit closes its iteration
             st.drop_through(d.iteration)

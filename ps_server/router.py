@@ -135,11 +135,9 @@ class RouterLoop:
         self.reply(ident, P.Error(code=exc.code, message=str(exc)[:2000]))
 
     def _log_refusal(self, fmt: str, *args: Any) -> None:
-        # A flood of forgeries must not become a flood of log lines: the first 50, then one per
-        # thousand (the counters keep the exact numbers).
         self._refusals_logged += 1
         n = self._refusals_logged
-        if n <= 50 or n % 1000 == 0:
+        if worth_logging(n):
             log.warning(fmt + (" (%d refusals so far)" % n if n > 50 else ""), *args)
 
     # ----- send -----------------------------------------------------------------------------
@@ -166,6 +164,13 @@ class RouterLoop:
         except zmq.ZMQError:  # EHOSTUNREACH (ROUTER_MANDATORY): the peer vanished
             self.counters["replies_dropped.gone"] += 1
         return False
+
+
+def worth_logging(n: int, first: int = 50) -> bool:
+    """Whether the ``n``-th occurrence of something peers can cause at will gets a log line: the
+    first ``first``, then one per thousand. A flood of forgeries must not become a flood of log
+    lines; counters keep the exact numbers."""
+    return n <= first or n % 1000 == 0
 
 
 def _role(frame: zmq.Frame) -> str:
