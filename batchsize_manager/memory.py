@@ -48,6 +48,10 @@ def cap_after_oom(batch_size: int, margin: float) -> int:
     return max(0, min(batch_size - 1, math.floor(batch_size * (1.0 - margin))))
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def _finite_positive(raw: Any) -> float:
     try:
         v = float(raw)
@@ -202,9 +206,19 @@ class MemoryCaps:
                 if s.fits or s.fails is not None}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self._search = {}
+        """Restore :meth:`state_dict`. All or nothing: what the live path could never hold (more
+        than ``max_names`` names, a negative size, a failed size not above the fitted one) raises
+        ValueError and changes nothing."""
+        if len(state) > self.max_names:
+            raise ValueError(f"memory caps: {len(state)} names, more than the {self.max_names} kept")
+        search: dict[str, _Search] = {}
         for n, d in state.items():
-            fails = d.get("fails")
-            self._search[str(n)] = _Search(fits=int(d.get("fits", 0)),
-                                           fails=None if fails is None else int(fails))
+            if not isinstance(n, str) or not isinstance(d, Mapping):
+                raise ValueError(f"memory caps: entry {n!r} is not a name with fits and fails")
+            fits, fails = d.get("fits", 0), d.get("fails")
+            if not _is_int(fits) or fits < 0 or not (fails is None or (_is_int(fails) and fails > max(fits, 0))):
+                raise ValueError(f"memory caps of {n!r}: need fits >= 0 and fails above it or none, "
+                                 f"got fits={fits!r}, fails={fails!r}")
+            search[n] = _Search(fits=int(fits), fails=None if fails is None else int(fails))
+        self._search = search
         self.version += 1

@@ -34,7 +34,7 @@ from ps_common.frozen import fill, plain_defaults
 from ps_common.report import Telemetry
 
 MAGIC = b"LBPS"
-VERSION = 11
+VERSION = 12
 HEADER_PREFIX = MAGIC + bytes([VERSION])
 MAX_HEADER_BYTES = 1 << 20
 ALLOWED_DTYPES = frozenset({"<f4", "<f8", "<i8", "<i4", "|u1"})
@@ -437,8 +437,12 @@ class Status(Message):
 class EvalReport(Message):
     """The evaluator's measurement, so the coordinator can stop at a target accuracy.
 
-    ``final`` marks the measurement of the final version: the evaluator is done. Refused when
-    ``version`` is not reached yet or ``accuracy`` is not within [0, 1].
+    ``final`` marks the measurement of the final version. ``token`` is the one the evaluator's
+    Welcome gave it (protocol 12): a job counts the reports of its newest evaluator only. A
+    report of a version not reached, of another history, or with an accuracy outside [0, 1] is
+    acknowledged and set aside. The Ack of a final report says ``eval_final_done`` when shard 0
+    finishes on it; otherwise the evaluator stays until shard 0 is gone, in case a rollback
+    needs the new history's final version measured.
     """
 
     TYPE: ClassVar[str] = "eval_report"
@@ -450,6 +454,7 @@ class EvalReport(Message):
     #: the log hash of the version measured (protocol 11): a measurement of a history that a
     #: rollback abandoned names a version the new history reached too, and must not count there
     log_hash: str = ""
+    token: str = ""
 
 
 @dataclass

@@ -24,12 +24,14 @@ sample is used exactly once per epoch.
 
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import hmac
 import itertools
 import logging
 import os
+import secrets
 import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -208,6 +210,9 @@ class Coordinator:
         self.stop_version = -1
         self.last_accuracy = -1.0
         self.evaluator_done = False
+        #: the newest evaluator's token (its Welcome's); earlier ones this process gave out
+        self.evaluator_token = ""
+        self.earlier_evaluator_tokens: collections.deque[str] = collections.deque(maxlen=64)
         self.applied_samples = 0
         self.updates = 0
         self.reports: dict[int, WorkerReport] = {}
@@ -870,14 +875,15 @@ class Coordinator:
                 "next_id": self._next_id, "policy": self.manager.state_dict()}
 
     def load_state_dict(self, d: dict) -> None:
-        """Resume: progress and cursor from the checkpoint; wait for the workers to join again."""
+        """Resume: progress and cursor from the checkpoint; wait for the workers to join again.
+        A cursor that could serve a sample twice raises ValueError before anything changes."""
+        self.cursor.load_state_dict(d["cursor"])     # first: it checks, all or nothing
         self.members.clear()
         self.plan, self.outstanding, self.ledger, self.chunks = {}, {}, {}, None
         self._completed = []
         self._pending_drops.clear()
         self._unobserved, self._ahead = {}, None
         self.pause.clear()
-        self.cursor.load_state_dict(d["cursor"])
         self.iteration = int(d["iteration"])
         self.version = int(d.get("version", d["updates"]))
         self.updates = int(d["updates"])
@@ -896,6 +902,9 @@ class Coordinator:
             except (ValueError, KeyError) as exc:  # a policy change between runs: start afresh
                 log.warning("batch policy state not restored: %s", exc)
         self.started, self.stop, self.stop_reason, self.stop_version = False, False, "", -1
+        # a final measurement was of the history left behind: the new one's final version needs
+        # its own (the evaluator stays for it until shard 0 is gone)
+        self.evaluator_done = False
         self.replan_pending = False
         self.resumed = True
 
@@ -961,11 +970,28 @@ class Coordinator:
         return True
 
     # ----- evaluator pauses (evaluator.pause_training) --------------------------------------
-    def evaluator_joined(self) -> None:
+    def evaluator_joined(self) -> str:
         """An evaluator is there to end pauses. With ``pause_training`` the job starts only once
         it has joined, so that version 0 is measured before anyone trains (the caller tries to
-        start); one that joins again later misses the pause of the version training was at."""
+        start); one that joins again later misses the pause of the version training was at.
+        Returns its token: only the newest evaluator's reports count (two would each end pauses
+        and stop the job on their own measurements, and the first final report would end the
+        job while the other still measured)."""
         self.pause.present = True
+        if self.evaluator_token:
+            self.earlier_evaluator_tokens.append(self.evaluator_token)
+        self.evaluator_token = secrets.token_hex(16)
+        return self.evaluator_token
+
+    def evaluator_token_state(self, token: str) -> str:
+        """``current``, ``superseded`` (a newer evaluator joined) or ``unknown`` (another
+        process's token, e.g. of shard 0 before a restart: the evaluator joins again)."""
+        t = token.encode("utf-8", "surrogateescape")
+        if self.evaluator_token and hmac.compare_digest(self.evaluator_token.encode(), t):
+            return "current"
+        if any(hmac.compare_digest(e.encode(), t) for e in self.earlier_evaluator_tokens):
+            return "superseded"
+        return "unknown"
 
     def check_pause(self) -> bool:
         """End a pause that has lasted ``evaluator.pause_timeout_s``; True if it did."""

@@ -63,14 +63,52 @@ class DataCursor:
                 "samples_served": self.state.samples_served, "returned": [list(r) for r in self._returned]}
 
     def load_state_dict(self, d: dict) -> None:
-        self.state = CursorState(int(d["epoch"]), int(d["offset"]), int(d["samples_served"]))
-        self._returned = deque([int(x) for x in r] for r in d["returned"])
+        """Resume from :meth:`state_dict`. All or nothing: a state that could serve a sample
+        twice, or one outside the dataset, raises ValueError and changes nothing (it can only
+        come from a damaged checkpoint, and training on it would break exactly-once sampling)."""
+        state, returned = self._checked(d)
+        self.state, self._returned = state, deque(returned)
+
+    def _checked(self, d: dict) -> tuple[CursorState, list[Range]]:
+        try:
+            state = CursorState(_exact_int(d["epoch"]), _exact_int(d["offset"]), _exact_int(d["samples_served"]))
+            returned = [[_exact_int(x) for x in r] for r in d["returned"]]
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"data cursor state: {exc!r}") from None
+        n = self.n
+        if state.epoch < 0 or not 0 <= state.offset < n or state.samples_served < 0:
+            raise ValueError(f"data cursor state out of range: epoch {state.epoch}, offset {state.offset} "
+                             f"of {n} samples, {state.samples_served} served")
+        seen: dict[int, list[tuple[int, int]]] = {}
+        for r in returned:
+            if len(r) != 3:
+                raise ValueError(f"data cursor: a returned range must be [epoch, start, stop], got {r}")
+            e, a, b = r
+            end = state.offset if e == state.epoch else n
+            if not (0 <= e <= state.epoch and 0 <= a < b <= end):
+                raise ValueError(f"data cursor: returned range {r} was never served (epoch {state.epoch}, "
+                                 f"offset {state.offset} of {n})")
+            seen.setdefault(e, []).append((a, b))
+        for e, spans in seen.items():
+            spans.sort()
+            for (_, b0), (a1, _) in zip(spans, spans[1:]):
+                if a1 < b0:
+                    raise ValueError(f"data cursor: returned ranges of epoch {e} overlap: their samples "
+                                     "would be served twice")
+        return state, returned
 
     def give_back(self, ranges: list[Range]) -> None:
         """Unused ranges return to the pool and are served first."""
         for r in ranges:
             self._returned.append(list(r))
             self.state.samples_served -= r[2] - r[1]
+
+
+def _exact_int(v: object) -> int:
+    """``v`` as an int if it is one (numpy integers included); a float, bool or string is refused."""
+    if isinstance(v, bool) or not hasattr(v, "__index__"):
+        raise TypeError(f"expected an integer, got {v!r}")
+    return int(v.__index__())
 
 
 def ranges_size(ranges: list[Range]) -> int:

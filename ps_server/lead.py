@@ -281,14 +281,16 @@ class Lead:
             if wid >= 0:  # ids follow join order: the records say which name each one is
                 self.metrics.write(event="worker_joined", worker=wid, name=join.name, device=join.device,
                                    live=coord.live(), version=version)
-            elif role == "evaluator":
-                coord.evaluator_joined()
             start = policy.assignment_key(version, coord.clock_of(wid)) if wid >= 0 else version
+            if wid >= 0:
+                token = coord.token(wid)
+            else:
+                token = coord.evaluator_joined() if role == "evaluator" else ""
             server.router_reply(ident, P.Welcome(
                 worker_id=wid,
                 shard_endpoints=[self.shard_endpoints[k] for k in range(self.cfg.cluster.num_shards)],
                 shard_ranges=[list(r) for r in server.ranges], num_params=server.num_params,
-                version=start, job=self.cfg.job_spec(), token=coord.token(wid) if wid >= 0 else "",
+                version=start, job=self.cfg.job_spec(), token=token,
                 consistent_pulls=policy.consistent_pulls))
         self.pending_joins = []
         self._announce_plan(coord.try_start())
@@ -341,12 +343,20 @@ class Lead:
         self._announce_plan(coord.try_start())
 
     def _on_eval(self, ident: bytes, role: str, msg: P.EvalReport) -> P.Message:
-        """A measurement: it ends a pause and may stop the job at the target accuracy, so one of
-        a version not reached (measured just before a rollback below it), with an accuracy no
-        measurement gives, or of a history a rollback abandoned (its log hash is not this
-        history's at that version) is acknowledged and set aside: it counts for nothing, but
-        the evaluator goes on, and a final one still says the evaluator is done."""
+        """A measurement: it ends a pause and may stop the job at the target accuracy, so only
+        the newest evaluator's count (its Welcome's token): an earlier one is refused
+        ``superseded`` and ends, a token this process never gave (shard 0 restarted) is refused
+        ``unknown_evaluator`` and its evaluator joins again. One of a version not reached
+        (measured just before a rollback below it), with an accuracy no measurement gives, or
+        of a history a rollback abandoned (its log hash is not this history's at that version)
+        is acknowledged and set aside: it counts for nothing, and the evaluator goes on."""
         coord, st = self.coord, self.server.state
+        who = coord.evaluator_token_state(msg.token)
+        if who == "superseded":
+            coord.count("eval.superseded")
+            raise Refused("superseded", "another evaluator joined after this one: its reports count")
+        if who != "current":
+            raise Refused("unknown_evaluator", "no evaluator joined with this token here: join again")
         if not (math.isfinite(msg.accuracy) and 0.0 <= msg.accuracy <= 1.0):
             return self._set_aside(msg, "eval.bad_accuracy", f"an accuracy of {msg.accuracy}")
         if not 0 <= msg.version <= st.version:   # e.g. measured just before a rollback below it
@@ -365,19 +375,29 @@ class Lead:
         t = self.cfg.training.target_accuracy
         if t is not None and msg.accuracy >= t:
             coord.request_stop(f"reached target_accuracy={t} (version {msg.version})")
-        return P.Ack(what="eval_report")
+        return self._eval_ack(msg)
+
+    def _eval_ack(self, msg: P.EvalReport) -> P.Ack:
+        """``eval_final_done`` when shard 0 finishes on this final report, so the evaluator may
+        exit; otherwise a rollback may still come before every worker knows the stop, and the
+        evaluator stays to measure the new history's final version."""
+        coord = self.coord
+        done = msg.final and coord.stop and self.stop_announced and coord.everyone_knows_stop()
+        return P.Ack(what="eval_final_done" if done else "eval_report")
 
     def _set_aside(self, msg: P.EvalReport, counter: str, what: str) -> P.Message:
         """A report that must not count, acknowledged all the same: the evaluator goes on (it
-        meets this after a rollback), and a forger learns nothing. A final one still ends the
-        wait for the evaluator at the stop."""
-        if msg.final:
+        meets this after a rollback), and a forger learns nothing. A final one with an accuracy
+        no measurement gives still ends the wait for the evaluator at the stop (it would only
+        measure the same again); one of another history or a version not reached does not: the
+        evaluator, staying after its final report, measures this history's final version."""
+        if msg.final and counter == "eval.bad_accuracy":
             self.coord.evaluator_done = True
         self.coord.count(counter)
         n = self.coord.counters[counter]
         if worth_logging(n, 20):
             log.warning("evaluator report set aside: %s (%d so far)", what, n)
-        return P.Ack(what="eval_report")
+        return self._eval_ack(msg)
 
     # ----- commits ----------------------------------------------------------------------------
     def advance(self) -> None:

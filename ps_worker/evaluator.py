@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 
 PAUSED_POLL_S = 0.01  # pause_training: the status is asked this often once a version is near
 PULL_PATIENCE_S = 10.0  # an existing version unanswered this long: a shard may have moved
+#: after a final report shard 0 did not finish on, a status request unanswered this long means
+#: it is gone (it answers within milliseconds while it runs); the evaluator then exits
+FINAL_LINGER_REPLY_S = 1.0
 
 
 def next_poll_s(prev: tuple[float, int] | None, now: float, version: int, next_version: int,
@@ -191,6 +194,7 @@ class Evaluator:
         self.results: list[dict[str, float]] = []
         self._last_hash = ""
         self.skipped = 0
+        self.token = ""        # from the Welcome: only the newest evaluator's reports count
 
     def run(self) -> list[dict[str, float]]:
         """Measure versions 0, k, 2k, ... exactly (from the shards' snapshots), then the final one.
@@ -243,10 +247,22 @@ class Evaluator:
                 if status.stop:
                     # The final version, exactly: every shard holds it once the stop is known.
                     if status.version != last_done:
-                        self._measure(status.version, report=False, exact=True)
-                    self._report(self.results[-1] if self.results else None, final=True,
-                                 log_hash=self._last_hash)
-                    return self.results
+                        last_done = self._measure(status.version, report=False, exact=True)
+                    done = self._report(self.results[-1] if self.results else None, final=True,
+                                        log_hash=self._last_hash)
+                    if done or not self._went_back_after_final(status):
+                        return self.results
+                    # A rollback after the final report: the new history's stop needs its
+                    # own final measurement. Join again and go on as after any rollback.
+                    self._join()
+                    status = self.client.send_to_coordinator(P.StatusRequest(), P.Status)
+                    assert isinstance(status, P.Status)
+                    if self.paused:
+                        next_version = -(-status.version // every) * every
+                    last_seen, stop_seen, prev, last_done = status.version, None, None, -1
+                    log.info("the job went back to version %d after the final report: measuring "
+                             "again from %d", status.version, next_version)
+                    continue
                 if self.paused and status.started:
                     time.sleep(next_poll_s(prev, seen_at, status.version, next_version, self.poll_s))
                     prev = (seen_at, status.version)
@@ -255,6 +271,22 @@ class Evaluator:
         finally:
             self.metrics.close()
             self.client.close()
+
+    def _went_back_after_final(self, final: P.Status) -> bool:
+        """After a final report that shard 0 did not finish on: wait while it answers, stopped
+        at the same version of the same history; True if the job went back (a rollback before
+        every worker knew the stop), False once shard 0 is gone or finished."""
+        while True:
+            time.sleep(self.poll_s)
+            try:
+                status = self.client.send_to_coordinator(P.StatusRequest(), P.Status,
+                                                         timeout_s=FINAL_LINGER_REPLY_S)
+            except (TransportTimeout, RemoteError) as exc:
+                log.info("after the final report: shard 0 is gone (%s)", exc)
+                return False
+            assert isinstance(status, P.Status)
+            if not status.stop or (status.version, status.log_hash) != (final.version, final.log_hash):
+                return True
 
     def _catch_up_from(self, next_version: int, final: int, every: int) -> int:
         """At the stop, the shards wait for the final measurement at most finish_timeout_s: with a
@@ -272,7 +304,8 @@ class Evaluator:
         return max(next_version, skip_to)
 
     def _join(self) -> None:
-        self.consistent = self.client.join("evaluator", self.cfg.job_digest(), "cpu").consistent_pulls
+        welcome = self.client.join("evaluator", self.cfg.job_digest(), "cpu")
+        self.consistent, self.token = welcome.consistent_pulls, welcome.token
 
     def _pull(self, version: int, exact: bool) -> PullResult:
         """The parameters of ``version``, which the coordinator's status says exist (see
@@ -301,16 +334,29 @@ class Evaluator:
             self._report(rec, final=False, log_hash=res.log_hash)
         return res.version
 
-    def _report(self, rec: dict | None, *, final: bool, log_hash: str = "") -> None:
-        if rec is None:
-            msg = P.EvalReport(final=final)
-        else:
-            msg = P.EvalReport(version=int(rec["version"]), samples=int(rec["samples"]),
-                               accuracy=float(rec["accuracy"]), loss=float(rec["loss"]), final=final,
-                               log_hash=log_hash)
+    def _report(self, rec: dict | None, *, final: bool, log_hash: str = "") -> bool:
+        """Send a measurement; for a final one, True when shard 0 finishes on it (or is gone)."""
+        def send() -> P.Message:
+            if rec is None:
+                msg = P.EvalReport(final=final, token=self.token)
+            else:
+                msg = P.EvalReport(version=int(rec["version"]), samples=int(rec["samples"]),
+                                   accuracy=float(rec["accuracy"]), loss=float(rec["loss"]), final=final,
+                                   log_hash=log_hash, token=self.token)
+            return self.client.send_to_coordinator(msg, P.Ack)
+
         try:
-            self.client.send_to_coordinator(msg, P.Ack)
+            try:
+                ack = send()
+            except RemoteError as exc:
+                if exc.code != "unknown_evaluator":   # "superseded": a newer evaluator counts
+                    raise
+                log.info("shard 0 does not know this evaluator (restarted?): joining again")
+                self._join()
+                ack = send()
         except Exception as exc:  # after the stop shard 0 may already be gone: nothing to tell
-            if not final:
+            if not final or (isinstance(exc, RemoteError) and exc.code == "superseded"):
                 raise
             log.info("final report not delivered: %s", exc)
+            return True
+        return isinstance(ack, P.Ack) and ack.what == "eval_final_done"

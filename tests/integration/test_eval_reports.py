@@ -31,11 +31,14 @@ class _Driver:
     def __init__(self, s0: Any) -> None:
         self.s0, self.lead, self.coord = s0, s0.role, s0.role.coord
         self.sent: list[P.Message] = []
+        self.evaluator_token = ""
         s0.router_reply = lambda _ident, msg: self.sent.append(msg) or True
 
     def join(self, name: str, role: str = "worker") -> tuple[int, str]:
         self.lead._on_join(name.encode(), role, P.Join(name=name, instance=name, job_digest=self.s0.job_digest))
         welcome = [m for m in self.sent if isinstance(m, P.Welcome)][-1]
+        if role == "evaluator":
+            self.evaluator_token = welcome.token
         return welcome.worker_id, welcome.token
 
     def push(self, worker: int, token: str) -> None:
@@ -44,9 +47,11 @@ class _Driver:
                                                 batch_size=x, arrays=[np.zeros(self.s0.num_params, np.float32)]))
         self.lead.after_messages()
 
-    def report(self, version: int, accuracy: float, log_hash: str = "", final: bool = False) -> P.Message:
-        out = self.lead._on_eval(b"ev", "evaluator", P.EvalReport(version=version, accuracy=accuracy,
-                                                                  log_hash=log_hash, final=final))
+    def report(self, version: int, accuracy: float, log_hash: str = "", final: bool = False,
+               token: str | None = None) -> P.Message:
+        msg = P.EvalReport(version=version, accuracy=accuracy, log_hash=log_hash, final=final,
+                           token=self.evaluator_token if token is None else token)
+        out = self.lead._on_eval(b"ev", "evaluator", msg)
         self.lead.after_messages()
         return out
 
@@ -92,8 +97,63 @@ def test_a_measurement_from_before_a_rollback_counts_for_nothing_in_the_new_hist
         assert d.coord.pause.held == 2 and not d.coord.stop, "set aside: the new version 2 is not measured"
         assert d.coord.counters["eval.other_history"] == 1
         assert not d.coord.evaluator_done
-        d.report(2, 0.5, old, final=True)     # set aside too, but the evaluator is done all the same
-        assert d.coord.evaluator_done and d.coord.counters["eval.other_history"] == 2
+        ack = d.report(2, 0.5, old, final=True)   # set aside too: the evaluator stays for the new one
+        assert isinstance(ack, P.Ack) and ack.what == "eval_report"
+        assert not d.coord.evaluator_done and d.coord.counters["eval.other_history"] == 2
         assert d.coord.pause.held == 2 and not d.coord.stop
         d.report(2, 0.95, s0.state.log_hash)  # the new history's own measurement counts
         assert d.coord.pause.held is None and d.coord.stop
+
+
+def test_a_final_measurement_of_the_history_a_rollback_left_does_not_end_the_new_one(tmp_path):
+    """The stop at version 2, the evaluator's final report, then a rollback before every
+    worker knew the stop: shard 0 must wait for the new history's final measurement, not
+    finish on the old one's (before: ``evaluator_done`` survived the rollback)."""
+    with in_process_shard_0(_job(tmp_path, checkpoint={"every_iterations": 1},
+                                 training={"global_batch": 32, "max_iterations": 2}), tmp_path / "run") as s0:
+        d = _Driver(s0)
+        d.join("ev", "evaluator")
+        w, token = d.join("w0")
+        for v in range(2):
+            d.report(v, 0.1, s0.state.log_hash)
+            d.push(w, token)
+        assert d.coord.stop and s0.state.version == 2
+        ack = d.report(2, 0.4, s0.state.log_hash, final=True)
+        assert d.coord.evaluator_done and not d.coord.everyone_knows_stop()   # w0 not told yet
+        assert isinstance(ack, P.Ack) and ack.what == "eval_report", "the evaluator must stay"
+        s0.checkpointer.flush()
+        d.lead.rollback_all(1, "a test")
+        assert not d.coord.evaluator_done
+        w, token = d.join("w0-again")
+        d.report(1, 0.2, s0.state.log_hash)
+        d.push(w, token)                                  # version 2 again, a new history: stop
+        assert d.coord.stop and s0.state.version == 2
+        d.coord.told_stop(w)
+        assert not d.coord.everyone_knows_stop(), "no final measurement of this history yet"
+        ack = d.report(2, 0.45, s0.state.log_hash, final=True)
+        assert d.coord.everyone_knows_stop() and isinstance(ack, P.Ack) and ack.what == "eval_final_done"
+
+
+def test_only_the_newest_evaluators_reports_count(tmp_path):
+    """Two evaluator processes (an operator restarted one while the old one still ran): the
+    older one's reports are refused ``superseded`` (it ends), a token shard 0 never gave is
+    refused ``unknown_evaluator`` (its evaluator joins again), and neither changes anything."""
+    from ps_server.router import Refused
+
+    with in_process_shard_0(_job(tmp_path), tmp_path / "run") as s0:
+        d = _Driver(s0)
+        _, old = d.join("ev-a", "evaluator")
+        w, token = d.join("w0")
+        d.report(0, 0.1, s0.state.log_hash)
+        d.push(w, token)
+        _, new = d.join("ev-b", "evaluator")
+        assert old and new and old != new
+        for t, code in ((old, "superseded"), ("", "unknown_evaluator"), ("f" * 32, "unknown_evaluator"),
+                        (new[:-1] + "\u00e9", "unknown_evaluator")):
+            with pytest.raises(Refused) as err:
+                d.report(1, 0.99, s0.state.log_hash, final=True, token=t)
+            assert err.value.code == code
+        assert d.coord.pause.held == 1 and not d.coord.stop and not d.coord.evaluator_done
+        assert d.coord.last_accuracy == 0.1 and d.coord.counters["eval.superseded"] == 1
+        d.report(1, 0.5, s0.state.log_hash, token=new)
+        assert d.coord.pause.held is None and d.coord.last_accuracy == 0.5

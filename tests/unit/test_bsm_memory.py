@@ -139,3 +139,21 @@ def test_a_failure_that_would_cap_a_worker_below_the_floor_is_refused_and_learns
     plain.probed("a", 8)
     assert caps.out_of_memory("a", 40, floor=5) == plain.out_of_memory("a", 40) == 24  # as before
     assert caps.probe_cap(21, 22) == 20 and caps.probe_cap(12) is None
+
+
+@pytest.mark.parametrize("bad", [
+    {"w0": {"fits": 0, "fails": 0}},              # nothing fits: the next split would fail
+    {"w0": {"fits": 40, "fails": 30}},            # a failure below a fit: the live path never holds it
+    {"w0": {"fits": -7, "fails": None}},
+    {"w0": {"fits": 3.5, "fails": None}},
+    {"w0": {"fits": True, "fails": 9}},
+    {"w0": [1, 2]},
+    {f"w{i}": {"fits": 1, "fails": None} for i in range(11)},   # more names than kept
+])
+def test_a_damaged_caps_state_is_refused_and_changes_nothing(bad):
+    caps = MemoryCaps(margin=0.05, max_names=10)
+    caps.out_of_memory("d", 80)
+    good = caps.state_dict()
+    with pytest.raises(ValueError, match="memory caps"):
+        caps.load_state_dict(bad)
+    assert caps.state_dict() == good and caps.cap("d") == 40

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -55,3 +56,25 @@ def test_sample_order_is_a_seeded_permutation():
     np.testing.assert_array_equal(a, b)
     assert sorted(a) == list(range(100))
     assert not np.array_equal(a, sample_order(1, 1, 100))
+
+
+@pytest.mark.parametrize("bad", [
+    {"offset": 130}, {"offset": -20}, {"epoch": -3}, {"samples_served": -1}, {"offset": 2.5},
+    {"returned": [[0, 5]]},                       # not [epoch, start, stop]
+    {"returned": [[0, 20, 30], [0, 25, 30]]},     # overlapping: samples 25-29 served twice
+    {"returned": [[1, 30, 40]]},                  # past the offset of the current epoch
+    {"returned": [[2, 0, 5]]},                    # an epoch not reached
+    {"returned": [[0, 40, 30]]},                  # empty or reversed
+])
+def test_a_damaged_cursor_state_is_refused_and_changes_nothing(bad):
+    """A checkpoint's cursor that would serve a sample twice or one outside the dataset raises
+    instead of breaking exactly-once sampling; the cursor keeps its state."""
+    cur = DataCursor(100)
+    cur.take(130)                                 # epoch 1, offset 30
+    cur.give_back([[0, 10, 20]])
+    good = cur.state_dict()
+    assert good == {"epoch": 1, "offset": 30, "samples_served": 120, "returned": [[0, 10, 20]]}
+    DataCursor(100).load_state_dict(good)         # the live state passes
+    with pytest.raises(ValueError, match="data cursor"):
+        cur.load_state_dict({**good, **bad})
+    assert cur.state_dict() == good
