@@ -438,7 +438,7 @@ class EvalReport(Message):
     """The evaluator's measurement, so the coordinator can stop at a target accuracy.
 
     ``final`` marks the measurement of the final version. ``token`` is the one the evaluator's
-    Welcome gave it (protocol 12): a job counts the reports of its newest evaluator only. A
+    Welcome gave it (protocol 12): a job counts one evaluator's reports, the latest to join and report. A
     report of a version not reached, of another history, or with an accuracy outside [0, 1] is
     acknowledged and set aside. The Ack of a final report says ``eval_final_done`` when shard 0
     finishes on it; otherwise the evaluator stays until shard 0 is gone, in case a rollback

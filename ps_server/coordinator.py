@@ -210,9 +210,11 @@ class Coordinator:
         self.stop_version = -1
         self.last_accuracy = -1.0
         self.evaluator_done = False
-        #: the newest evaluator's token (its Welcome's); earlier ones this process gave out
+        #: evaluator tokens (their Welcomes'): of the one whose reports count, of those joined
+        #: since that have not reported (observers join as evaluators too), of earlier reporters
         self.evaluator_token = ""
-        self.earlier_evaluator_tokens: collections.deque[str] = collections.deque(maxlen=64)
+        self.joined_evaluator_tokens: collections.deque[str] = collections.deque(maxlen=64)
+        self.superseded_evaluator_tokens: collections.deque[str] = collections.deque(maxlen=64)
         self.applied_samples = 0
         self.updates = 0
         self.reports: dict[int, WorkerReport] = {}
@@ -974,22 +976,35 @@ class Coordinator:
         """An evaluator is there to end pauses. With ``pause_training`` the job starts only once
         it has joined, so that version 0 is measured before anyone trains (the caller tries to
         start); one that joins again later misses the pause of the version training was at.
-        Returns its token: only the newest evaluator's reports count (two would each end pauses
-        and stop the job on their own measurements, and the first final report would end the
-        job while the other still measured)."""
+        Returns its token (see :meth:`evaluator_reports`)."""
         self.pause.present = True
-        if self.evaluator_token:
-            self.earlier_evaluator_tokens.append(self.evaluator_token)
-        self.evaluator_token = secrets.token_hex(16)
-        return self.evaluator_token
+        token = secrets.token_hex(16)
+        self.joined_evaluator_tokens.append(token)
+        return token
 
-    def evaluator_token_state(self, token: str) -> str:
-        """``current``, ``superseded`` (a newer evaluator joined) or ``unknown`` (another
-        process's token, e.g. of shard 0 before a restart: the evaluator joins again)."""
+    def evaluator_reports(self, token: str) -> str:
+        """Whose report is this? Only one evaluator's count: two would each end pauses and stop
+        the job on their own measurements, and the first final report would end the job while
+        the other still measured. The first report under a token joined after the counting
+        evaluator's makes it the one that counts (an operator restarted the evaluator; an
+        observer, which joins as an evaluator but never reports, changes nothing). Returns
+        ``current``, ``superseded`` (an evaluator that joined later has reported since) or
+        ``unknown`` (no token of this process, e.g. of shard 0 before a restart)."""
         t = token.encode("utf-8", "surrogateescape")
-        if self.evaluator_token and hmac.compare_digest(self.evaluator_token.encode(), t):
+
+        def same(e: str) -> bool:
+            return hmac.compare_digest(e.encode(), t)
+
+        if self.evaluator_token and same(self.evaluator_token):
             return "current"
-        if any(hmac.compare_digest(e.encode(), t) for e in self.earlier_evaluator_tokens):
+        joined = next((e for e in self.joined_evaluator_tokens if same(e)), None)
+        if joined is not None:
+            self.joined_evaluator_tokens.remove(joined)
+            if self.evaluator_token:
+                self.superseded_evaluator_tokens.append(self.evaluator_token)
+            self.evaluator_token = joined
+            return "current"
+        if any(same(e) for e in self.superseded_evaluator_tokens):
             return "superseded"
         return "unknown"
 

@@ -345,16 +345,17 @@ class Lead:
     def _on_eval(self, ident: bytes, role: str, msg: P.EvalReport) -> P.Message:
         """A measurement: it ends a pause and may stop the job at the target accuracy, so only
         the newest evaluator's count (its Welcome's token): an earlier one is refused
-        ``superseded`` and ends, a token this process never gave (shard 0 restarted) is refused
+        ``superseded`` and ends (:meth:`Coordinator.evaluator_reports`), a token this process
+        never gave (shard 0 restarted) is refused
         ``unknown_evaluator`` and its evaluator joins again. One of a version not reached
         (measured just before a rollback below it), with an accuracy no measurement gives, or
         of a history a rollback abandoned (its log hash is not this history's at that version)
         is acknowledged and set aside: it counts for nothing, and the evaluator goes on."""
         coord, st = self.coord, self.server.state
-        who = coord.evaluator_token_state(msg.token)
+        who = coord.evaluator_reports(msg.token)
         if who == "superseded":
             coord.count("eval.superseded")
-            raise Refused("superseded", "another evaluator joined after this one: its reports count")
+            raise Refused("superseded", "an evaluator that joined after this one reports now: its reports count")
         if who != "current":
             raise Refused("unknown_evaluator", "no evaluator joined with this token here: join again")
         if not (math.isfinite(msg.accuracy) and 0.0 <= msg.accuracy <= 1.0):

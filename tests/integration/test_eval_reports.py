@@ -135,25 +135,34 @@ def test_a_final_measurement_of_the_history_a_rollback_left_does_not_end_the_new
 
 
 def test_only_the_newest_evaluators_reports_count(tmp_path):
-    """Two evaluator processes (an operator restarted one while the old one still ran): the
-    older one's reports are refused ``superseded`` (it ends), a token shard 0 never gave is
-    refused ``unknown_evaluator`` (its evaluator joins again), and neither changes anything."""
+    """Two evaluator processes (an operator restarted one while the old one still ran): once
+    the newer one has reported, the older one's reports are refused ``superseded`` (it ends); a
+    token shard 0 never gave is refused ``unknown_evaluator`` (its evaluator joins again);
+    neither changes anything. An observer that joins as an evaluator and never reports
+    supersedes nobody."""
     from ps_server.router import Refused
 
     with in_process_shard_0(_job(tmp_path), tmp_path / "run") as s0:
         d = _Driver(s0)
         _, old = d.join("ev-a", "evaluator")
         w, token = d.join("w0")
-        d.report(0, 0.1, s0.state.log_hash)
+        d.join("observer", "evaluator")
+        d.report(0, 0.1, s0.state.log_hash, token=old)
         d.push(w, token)
         _, new = d.join("ev-b", "evaluator")
         assert old and new and old != new
+        d.report(1, 0.2, s0.state.log_hash, token=old)   # ev-b has not reported: ev-a still counts
+        assert d.coord.pause.held is None and d.coord.last_accuracy == 0.2
+        d.push(w, token)
+        d.report(2, 0.3, s0.state.log_hash, token=new)   # now ev-b counts
+        assert d.coord.pause.held is None and d.coord.last_accuracy == 0.3
+        d.push(w, token)
         for t, code in ((old, "superseded"), ("", "unknown_evaluator"), ("f" * 32, "unknown_evaluator"),
                         (new[:-1] + "\u00e9", "unknown_evaluator")):
             with pytest.raises(Refused) as err:
-                d.report(1, 0.99, s0.state.log_hash, final=True, token=t)
+                d.report(3, 0.99, s0.state.log_hash, final=True, token=t)
             assert err.value.code == code
-        assert d.coord.pause.held == 1 and not d.coord.stop and not d.coord.evaluator_done
-        assert d.coord.last_accuracy == 0.1 and d.coord.counters["eval.superseded"] == 1
-        d.report(1, 0.5, s0.state.log_hash, token=new)
+        assert d.coord.pause.held == 3 and not d.coord.stop and not d.coord.evaluator_done
+        assert d.coord.last_accuracy == 0.3 and d.coord.counters["eval.superseded"] == 1
+        d.report(3, 0.5, s0.state.log_hash, token=new)
         assert d.coord.pause.held is None and d.coord.last_accuracy == 0.5
