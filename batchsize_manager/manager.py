@@ -80,7 +80,8 @@ class BatchSizeManager:
             raise ValueError(f"min_batch must be >= 1, got {min_batch}")
         if max_batch is not None and int(max_batch) < int(min_batch):
             raise ValueError(f"max_batch={max_batch} is below min_batch={min_batch}")
-        self.memory = MemoryCaps(memory_caps, oom_margin, in_use=lambda name: bool(self.membership.ids_named(name)))
+        self.memory = MemoryCaps(memory_caps, oom_margin, in_use=lambda name: bool(self.membership.ids_named(name)),
+                                 min_batch=int(min_batch))
         self._policy = pol
         self.global_batch = int(global_batch)
         self.min_batch = int(min_batch)
@@ -178,8 +179,9 @@ class BatchSizeManager:
         if name is None:
             return None
         try:
-            # no floor here: a report cannot send its worker away, and a cap below min_batch
-            # makes the next split fail with a clear error rather than hand the size out again
+            # no floor here: a report cannot send its worker away. The cap stays at min_batch
+            # while only larger sizes failed; once min_batch failed too, a cap below it makes the
+            # next split fail with a clear error rather than hand the size out again
             cap = self.memory.out_of_memory(name, batch_size)
         except CannotFit as exc:
             log.error("%s", exc)

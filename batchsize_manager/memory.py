@@ -74,7 +74,8 @@ class MemoryCaps:
     """Configured, probed and learned caps per worker name (see the module docstring)."""
 
     def __init__(self, configured: Mapping[Any, int] | None = None, margin: float = 0.05,
-                 max_names: int = MAX_NAMES, in_use: Callable[[str], bool] = lambda name: False) -> None:
+                 max_names: int = MAX_NAMES, in_use: Callable[[str], bool] = lambda name: False,
+                 min_batch: int = 1) -> None:
         if not (0.0 <= margin < 1.0):
             raise ValueError(f"oom_margin must be in [0, 1), got {margin}")
         self.margin = float(margin)
@@ -88,6 +89,9 @@ class MemoryCaps:
         #: is a live worker called this? (the manager's membership answers)
         self.in_use = in_use
         self.version = 0        #: bumped whenever any cap may have changed (callers cache on it)
+        #: the job's min_batch: a search never settles below it unless a size at or below it
+        #: failed (below it, no split could include the worker)
+        self.min_batch = max(1, int(min_batch))
 
     def _entry(self, name: str) -> _Search:
         """``name``'s search, made if new; with ``max_names`` of them, the oldest one whose name
@@ -124,7 +128,11 @@ class MemoryCaps:
             return head
         safe = max(1, cap_after_oom(s.fails, self.margin))
         search = safe if fits >= safe else max(1, min(safe, max(fits, (fits + s.fails) // 2)))
-        return search if head is None else min(search, head)
+        if s.fails > self.min_batch:
+            # Try min_batch before giving up on the worker: a margin below a failure just above
+            # it (or the midpoint, with nothing known to fit) would leave no size to hand out.
+            search = max(search, self.min_batch)
+        return search if head is None else min(search, head)     # head: never below a size that fitted
 
     def capped_count(self) -> int:
         """How many names :meth:`capped_names` gives (a name may count twice)."""
@@ -147,10 +155,11 @@ class MemoryCaps:
 
     # ----- what is learned ----------------------------------------------------------------------
     def out_of_memory(self, name: str, batch_size: int, floor: int = 1) -> int:
-        """``batch_size`` failed: the size to retry with (the new cap). Raises :class:`CannotFit`
-        when one sample failed, or when the new cap would fall below ``floor`` (the job's
-        min_batch: no split could include the worker, and every split would fail), and then
-        learns nothing: the worker cannot take part, the job goes on without it."""
+        """``batch_size`` failed: the size to retry with (the new cap). The cap stays at or above
+        :attr:`min_batch` while only sizes above it failed. Raises :class:`CannotFit` when one
+        sample failed, or when the new cap would fall below ``floor`` (the job's min_batch, once
+        a size at or below it failed: no split could include the worker, and every split would
+        fail), and then learns nothing: the worker cannot take part, the job goes on without it."""
         if batch_size <= 1:
             raise CannotFit(f"worker {name!r} ran out of memory with a single sample")
         before = self._search.get(name)

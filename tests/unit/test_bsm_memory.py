@@ -157,3 +157,36 @@ def test_a_damaged_caps_state_is_refused_and_changes_nothing(bad):
     with pytest.raises(ValueError, match="memory caps"):
         caps.load_state_dict(bad)
     assert caps.state_dict() == good and caps.cap("d") == 40
+
+
+@pytest.mark.parametrize("margin, fitted", [(0.05, None), (0.05, 32), (0.0, None)])
+def test_a_failure_just_above_min_batch_retries_at_min_batch_before_giving_up(margin, fitted):
+    """min_batch = 32, out of memory at 33: the margin (or, with nothing known to fit, the
+    midpoint) would cap the worker at 31 or 16, below min_batch, and it was sent away although
+    32 may fit (found by a review). The retry is 32; only a failure at 32 itself gives up."""
+    caps = MemoryCaps(margin=margin, min_batch=32)
+    if fitted:
+        caps.completed("w", fitted)
+    assert caps.out_of_memory("w", 33, floor=32) == 32
+    assert caps.cap("w") == 32 and caps.probe_cap(32, 33) == 32
+    before = caps.state_dict()
+    with pytest.raises(CannotFit, match="below min_batch=32"):
+        caps.out_of_memory("w", 32, floor=32)
+    assert caps.state_dict() == before, "nothing learned from the failure that sends it away"
+    assert MemoryCaps(margin=margin, min_batch=32).out_of_memory("v", 200, floor=32) == (
+        MemoryCaps(margin=margin).out_of_memory("v", 200)), "far above min_batch: as before"
+
+
+def test_the_report_path_keeps_a_worker_at_min_batch_until_min_batch_itself_failed():
+    """ps-bsm and the DDP plug-in learn out-of-memory from reports, with no floor (a report
+    cannot send its worker away): a failure at 33 with min_batch = 32 used to cap the worker at
+    16 and make the next split fail; it now gets 32."""
+    m = BatchSizeManager("uniform", 64, min_batch=32)
+    for w in range(2):
+        m.join(w)
+    m.assign()
+    m.observe_many([WorkerReport.received(0, 0, 33, Telemetry(compute_s=0.1, oom=True))])
+    assert m.memory_caps == {0: 32} and m.assign() == {0: 32, 1: 32}
+    m.observe_many([WorkerReport.received(0, 1, 32, Telemetry(compute_s=0.1, oom=True))])
+    with pytest.raises(ValueError, match="min_batch"):
+        m.assign()

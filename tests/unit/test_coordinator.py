@@ -507,21 +507,23 @@ def test_out_of_memory_below_min_batch_refuses_the_worker_and_the_job_goes_on():
     assert not c.stop and d.next_plan.workers == [0] and d.next_plan.batch_sizes == [16]
 
 
-def test_a_probe_whose_cap_falls_below_min_batch_is_refused_at_the_join():
-    """fits = min_batch but fails one above it: the margin below the failure would cap the
-    worker under min_batch, and the first split would stop the job."""
+def test_a_probe_that_fits_min_batch_and_fails_just_above_it_is_admitted_at_min_batch():
+    """fits = min_batch, fails one above it: the margin below the failure would cap the worker
+    at 20, under min_batch, so before 2026-11-28 it was refused; min_batch fits, so its cap is
+    min_batch. A probe that fits fewer than min_batch is refused, and nothing is learned."""
     from ps_server.coordinator import JoinRefused
 
     cfg = validate({"training": {"global_batch": 60, "min_batch": 21, "max_iterations": 10},
                     "cluster": {"num_workers": 2}})
     c = Coordinator(cfg, 1000, BatchSizeManager("uniform", 60, min_batch=21), BSP(), num_shards=S)
     with pytest.raises(JoinRefused) as err:
-        c.join("evil", "i0", memory_fits=21, memory_fails=22)
-    assert err.value.code == "cannot_fit" and "caps it at 20" in str(err.value)
-    assert len(c.members) == 0 and c.manager.memory_caps == {}
-    c.join("a", "i1", memory_fits=40, memory_fails=41)    # a cap of 38: admitted
+        c.join("small", "i0", memory_fits=20, memory_fails=21)
+    assert err.value.code == "cannot_fit" and len(c.members) == 0 and c.manager.memory_caps == {}
+    c.join("tight", "i1", memory_fits=21, memory_fails=22)   # capped at min_batch
     c.join("b", "i2")
-    assert c.try_start() is not None and not c.stop
+    plan = c.try_start()
+    assert plan is not None and not c.stop
+    assert dict(zip(plan.workers, plan.batch_sizes)) == {0: 21, 1: 39}
 
 
 def test_a_start_up_probe_caps_the_first_plan():
