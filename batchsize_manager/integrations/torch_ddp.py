@@ -39,7 +39,11 @@ runs a forward and backward through the DDP model every iteration, one given ``x
 samples too (over an empty batch; the hook sends zeros): the collectives must stay in step. The
 result equals single-process SGD for models without batch-coupled layers; with batch norm each
 rank normalises over its own share and DDP broadcasts rank 0's running statistics, so uneven
-shares are not exact there (:meth:`DDPBatchBalancer.register_hook` warns). Data
+shares are not exact there (:meth:`DDPBatchBalancer.register_hook` warns). ``SyncBatchNorm``
+normalises over the global batch, but its backward sums the ranks' loss gradients unweighted,
+which with per-rank mean losses weights them wrongly: register with ``loss_scaled=True`` and
+multiply each rank's mean loss by :attr:`DDPBatchBalancer.loss_scale` (``x_i / X``), so every
+rank back-propagates its part of the global mean loss and the hook only sums. Data
 loading is by index (``rank_indices``) because the batch size changes between iterations; a
 ``DataLoader`` works with ``batch_sampler`` yielding those lists and ``num_workers=0`` (worker
 processes would prefetch batches before the next sizes are known).
@@ -106,6 +110,9 @@ class WeightedHookState:
     global_batch: int | None = None
     process_group: dist.ProcessGroup | None = None
     verify: bool = False
+    #: Each rank's loss is already its part of the global mean loss (its mean times x_i / X):
+    #: the hook only sums (zeros for a rank without samples). Exact with SyncBatchNorm too.
+    loss_scaled: bool = False
     hook_calls: int = 0
     last_ready_s: float = math.nan
     last_ready_event: Any = field(default=None, repr=False)
@@ -201,15 +208,18 @@ def _through_server(state: WeightedHookState, bucket: dist.GradBucket) -> torch.
 
 
 def _scale(state: WeightedHookState, tensor: torch.Tensor) -> None:
-    """``tensor *= x_i / X`` (zeros for a rank without samples)."""
+    """``tensor *= x_i / X`` (zeros for a rank without samples; nothing more when the loss was
+    scaled already)."""
     x, known = int(state.batch_size), state.global_batch
     if x < 0:
         raise ValueError(f"batch_size must be >= 0, got {x}")
     if known is not None and known <= 0:
         raise ValueError(f"global_batch must be > 0, got {known}")
+    if state.loss_scaled and known is None:
+        raise ValueError("loss_scaled needs global_batch: the loss scale is x_i / X")
     if x == 0:
         tensor.zero_()
-    else:
+    elif not state.loss_scaled:
         tensor.mul_(x / known if known is not None else float(x))
 
 
@@ -248,6 +258,35 @@ def _with_reports(state: WeightedHookState, tensor: torch.Tensor, group: Any,
         return grad
 
     return dist.all_reduce(ext, group=group, async_op=True).get_future().then(finish)
+
+
+def collectives_device(backend: str, cuda_available: bool) -> str:
+    """The device the balancer's small collectives use by default: CUDA only when the group's
+    backend handles nothing but CUDA tensors (``nccl``; an unnamed backend on a CUDA machine,
+    which torch maps to NCCL alone), else the CPU (``gloo``, ``cpu:gloo,cuda:nccl``)."""
+    names = backend.lower()
+    if any(k in names for k in ("gloo", "mpi", "cpu:")):
+        return "cpu"
+    return "cuda" if "nccl" in names or (names == "undefined" and cuda_available) else "cpu"
+
+
+def batch_norm_warning(norms: Mapping[str, bool], *, loss_scaled: bool, min_batch: int) -> str:
+    """What :meth:`DDPBatchBalancer.register_hook` warns about the model's batch-norm layers
+    (``{class name: is SyncBatchNorm}``), or "" when training is exact."""
+    plain = sorted(n for n, sync in norms.items() if not sync)
+    synced = sorted(n for n, sync in norms.items() if sync)
+    out = []
+    if plain:
+        out.append(f"the model has batch-norm layers ({', '.join(plain)}): each rank normalises over "
+                   f"its own x_i samples, and DDP broadcasts rank 0's running statistics, so with "
+                   f"uneven shares training is not exactly the global batch's (a rank given 0 or 1 "
+                   f"samples keeps stale statistics or fails in BatchNorm); min_batch={min_batch}")
+    if synced and not loss_scaled:
+        out.append(f"{', '.join(synced)} normalises over the global batch, but its backward sums "
+                   f"the ranks' loss gradients unweighted: with uneven shares the gradients of the "
+                   f"layers before it are wrong unless each rank's mean loss is multiplied by "
+                   f"balancer.loss_scale and the hook registered with loss_scaled=True")
+    return "; ".join(out)
 
 
 # --------------------------------------------------------------------------------------------
@@ -471,14 +510,19 @@ class DDPBatchBalancer:
                              f"at least {min_batch} samples each")
         self._src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
         if device is None:
-            device = (torch.device("cuda", torch.cuda.current_device())
-                      if dist.get_backend(process_group) == "nccl" else torch.device("cpu"))
+            device = collectives_device(str(dist.get_backend(process_group)), torch.cuda.is_available())
         self.device = torch.device(device)
+        #: Where this rank computes, as :meth:`register_hook` finds the model's parameters: a
+        #: CUDA rank's spans are timed with CUDA events whatever device the collectives use
+        #: (before, only a backend named "nccl" did that, so "gloo" or "cpu:gloo,cuda:nccl"
+        #: with a CUDA model timed kernel launches on the CPU clock).
+        self.compute_device = self.device
         self.iteration = 0
         self.hook_state = WeightedHookState(batch_size=0, global_batch=self.global_batch,
                                             process_group=process_group, verify=verify)
         if exchange not in ("auto", "fused", "separate", "servers"):
             raise ValueError(f"exchange must be 'auto', 'fused', 'separate' or 'servers', got {exchange!r}")
+        self._exchange = exchange
         if exchange in ("fused", "servers") and self.device.type == "cuda":
             raise ValueError(f"exchange={exchange!r} needs CPU timing (on CUDA the compute time is "
                              f"known only once the GPU is done; use 'separate')")
@@ -568,19 +612,41 @@ class DDPBatchBalancer:
         """This rank's sample indices for the current iteration."""
         return sampler.rank_indices(self.iteration, self._sizes, self.rank)
 
-    def register_hook(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> None:
+    @property
+    def loss_scale(self) -> float:
+        """``x_i / X`` for this rank and iteration: with ``register_hook(..., loss_scaled=True)``
+        multiply this rank's mean loss by it before ``backward()``."""
+        return self.my_batch_size / self.global_batch
+
+    def register_hook(self, ddp_model: torch.nn.parallel.DistributedDataParallel, *,
+                      loss_scaled: bool = False) -> None:
         """Install :func:`weighted_allreduce_hook` with this balancer's state on ``ddp_model``.
-        Warns about batch-norm layers, whose statistics the weighting cannot make exact."""
+
+        ``loss_scaled=True``: every rank multiplies its mean loss by :attr:`loss_scale` and the
+        hook only sums; needed for exactness with ``SyncBatchNorm``, whose backward couples the
+        ranks. Warns about batch-norm layers the weighting cannot make exact. A model on CUDA
+        is timed with CUDA events (and its reports gathered on their own), whatever the
+        collectives' device."""
+        if loss_scaled and self._exchange == "servers":
+            raise ValueError("loss_scaled=True does not go with exchange='servers' (the service "
+                             "weights the buckets by the planned sizes itself)")
+        on_cuda = next((p.device for p in ddp_model.parameters() if p.is_cuda), None)
+        if on_cuda is not None and self.compute_device.type != "cuda":
+            if self.fused and self._exchange != "auto":
+                raise ValueError(f"exchange={self._exchange!r} needs CPU timing, and the model is on "
+                                 f"{on_cuda} (on CUDA the compute time is known only once the GPU is "
+                                 f"done; use 'separate')")
+            self.fused = False
+            self.hook_state.report_slot = None
+        self.compute_device = on_cuda if on_cuda is not None else self.compute_device
+        self.hook_state.loss_scaled = bool(loss_scaled)
         ddp_model.register_comm_hook(self.hook_state, weighted_allreduce_hook)
-        norms = [type(m).__name__ for m in ddp_model.modules()
-                 if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
-        if norms:
-            warnings.warn(
-                f"the model has batch-norm layers ({', '.join(sorted(set(norms)))}): each rank "
-                f"normalises over its own x_i samples, and DDP broadcasts rank 0's running "
-                f"statistics, so with uneven shares training is not exactly the global batch's "
-                f"(a rank given 0 or 1 samples keeps stale statistics or fails in BatchNorm); "
-                f"min_batch={self.min_batch}", stacklevel=2)
+        text = batch_norm_warning({type(m).__name__: isinstance(m, torch.nn.SyncBatchNorm)
+                                   for m in ddp_model.modules()
+                                   if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)},
+                                  loss_scaled=bool(loss_scaled), min_batch=self.min_batch)
+        if text:
+            warnings.warn(text, stacklevel=2)
 
     # ---- timing ----------------------------------------------------------------------------
 
@@ -608,7 +674,7 @@ class DDPBatchBalancer:
         """
         calls = self.hook_state.hook_calls
         start_event = None
-        if self.device.type == "cuda":
+        if self.compute_device.type == "cuda":
             start_event = torch.cuda.Event(enable_timing=True)
             start_event.record()
         t0 = self._span_start = time.perf_counter()

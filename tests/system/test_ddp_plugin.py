@@ -286,6 +286,29 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
         ddp(torch.full((256, 4), 300.0, dtype=torch.float16)).mean().backward()
         out["half_grad"] = half.weight.grad.float().numpy().copy()
 
+        # (g) SyncBatchNorm's backward all-reduces the ranks' unweighted sums: with per-rank
+        # mean losses and the weighting hook the layers before it get wrong gradients; with
+        # each loss scaled by x_i / X and loss_scaled=True the hook only sums and it is exact.
+        # torch's SyncBatchNorm has no CPU kernels, so _CpuSyncBatchNorm does its arithmetic
+        # (torch/nn/modules/_functions.py) with gloo collectives; DDP and the hook are real.
+        gen = torch.Generator().manual_seed(DATA_SEED)
+        feats = torch.randn(X, 4, generator=gen, dtype=torch.float64) * 2 + 1
+        labels = torch.randint(0, 3, (X,), generator=gen)
+        lo = sum(sizes[:rank])
+        mine = slice(lo, lo + sizes[rank])
+        for scaled in (False, True):
+            bal = DDPBatchBalancer(X, _Scripted([sizes]))
+            ddp = DistributedDataParallel(_sync_bn_model(_CpuSyncBatchNorm))
+            bal.register_hook(ddp, loss_scaled=scaled)
+            loss = F.cross_entropy(ddp(feats[mine]), labels[mine])
+            (loss * bal.loss_scale if scaled else loss).backward()
+            bal.step()
+            out[f"sync_bn_grads_{'scaled' if scaled else 'weighted'}"] = _flat_grad(ddp.module)
+        if rank == 0:
+            ref = _sync_bn_model(torch.nn.BatchNorm1d)
+            F.cross_entropy(ref(feats), labels).backward()
+            out["sync_bn_reference"] = _flat_grad(ref)
+
         # Batch norm cannot be made exact by weighting gradients: registering warns.
         import warnings
 
@@ -306,6 +329,58 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
     finally:
         torch.save(out, Path(out_dir) / f"rank{rank}.pt")
         dist.destroy_process_group()
+
+
+class _SyncBatchNormFn(torch.autograd.Function):
+    """SyncBatchNorm's arithmetic (torch/nn/modules/_functions.py), over gloo: the forward
+    gathers every rank's (mean, invstd, count) and normalises with the count-weighted global
+    statistics; the backward all-reduces (sum_dy, sum_dy_xmu), unweighted, as torch does."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        eps, c = 1e-5, x.shape[1]
+        mine = torch.zeros(2 * c + 1, dtype=x.dtype)
+        if x.shape[0]:
+            mine = torch.cat([x.mean(0), 1.0 / torch.sqrt(x.var(0, unbiased=False) + eps),
+                              torch.tensor([float(x.shape[0])], dtype=x.dtype)])
+        rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(rows, mine)
+        allr = torch.stack(rows)
+        allr = allr[allr[:, -1] >= 1]
+        mean, invstd, count = allr[:, :c], allr[:, c:2 * c], allr[:, -1:]
+        n = count.sum()
+        gmean = (count * mean).sum(0) / n
+        gvar = (count * (1.0 / invstd ** 2 - eps + (mean - gmean) ** 2)).sum(0) / n
+        ginv = 1.0 / torch.sqrt(gvar + eps)
+        ctx.save_for_backward(x, weight, gmean, ginv, n)
+        return (x - gmean) * ginv * weight + bias
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
+        x, weight, mean, invstd, n = ctx.saved_tensors
+        c = x.shape[1]
+        xmu = x - mean
+        sums = torch.cat([dy.sum(0), (dy * xmu).sum(0)]) if x.shape[0] else torch.zeros(2 * c, dtype=x.dtype)
+        grad_w, grad_b = sums[c:] * invstd, sums[:c].clone()
+        dist.all_reduce(sums)
+        sum_dy, sum_dy_xmu = sums[:c], sums[c:]
+        grad_x = (dy - sum_dy / n - xmu * invstd ** 2 * sum_dy_xmu / n) * invstd * weight
+        return grad_x, grad_w, grad_b
+
+
+class _CpuSyncBatchNorm(torch.nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(c))
+        self.bias = torch.nn.Parameter(torch.zeros(c))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _SyncBatchNormFn.apply(x, self.weight, self.bias)
+
+
+def _sync_bn_model(norm: Any) -> torch.nn.Module:
+    torch.manual_seed(MODEL_SEED)
+    return torch.nn.Sequential(torch.nn.Linear(4, 5), norm(5), torch.nn.ReLU(), torch.nn.Linear(5, 3)).double()
 
 
 class _MeanOver(torch.nn.Module):
@@ -363,6 +438,18 @@ def test_sparse_gradients_under_the_default_exchange_are_the_global_batchs(ranks
     for r in range(world):
         for got, want in zip(res[r]["sparse_grads"], res[0]["sparse_reference"]):
             assert _rel(got, want) < 1e-5
+
+
+def test_sync_batch_norm_is_exact_with_scaled_losses_and_not_with_weighted_gradients(ranks):
+    """Found by a review: SyncBatchNorm's backward sums the ranks' loss gradients unweighted,
+    so with per-rank mean losses the weighting hook gets the layers before it wrong (the
+    warning said nothing of it). With each loss scaled by x_i / X and ``loss_scaled=True``
+    every gradient is the global batch's."""
+    world, res = ranks
+    ref = res[0]["sync_bn_reference"]
+    for r in range(world):
+        assert _rel(res[r]["sync_bn_grads_scaled"], ref) < 1e-9, r
+        assert _rel(res[r]["sync_bn_grads_weighted"], ref) > 1e-3, r
 
 
 def test_batch_norm_layers_are_named_in_a_warning(ranks):
