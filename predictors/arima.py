@@ -353,6 +353,10 @@ class BatchARIMA(RefittingBatchPredictor):
         self.refit_fn = refit_job
         self.max_jobs = 2                          #: background jobs in flight at most
         self.job_slots: int | None = None          #: workers per background job (None: auto)
+        from predictors.narx import default_job_every
+
+        self.job_every = default_job_every(self.refit_every)  #: see BatchNARX._throttle
+        self.last_job_at = -(1 << 62)
         p, d, q = self.order
         self._P, self._Q = max(p, 1), max(q, 1)
         # history for the fit window plus observations that arrive while a fit runs (replayed)
@@ -462,10 +466,10 @@ class BatchARIMA(RefittingBatchPredictor):
         tried = self._tried[slots]
         due = ((np.minimum(cnt, self.window) >= self.min_points)
                & (~tried | (since >= self.refit_every)) & ~self._busy[slots])
-        if due.any():
-            if not self.synchronous:
-                from predictors.narx import throttle_due
+        from predictors.narx import coalesce_due, throttle_due
 
+        if due.any() and not coalesce_due(self, due):
+            if not self.synchronous:
                 due = throttle_due(self, slots, due, since)
             if due is not None:
                 d = slots[due]

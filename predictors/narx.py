@@ -43,6 +43,15 @@ Refits for the BatchSizeManager (``refit=``, see :mod:`predictors.refit`):
   worker's refit phase is shifted by its id modulo ``refit_every``, so about 1/``refit_every`` of the
   workers refit per iteration instead of all of them at once.
 
+Refits are handed over in jobs at most once per ``job_every`` updates (by default the largest
+divisor of ``refit_every`` up to half of it: 5 for 10; 1, no coalescing, for a prime period),
+unless a full job's worth is due, whatever the executor (a synchronous replay refits at the
+updates a background run did). Each job costs the decision that hands it over, and the one that
+swaps its result in, a fixed few hundred µs (pickling, the pipe, the swap-in): at 100 staggered
+workers every decision paid it. What it costs in balance: a refit leaves up to
+``job_every - 1`` updates late, once; then the staggered phases sit on the job updates and every
+period is whole again (``refit_every`` is a multiple of ``job_every``).
+
 What background refits cost in balance: forecasts use weights that are up to one refit period
 (``refit_every`` iterations) plus the fit's own latency old, instead of at most one refit period;
 a worker whose refit is still running when the next one comes due skips ahead to the newest data
@@ -275,13 +284,38 @@ def refit_job(payload: dict[str, Any]) -> dict[str, np.ndarray]:
 
 
 # ---------------------------------------------------------------------------------- batched
+def default_job_every(refit_every: int) -> int:
+    """The largest divisor of ``refit_every`` up to half of it (1 for a prime period: no
+    coalescing), so that staggered phases settle on the job updates (see BatchNARX._throttle)."""
+    return max(d for d in range(1, max(1, refit_every // 2) + 1) if refit_every % d == 0)
+
+
+def job_cap(pred: Any, n: int) -> int:
+    """Twice the refits one job carries on average (``job_every`` updates' worth of ``n``
+    staggered workers), at least 16."""
+    return max(16, 2 * pred.job_every * -(-n // pred.refit_every))
+
+
+def coalesce_due(pred: Any, due: np.ndarray) -> bool:
+    """Shared by the batched NARX and ARIMA: True when the refits due now wait for the next
+    job update (see :meth:`BatchNARX._update`); a job is handed over at most once per
+    ``job_every`` updates, unless a full job's worth is due. Applies whatever the executor, so
+    that a synchronous replay refits at the updates a background run did."""
+    if pred.job_every > 1 and pred.updates - pred.last_job_at < pred.job_every:
+        if int(np.count_nonzero(due)) < (pred.job_slots or job_cap(pred, due.size)):
+            return True
+    pred.last_job_at = pred.updates
+    return False
+
+
 def throttle_due(pred: Any, slots: np.ndarray, due: np.ndarray, since: np.ndarray) -> np.ndarray | None:
     """Shared by the batched NARX and ARIMA: limit background refit submissions (see
-    :meth:`BatchNARX._throttle`). ``job_slots`` defaults to twice the expected refits per update."""
+    :meth:`BatchNARX._throttle`). ``job_slots`` defaults to twice the refits expected per job
+    (``job_every`` updates' worth)."""
     if pred.in_flight >= pred.max_jobs:
         return None
     k = int(np.count_nonzero(due))
-    cap = pred.job_slots or max(16, 2 * -(-slots.size // pred.refit_every))
+    cap = pred.job_slots or job_cap(pred, slots.size)
     if k <= cap:
         return due
     idx = np.flatnonzero(due)
@@ -334,6 +368,9 @@ class BatchNARX(RefittingBatchPredictor):
         self.refit_every = cfg.refit_every
         self.max_jobs = 2                #: background jobs in flight at most
         self.job_slots: int | None = None  #: workers per background job at most (None: auto)
+        #: background refits are handed over at most once per this many updates (see _throttle)
+        self.job_every = default_job_every(cfg.refit_every)
+        self.last_job_at = -(1 << 62)    #: the update that handed over the last job
         H, n_in, E, keep = cfg.hidden, cfg.n_inputs, max(cfg.n_exog, 0), cfg.keep
         self._keep = keep
         self._lag_idx = np.arange(cfg.speed_lags)[None, :]
@@ -406,7 +443,7 @@ class BatchNARX(RefittingBatchPredictor):
         tried = self._tried[slots]
         due = (cnt - cfg.lag >= cfg.min_train) & (~tried | (since >= cfg.refit_every))
         due &= ~self._busy[slots]
-        if due.any():
+        if due.any() and not coalesce_due(self, due):
             if not self.synchronous:
                 due = self._throttle(slots, due, since)
             if due is not None:

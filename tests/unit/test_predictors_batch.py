@@ -80,9 +80,11 @@ def test_last_and_ema_equal_their_scalar_predictors():
                                 {"order": (1, 0, 1), "gate": False, "refit_every": 20},
                                 {"order": (2, 1, 1), "log_transform": True, "refit_every": 23}])
 def test_batched_arima_equals_the_scalar_arima(kw):
-    """Staggered by worker id: worker k refits like a scalar ARIMA with refit_offset = k."""
+    """Staggered by worker id: worker k refits like a scalar ARIMA with refit_offset = k (jobs
+    not coalesced: each refit leaves when it is due)."""
     every = kw.get("refit_every", 10)
     b = fresh(BatchARIMA(**kw, refit="sync", stagger=True))
+    b.job_every = 1
     scal = [get_predictor("arima", **kw, refit_offset=k % every) for k in range(K)]
     got, exp = run_batch(b), run_scalar(scal)
     assert np.allclose(got[1:], exp[1:], rtol=1e-9, atol=0)
@@ -244,25 +246,51 @@ def test_a_refit_in_progress_never_blocks_a_decision():
         m.close()
 
 
+def _fits_per_step(stagger: bool, job_every: int | None = None, steps: int = 40) -> tuple[list[int], np.ndarray]:
+    p = BatchNARX(epochs=2, min_train=4, refit_every=10, refit="sync", stagger=stagger)
+    if job_every is not None:
+        p.job_every = job_every
+    slots = np.arange(100)
+    p.reset(slots, slots)
+    rng = np.random.default_rng(0)
+    out, n, fits = [], 0, []
+    for _ in range(steps):
+        p.update(slots, 100 + rng.normal(0, 3, 100), rng.uniform(0, 100, (100, 3)))
+        out.append(p.n_fits() - n)
+        n = p.n_fits()
+        fits.append(p.n_fits(slots).copy())
+    return out, np.array(fits)
+
+
 def test_refits_are_staggered_over_the_period():
     """100 workers joined together: after their first fits, about 1/refit_every of them refit
     per iteration (without staggering, all 100 at once)."""
-    def fits_per_step(stagger: bool) -> list[int]:
-        p = BatchNARX(epochs=2, min_train=4, refit_every=10, refit="sync", stagger=stagger)
-        slots = np.arange(100)
-        p.reset(slots, slots)
-        rng = np.random.default_rng(0)
-        out, n = [], 0
-        for _ in range(40):
-            p.update(slots, 100 + rng.normal(0, 3, 100), rng.uniform(0, 100, (100, 3)))
-            out.append(p.n_fits() - n)
-            n = p.n_fits()
-        return out
-
-    staggered, together = fits_per_step(True), fits_per_step(False)
+    staggered, _ = _fits_per_step(True, job_every=1)
+    together, _ = _fits_per_step(False)
     first = next(i for i, k in enumerate(staggered) if k)
     assert staggered[first] == 100 and max(staggered[first + 1:]) <= 10
     assert sorted(set(together[first + 1:])) == [0, 100]
+
+
+def test_staggered_refits_leave_in_jobs_every_half_period_and_every_period_stays_whole():
+    """job_every = 5 (refit_every = 10): refits leave only at every 5th update, in jobs of
+    about half the workers instead of a tenth at every update; each worker's first refit after
+    the initial one is late by at most 4 updates, and from then on its period is exactly 10."""
+    per_step, fits = _fits_per_step(True, steps=60)
+    first = next(i for i, k in enumerate(per_step) if k)
+    later = per_step[first + 1:]
+    jobs = [i for i, k in enumerate(later, first + 1) if k]
+    assert all((i - first) % 5 == 0 for i in jobs), jobs
+    assert max(later) <= 60 and sum(later) >= 4 * 100
+    for w in range(100):
+        when = np.flatnonzero(np.diff(fits[:, w])) + 1       # the updates at which w refitted
+        assert when[0] == first
+        when = when[1:]
+        due = first + 10 - w % 10                             # staggered by its id
+        assert when[0] == due + (-(due - first) % 5) <= due + 4, (w, when)
+        assert (np.diff(when) == 10).all(), (w, when)
+    unstaggered, _ = _fits_per_step(True, job_every=1, steps=60)
+    assert sum(unstaggered[first + 1:]) == 10 * (59 - first), "as many refits, only in fewer jobs"
 
 
 def test_a_decision_looks_for_finished_refits_once():
