@@ -243,6 +243,27 @@ def test_forged_exchange_messages_against_the_real_service(procs):
             for conn in (a2, b2):
                 res = conn.recv(timeout_s=5)
                 np.testing.assert_allclose(res.arrays[0], np.full(4, want, np.float32), rtol=1e-6)
+            # Jobs that name themselves (the DDP balancer's rank 0 draws the id): job "j1"'s rank
+            # 0 has a bucket in when a forger with the worker credential opens as rank 1 under
+            # job "j2". Rank 1 has not opened in j1, so only the job id tells a restart from
+            # j1's own rank 1 coming late: j1's iteration is abandoned, its token void, and
+            # nothing it sent is summed with what j2's ranks send.
+            j1 = a2.request(P.ExchangeOpen(worker_id=0, iteration=1, job="j1"), P.ExchangePlan)
+            _push(a2, 0, j1.token, np.full(4, 100.0, np.float32), iteration=1, batch_size=j1.batch_sizes[0])
+            j2 = forger.request(P.ExchangeOpen(worker_id=1, iteration=1, job="j2"), P.ExchangePlan)
+            with pytest.raises(RemoteError) as err:
+                a2.recv(timeout_s=5)
+            assert err.value.code == "iteration_failed"
+            _push(a2, 0, j1.token, np.full(4, 100.0, np.float32), iteration=1, batch_size=j1.batch_sizes[0])
+            assert _refused(a2) == "unauthorized", "the old job's token is void"
+            j2a = a.request(P.ExchangeOpen(worker_id=0, iteration=1, job="j2"), P.ExchangePlan)
+            z0, z1 = j2a.batch_sizes
+            _push(a, 0, j2a.token, np.full(4, 2.0, np.float32), iteration=1, batch_size=z0)
+            _push(forger, 1, j2.token, np.full(4, 4.0, np.float32), iteration=1, batch_size=z1)
+            want = np.float32((z0 * 2.0 + z1 * 4.0) / (z0 + z1))
+            for conn in (a, forger):
+                res = conn.recv(timeout_s=5)
+                np.testing.assert_allclose(res.arrays[0], np.full(4, want, np.float32), rtol=1e-6)
         finally:
             a2.close()
             b2.close()
