@@ -14,8 +14,11 @@ import time
 
 import numpy as np
 import pytest
+import zmq
 
+from ps_common import protocol as P
 from ps_common.metrics import read_jsonl
+from ps_common.transport import Connection, RemoteError
 from tests.cluster_util import final_params, start_job, wait_exit, write_config
 
 pytestmark = pytest.mark.system
@@ -76,7 +79,7 @@ def test_an_evaluator_that_dies_holds_training_up_for_at_most_the_pause_timeout(
         "cluster": {"num_shards": 2, "num_workers": 2},
         "evaluator": {"every_iterations": 10, "nice": 0, "pause_training": True, "pause_timeout_s": 2.0}})
     run_dir = tmp_path / "run"
-    _, workers = start_job(procs, cfg_path, 2, 2, run_dir, evaluator=True)
+    eps, workers = start_job(procs, cfg_path, 2, 2, run_dir, evaluator=True)
     evaluator = next(c for c in procs.children if c.role == "evaluator")
     coord_log = run_dir / "metrics" / "coordinator.jsonl"
     deadline = time.monotonic() + 120
@@ -86,6 +89,18 @@ def test_an_evaluator_that_dies_holds_training_up_for_at_most_the_pause_timeout(
         time.sleep(0.02)
     os.kill(evaluator.proc.pid, signal.SIGKILL)   # it dies with a measured version ahead
     evaluator.proc.wait(timeout=10)
+    # Well-formed reports of the held version by a peer with the evaluator's credential but no
+    # token a Welcome gave: refused, so the pause is not ended by them (it times out below).
+    forger = Connection(zmq.Context.instance(), eps[0], role="evaluator", timeout_s=10, security=cfg.security)
+    try:
+        for token in ("", "f" * 32):
+            status = forger.request(P.StatusRequest(), P.Status)
+            with pytest.raises(RemoteError) as err:
+                forger.request(P.EvalReport(version=status.version, accuracy=0.5, log_hash=status.log_hash,
+                                            final=True, token=token), P.Ack)
+            assert err.value.code == "unknown_evaluator"
+    finally:
+        forger.close()
     wait_exit([*workers, *[c for c in procs.children if c.role.startswith("shard")]], timeout_s=120)
     recs = _lines(coord_log)
     timeouts = [r for r in recs if r.get("event") == "evaluator_pause_timeout"]
