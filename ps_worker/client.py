@@ -182,6 +182,7 @@ class ShardClients:
         for conn in self.conns:
             poller.register(conn.sock, zmq.POLLIN)
         waiting = set(range(len(self.conns)))
+        asked = dict.fromkeys(waiting, min_version)   # the version each shard's next answer must reach
         tries: dict[int, int] = {}         # plan_pending answers per shard
         resend_at: dict[int, float] = {}   # shard -> when its push goes again (plan_pending)
         error: RemoteError | None = None
@@ -249,6 +250,14 @@ class ShardClients:
                                       first - t0, time.perf_counter() - first)
                 a, b = self.ranges[k]
                 if (parts := arriving.get(k)) is None:
+                    if consistent and reply.version < asked[k] and not reply.stop:
+                        # Round modes: a shard answers a pull once its version reaches the one
+                        # asked (or with the stop). An older one is not an answer to this request
+                        # (a forger on a shard's address, a server bug), and training on it would
+                        # push a gradient of other parameters than the iteration's. (Async modes
+                        # answer by the worker's own clock, not the shard's version.)
+                        raise P.ProtocolError(f"{conn.endpoint} answered version {reply.version} to a pull "
+                                              f"of version {asked[k]} or later")
                     parts = arriving[k] = SliceAssembly(k, reply, params[a:b])
                 else:
                     parts.add(reply)
@@ -264,6 +273,7 @@ class ShardClients:
                 if r.version < target:
                     del replies[k]
                     waiting.add(k)
+                    asked[k] = target
                     self.conns[k].send(P.Pull(worker_id=worker_id, token=self.token, min_version=target))
         if error is not None:
             raise error

@@ -47,7 +47,8 @@ class _StandInShard(threading.Thread):
         self.sock.close()
 
 
-def _run(assignment: P.Assignment | None, ranges_of: Callable[[int], list[list[int]]]) -> tuple[Any, list]:
+def _run(assignment: P.Assignment | None, ranges_of: Callable[[int], list[list[int]]],
+         answer_push_at: int | None = None) -> tuple[Any, list]:
     cfg = load_config(None, ["model.name=mlp", "data.dataset=synthetic", f"data.synthetic_train={N_TRAIN}",
                              "cluster.num_shards=2", "evaluator.enabled=false", "transport.timeout_s=4"], env={})
     worker = Worker(cfg, "", name="w")
@@ -68,6 +69,9 @@ def _run(assignment: P.Assignment | None, ranges_of: Callable[[int], list[list[i
             lo, hi = ranges[k]
             if isinstance(msg, P.Pull):
                 return [P.Params(shard=k, version=0, log_hash="h", assignment=assignment if k == 0 else None,
+                                 arrays=[np.zeros(hi - lo, np.float32)])]
+            if isinstance(msg, P.Push) and answer_push_at is not None:   # no stop: version as given
+                return [P.Params(shard=k, version=answer_push_at, log_hash="h",
                                  arrays=[np.zeros(hi - lo, np.float32)])]
             if isinstance(msg, P.Push):          # a worker that trained after all: stop it
                 return [P.Params(shard=k, version=1, log_hash="h", stop=True,
@@ -110,3 +114,16 @@ def test_shard_slices_that_leave_parameters_out_are_refused_at_the_join():
     assert not any(isinstance(m, P.Pull) for m in received)
     assert [type(m) for m in received if isinstance(m, (P.Join, P.Leave))] == [P.Join, P.Leave], \
         "a member already: it says goodbye"
+
+
+def test_an_answer_of_an_older_version_than_the_push_asked_for_is_refused():
+    """Found by a review: the answer to a push of iteration 0 must be version 1 or later (or the
+    stop); stand-in shards that answer with version 0 again (a forger on a shard's address, a
+    server bug) were taken as the answer, and the worker trained iteration 1 on the parameters of
+    version 0. Now a ``ProtocolError``, and a goodbye."""
+    err, received = _run(P.Assignment(iteration=0, batch_size=8, ranges=[[0, 0, 8]], global_batch=8),
+                         lambda n: [[0, n // 2], [n // 2, n]], answer_push_at=0)
+    assert "answered version 0 to a pull of version 1 or later" in str(err)
+    assert sum(isinstance(m, P.Push) for m in received) == 1, "no second iteration trained"
+    leaves = [m for m in received if isinstance(m, P.Leave)]
+    assert len(leaves) == 1 and "ProtocolError" in leaves[0].reason
