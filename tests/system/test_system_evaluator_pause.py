@@ -28,10 +28,16 @@ def _lines(path):
     return list(read_jsonl(path)) if path.exists() else []
 
 
+ITERATIONS, EVERY = 60, 20
+MEASURED = list(range(0, ITERATIONS + 1, EVERY))     # 0, 20, 40, 60
+PAUSED = MEASURED[:-1]                               # the final version ends the run, no pause
+
+
 def _launch(run_dir, pause):
     cmd = [sys.executable, "-m", "ps_launcher.cli", "configs/mnist_bsp.yaml", "--run-dir", str(run_dir),
-           "--no-progress", "--set", "training.epochs=null", "--set", "training.max_iterations=120",
-           "--set", "training.target_accuracy=null", "--set", "evaluator.every_iterations=30",
+           "--no-progress", "--set", "training.epochs=null", "--set", f"training.max_iterations={ITERATIONS}",
+           "--set", "training.target_accuracy=null", "--set", f"evaluator.every_iterations={EVERY}",
+           "--set", "evaluator.test_samples=2000",
            "--set", f"evaluator.pause_training={str(pause).lower()}"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -41,7 +47,7 @@ def _launch(run_dir, pause):
 def test_training_waits_for_each_measurement_and_its_times_leave_the_pauses_out(tmp_path):
     run_dir = tmp_path / "run"
     summary = _launch(run_dir, pause=True)
-    assert summary["final"]["agree"] and summary["iterations"] == 120
+    assert summary["final"]["agree"] and summary["iterations"] == ITERATIONS
     # The pauses move no sample and change no update: bit for bit the run without them.
     plain = _launch(tmp_path / "plain", pause=False)
     assert plain["evaluator_pauses"] is None
@@ -50,8 +56,8 @@ def test_training_waits_for_each_measurement_and_its_times_leave_the_pauses_out(
     assert np.array_equal(paused_params, plain_params)
     coord = {r["version"]: r for r in _lines(run_dir / "metrics" / "coordinator.jsonl") if "event" not in r}
     evals = {e["version"]: e for e in _lines(run_dir / "metrics" / "evaluator.jsonl")}
-    assert sorted(evals) == [0, 30, 60, 90, 120]
-    for v in (0, 30, 60, 90):
+    assert sorted(evals) == MEASURED
+    for v in PAUSED:
         nxt = coord[v + 1]
         # Version v + 1 was made after the measurement of v was written: nobody trained meanwhile.
         assert nxt["wall_time"] > evals[v]["wall_time"], (v, nxt["wall_time"], evals[v]["wall_time"])
@@ -60,11 +66,11 @@ def test_training_waits_for_each_measurement_and_its_times_leave_the_pauses_out(
         if v > 0:  # between the two commits: the iteration's duration plus the pause, counted once
             between = nxt["wall_time"] - coord[v]["wall_time"]
             assert abs(between - nxt["duration"] - nxt["paused_s"]) < 0.5 * evals[v]["eval_s"], (v, between, nxt)
-    assert all(coord[v]["paused_s"] == 0.0 for v in coord if v - 1 not in (0, 30, 60, 90))
+    assert all(coord[v]["paused_s"] == 0.0 for v in coord if v - 1 not in PAUSED)
     pauses = summary["evaluator_pauses"]
-    assert pauses["count"] == 4 and pauses["total_s"] == pytest.approx(coord[120]["paused_total_s"])
-    assert pauses["total_s"] >= sum(evals[v]["eval_s"] for v in (0, 30, 60, 90))
-    assert summary["training_s"] == pytest.approx(coord[120]["elapsed"])
+    assert pauses["count"] == len(PAUSED) and pauses["total_s"] == pytest.approx(coord[ITERATIONS]["paused_total_s"])
+    assert pauses["total_s"] >= sum(evals[v]["eval_s"] for v in PAUSED)
+    assert summary["training_s"] == pytest.approx(coord[ITERATIONS]["elapsed"])
     # Time to accuracy is on the training clock: the measured version's elapsed, pauses left out.
     for p in summary["accuracy_curve"]:
         if p["version"] > 0:

@@ -106,7 +106,7 @@ def accuracy_of(params, seed=2):
                          ids=["bsp", "ssp", "lbbsp"])
 def test_worker_sigkill_is_detected_and_training_continues(procs, tmp_path, sync, policy):
     cfg_path, cfg = write_config(tmp_path, job(mode={"sync": sync, "batch_policy": policy},
-                                               training={"max_iterations": 400}))
+                                               training={"max_iterations": 200}))
     run = tmp_path / "run"
     eps, workers = start_job(procs, cfg_path, 2, 3, run)
     wait_version(eps[0], 15)
@@ -135,7 +135,9 @@ def test_worker_sigkill_is_detected_and_training_continues(procs, tmp_path, sync
         assert after, "no iteration after the loss"
         assert all(len(r["batch_sizes"]) == 2 and sum(r["batch_sizes"].values()) == 60 for r in after)
         assert_exactly_once_per_epoch(updates, 2, 600)
-    assert accuracy_of(params) >= 0.9
+    acc = accuracy_of(params)
+    print(f"final accuracy {acc:.3f}")
+    assert acc >= 0.9
 
 
 def test_worker_joins_mid_run_and_gets_a_share(procs, tmp_path):
