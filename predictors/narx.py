@@ -297,8 +297,8 @@ def job_cap(pred: Any, n: int) -> int:
 
 
 def coalesce_due(pred: Any, due: np.ndarray) -> bool:
-    """Shared by the batched NARX and ARIMA: True when the refits due now wait for the next
-    job update (see :meth:`BatchNARX._update`); a job is handed over at most once per
+    """Shared by the batched NARX and ARIMA (whose ``job_every`` is 1): True when the refits due
+    now wait for the next job update (see :meth:`BatchNARX._update`); a job is handed over at most once per
     ``job_every`` updates, unless a full job's worth is due. Applies whatever the executor, so
     that a synchronous replay refits at the updates a background run did."""
     if pred.job_every > 1 and pred.updates - pred.last_job_at < pred.job_every:

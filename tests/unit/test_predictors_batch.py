@@ -80,11 +80,9 @@ def test_last_and_ema_equal_their_scalar_predictors():
                                 {"order": (1, 0, 1), "gate": False, "refit_every": 20},
                                 {"order": (2, 1, 1), "log_transform": True, "refit_every": 23}])
 def test_batched_arima_equals_the_scalar_arima(kw):
-    """Staggered by worker id: worker k refits like a scalar ARIMA with refit_offset = k (jobs
-    not coalesced: each refit leaves when it is due)."""
+    """Staggered by worker id: worker k refits like a scalar ARIMA with refit_offset = k."""
     every = kw.get("refit_every", 10)
     b = fresh(BatchARIMA(**kw, refit="sync", stagger=True))
-    b.job_every = 1
     scal = [get_predictor("arima", **kw, refit_offset=k % every) for k in range(K)]
     got, exp = run_batch(b), run_scalar(scal)
     assert np.allclose(got[1:], exp[1:], rtol=1e-9, atol=0)
