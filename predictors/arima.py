@@ -474,6 +474,7 @@ class BatchARIMA(RefittingBatchPredictor):
             if not self.synchronous:
                 due = throttle_due(self, slots, due, since)
             if due is not None:
+                self.last_job_at = self.updates
                 d = slots[due]
                 self._since[d] = np.where(tried[due], 0, self._offset[d])
                 self._tried[d] = True

@@ -302,9 +302,7 @@ def coalesce_due(pred: Any, due: np.ndarray) -> bool:
     ``job_every`` updates, unless a full job's worth is due. Applies whatever the executor, so
     that a synchronous replay refits at the updates a background run did."""
     if pred.job_every > 1 and pred.updates - pred.last_job_at < pred.job_every:
-        if int(np.count_nonzero(due)) < (pred.job_slots or job_cap(pred, due.size)):
-            return True
-    pred.last_job_at = pred.updates
+        return int(np.count_nonzero(due)) < (pred.job_slots or job_cap(pred, due.size))
     return False
 
 
@@ -447,6 +445,7 @@ class BatchNARX(RefittingBatchPredictor):
             if not self.synchronous:
                 due = self._throttle(slots, due, since)
             if due is not None:
+                self.last_job_at = self.updates
                 d = slots[due]
                 self._since[d] = np.where(tried[due], 0, self._offset[d])
                 self._tried[d] = True

@@ -153,6 +153,11 @@ class Lead:
 
     def after_messages(self) -> None:
         self.advance()
+        coord = self.coord
+        if coord.stop and self.stop_announced and coord.everyone_knows_stop():
+            # at once, not at the next tick: an evaluator told eval_final_done has exited, and a
+            # rollback in between would wait for a final measurement nobody takes
+            self.server.finish("every worker and the evaluator have the final version")
 
     def tick(self, now: float) -> None:
         """Liveness, the wall-clock stop, checkpoint orders, the end of the job."""

@@ -37,9 +37,11 @@ log = logging.getLogger(__name__)
 
 PAUSED_POLL_S = 0.01  # pause_training: the status is asked this often once a version is near
 PULL_PATIENCE_S = 10.0  # an existing version unanswered this long: a shard may have moved
-#: after a final report shard 0 did not finish on, a status request unanswered this long means
-#: it is gone (it answers within milliseconds while it runs); the evaluator then exits
+#: after a final report shard 0 did not finish on, the evaluator asks for the status with this
+#: timeout, and takes shard 0 for gone (and exits) once it has been silent FINAL_GONE_S: it
+#: answers within milliseconds while it runs, but a rollback it handles can hold it a while
 FINAL_LINGER_REPLY_S = 1.0
+FINAL_GONE_S = 5.0
 
 
 def next_poll_s(prev: tuple[float, int] | None, now: float, version: int, next_version: int,
@@ -223,7 +225,9 @@ class Evaluator:
                         next_version = -(-status.version // every) * every
                     log.info("the job went back to version %d: joined again, measuring from %d",
                              status.version, next_version)
-                    prev = None
+                    # a measurement of the abandoned history is no final one for the new history,
+                    # even of the same version number
+                    prev, last_done, stop_seen = None, -1, None
                 last_seen = status.version if status.started else last_seen
                 if status.stop and stop_seen is None:
                     stop_seen = time.monotonic()
@@ -246,7 +250,8 @@ class Evaluator:
                     continue
                 if status.stop:
                     # The final version, exactly: every shard holds it once the stop is known.
-                    if status.version != last_done:
+                    other_history = bool(status.log_hash and self._last_hash and self._last_hash != status.log_hash)
+                    if status.version != last_done or other_history:
                         last_done = self._measure(status.version, report=False, exact=True)
                     done = self._report(self.results[-1] if self.results else None, final=True,
                                         log_hash=self._last_hash)
@@ -276,14 +281,18 @@ class Evaluator:
         """After a final report that shard 0 did not finish on: wait while it answers, stopped
         at the same version of the same history; True if the job went back (a rollback before
         every worker knew the stop), False once shard 0 is gone or finished."""
+        answered = time.monotonic()
         while True:
             time.sleep(self.poll_s)
             try:
                 status = self.client.send_to_coordinator(P.StatusRequest(), P.Status,
                                                          timeout_s=FINAL_LINGER_REPLY_S)
             except (TransportTimeout, RemoteError) as exc:
+                if time.monotonic() - answered < FINAL_GONE_S:
+                    continue
                 log.info("after the final report: shard 0 is gone (%s)", exc)
                 return False
+            answered = time.monotonic()
             assert isinstance(status, P.Status)
             if not status.stop or (status.version, status.log_hash) != (final.version, final.log_hash):
                 return True

@@ -625,17 +625,22 @@ class DDPBatchBalancer:
         ``loss_scaled=True``: every rank multiplies its mean loss by :attr:`loss_scale` and the
         hook only sums; needed for exactness with ``SyncBatchNorm``, whose backward couples the
         ranks. Warns about batch-norm layers the weighting cannot make exact. A model on CUDA
-        is timed with CUDA events (and its reports gathered on their own), whatever the
-        collectives' device."""
+        is timed with CUDA events, whatever the collectives' device, and if any rank's is, every
+        rank gathers its reports on their own (one small all-reduce here agrees on it). Every
+        rank must call it."""
         if loss_scaled and self._exchange == "servers":
             raise ValueError("loss_scaled=True does not go with exchange='servers' (the service "
                              "weights the buckets by the planned sizes itself)")
         on_cuda = next((p.device for p in ddp_model.parameters() if p.is_cuda), None)
-        if on_cuda is not None and self.compute_device.type != "cuda":
-            if self.fused and self._exchange != "auto":
-                raise ValueError(f"exchange={self._exchange!r} needs CPU timing, and the model is on "
-                                 f"{on_cuda} (on CUDA the compute time is known only once the GPU is "
-                                 f"done; use 'separate')")
+        # Whether the reports ride with the last bucket must be the same on every rank (the
+        # collectives differ otherwise): one rank on CUDA turns it off on all of them.
+        anywhere = torch.tensor([0 if on_cuda is None else 1], dtype=torch.int64, device=self.device)
+        dist.all_reduce(anywhere, op=dist.ReduceOp.MAX, group=self.group)
+        if int(anywhere.item()) and self.fused:
+            if self._exchange != "auto":
+                raise ValueError(f"exchange={self._exchange!r} needs CPU timing, and a rank's model is "
+                                 f"on CUDA (there the compute time is known only once the GPU is done; "
+                                 f"use 'separate')")
             self.fused = False
             self.hook_state.report_slot = None
         self.compute_device = on_cuda if on_cuda is not None else self.compute_device
