@@ -64,7 +64,7 @@ from ps_server.params_parts import PartCutter, answer_part_elements
 from ps_server.pulls import PendingPull, PendingPulls
 from ps_server.roles import SHARD_PERMISSIONS
 from ps_server.router import Limits, Refused, RouterLoop
-from ps_server.shard import GradientRejected, ShardState
+from ps_server.shard import GradientRejected, ShardState, Snapshot
 from ps_server.sync import sync_policy_for
 from ps_server.threads import WAIT_POLICY
 
@@ -393,10 +393,11 @@ class ShardServer:
                 if p.min_version != st.version:
                     return P.Error(code="snapshot_gone",
                                    message=f"no snapshot of version {p.min_version} (kept: {sorted(st.snapshots)})")
-                snap = (st.params, st.version_time, st.samples_applied)
-            return P.Params(shard=self.shard_id, version=p.min_version, version_time=snap[1], samples=snap[2],
-                            stop=stop, log_hash=st.log_hash if p.min_version == st.version else "",
-                            arrays=[snap[0]])
+                snap = Snapshot(st.params, st.version_time, st.samples_applied, st.log_hash)
+            # the version's own log hash, an older snapshot's too (before 2026-11-28 only the
+            # current version's: a measurement of an older one could not prove its history)
+            return P.Params(shard=self.shard_id, version=p.min_version, version_time=snap.version_time,
+                            samples=snap.samples, stop=stop, log_hash=snap.log_hash, arrays=[snap.params])
         assignment = None
         if not stop:
             if not self.policy.pull_answerable(version=st.version, min_version=p.min_version,

@@ -19,7 +19,7 @@ import hashlib
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -69,6 +69,16 @@ class PendingUpdate:
     out: np.ndarray
 
 
+class Snapshot(NamedTuple):
+    """A kept version: its parameters (a reference), when it was made, the samples applied by
+    then, and its log hash, so that a measurement of it can prove which history it is of."""
+
+    params: np.ndarray
+    version_time: float
+    samples: int
+    log_hash: str
+
+
 @dataclass
 class Applied:
     version: int
@@ -111,7 +121,7 @@ class ShardState:
         # a reference, not a copy; at most ``max_snapshots`` are kept.
         self.snapshot_every = snapshot_every
         self.max_snapshots = max_snapshots
-        self._snapshots: dict[int, tuple[np.ndarray, float, int]] = {}
+        self._snapshots: dict[int, Snapshot] = {}
         self._snapshot()
 
     # ----- receiving ------------------------------------------------------------------------
@@ -197,7 +207,7 @@ class ShardState:
         return self._params
 
     @property
-    def snapshots(self) -> dict[int, tuple[np.ndarray, float, int]]:
+    def snapshots(self) -> dict[int, Snapshot]:
         """Parameters at every ``snapshot_every``-th version (a pending update's own once done)."""
         self.finish_update()
         return self._snapshots
@@ -257,7 +267,7 @@ class ShardState:
         self._pending = None
         self._snapshot()
 
-    def snapshot_at(self, version: int) -> tuple[np.ndarray, float, int] | None:
+    def snapshot_at(self, version: int) -> Snapshot | None:
         """The snapshot of ``version``, if kept; only this version's own waits for its update."""
         if version == self.version:
             self.finish_update()
@@ -278,7 +288,8 @@ class ShardState:
 
     def _snapshot(self) -> None:
         if self.snapshot_every and self.version % self.snapshot_every == 0:
-            self._snapshots[self.version] = (self._params, self.version_time, self.samples_applied)
+            self._snapshots[self.version] = Snapshot(self._params, self.version_time, self.samples_applied,
+                                                     self.log_hash)
             while len(self._snapshots) > self.max_snapshots:
                 del self._snapshots[next(iter(self._snapshots))]
 

@@ -166,3 +166,35 @@ def test_only_the_newest_evaluators_reports_count(tmp_path):
         assert d.coord.last_accuracy == 0.3 and d.coord.counters["eval.superseded"] == 1
         d.report(3, 0.5, s0.state.log_hash, token=new)
         assert d.coord.pause.held is None and d.coord.last_accuracy == 0.5
+
+
+def test_without_pauses_a_measurement_of_an_older_version_of_the_abandoned_history_is_set_aside(tmp_path):
+    """Beside training the evaluator measures kept snapshots of older versions. Their answers
+    carried no log hash before 2026-11-28 (only the current version's did), so a measurement
+    in flight across a rollback counted for the new history's version of the same number.
+    Every snapshot now keeps its version's hash: the real shard answers an exact pull of an
+    older version with it, and a report carrying it is checked."""
+    from ps_server.pulls import PendingPull
+
+    job = _job(tmp_path, checkpoint={"every_iterations": 1},
+               evaluator={"enabled": True, "pause_training": False, "every_iterations": 1})
+    with in_process_shard_0(job, tmp_path / "run") as s0:
+        d = _Driver(s0)
+        d.join("ev", "evaluator")
+        w, token = d.join("w0")
+        for _ in range(3):
+            d.push(w, token)
+        hashes = {v: d.lead.followers.hash_of(v) for v in (1, 2)}
+        answer = s0._pull_reply(PendingPull(b"ev", -1, 1, exact=True))
+        assert isinstance(answer, P.Params) and answer.version == 1 and s0.state.version == 3
+        assert answer.log_hash == hashes[1], "an older snapshot's answer names its history"
+        s0.checkpointer.flush()
+        d.lead.rollback_all(1, "a test")
+        w, token = d.join("w0-again")
+        d.push(w, token)
+        d.push(w, token)                               # versions 2 and 3 again, a new history
+        assert s0.state.version == 3 and d.lead.followers.hash_of(2) != hashes[2]
+        d.report(2, 0.99, hashes[2])                   # the old version 2, measured before the rollback
+        assert d.coord.counters["eval.other_history"] == 1 and d.coord.last_accuracy != 0.99
+        d.report(2, 0.5, d.lead.followers.hash_of(2))  # this history's version 2 counts
+        assert d.coord.last_accuracy == 0.5

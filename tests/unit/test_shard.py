@@ -166,12 +166,16 @@ def test_unknown_sync_policy():
 def test_snapshots_at_multiples_are_bounded_references():
     cfg = OptimizerConfig(lr=0.1, momentum=0.0)
     s = ShardState(0, np.zeros(3, np.float32), cfg, snapshot_every=2, max_snapshots=3)
+    hashes = {}
     for it in range(8):
         s.receive(0, it, 4, g([1, 1, 1]))
-        s.apply(it, [[0, 4]], 1.0)
+        applied = s.apply(it, [[0, 4]], 1.0)
+        hashes[applied.version] = applied.log_hash
     assert s.version == 8 and sorted(s.snapshots) == [4, 6, 8]
     np.testing.assert_allclose(s.snapshots[4][0], [-0.4] * 3, rtol=1e-6)
     assert s.snapshots[8][0] is s.params, "a snapshot is a reference, not a copy"
+    # each keeps its own version's log hash: a measurement of it proves which history it is of
+    assert {v: snap.log_hash for v, snap in s.snapshots.items()} == {v: hashes[v] for v in (4, 6, 8)}
 
 
 def test_checkpoint_arrays_do_not_change_with_later_steps():
