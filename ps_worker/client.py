@@ -285,6 +285,12 @@ class ShardClients:
                                       f"histories {sorted(hashes)}: refusing mixed parameters")
         r0 = replies[0]
         assert first is not None
+        if consistent and r0.assignment is not None and r0.assignment.iteration != r0.version:
+            # Round modes: shard 0 hands out the assignment of the version it answers with. Another
+            # (a repeat of an earlier one: a forger on its address, a server bug) would be computed
+            # for nothing (its push is refused) or for other parameters than the iteration's.
+            raise P.ProtocolError(f"{self.conns[0].endpoint} answered version {r0.version} with an "
+                                  f"assignment for iteration {r0.assignment.iteration}")
         return PullResult(r0.version, max(r.version_time for r in replies.values()), r0.stop,
                           r0.assignment, first - t0, time.perf_counter() - first, r0.samples,
                           log_hash=r0.log_hash)

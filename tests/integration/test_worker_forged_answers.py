@@ -48,7 +48,7 @@ class _StandInShard(threading.Thread):
 
 
 def _run(assignment: P.Assignment | None, ranges_of: Callable[[int], list[list[int]]],
-         answer_push_at: int | None = None) -> tuple[Any, list]:
+         answer_push_at: int | None = None, push_assignment: P.Assignment | None = None) -> tuple[Any, list]:
     cfg = load_config(None, ["model.name=mlp", "data.dataset=synthetic", f"data.synthetic_train={N_TRAIN}",
                              "cluster.num_shards=2", "evaluator.enabled=false", "transport.timeout_s=4"], env={})
     worker = Worker(cfg, "", name="w")
@@ -72,6 +72,7 @@ def _run(assignment: P.Assignment | None, ranges_of: Callable[[int], list[list[i
                                  arrays=[np.zeros(hi - lo, np.float32)])]
             if isinstance(msg, P.Push) and answer_push_at is not None:   # no stop: version as given
                 return [P.Params(shard=k, version=answer_push_at, log_hash="h",
+                                 assignment=push_assignment if k == 0 else None,
                                  arrays=[np.zeros(hi - lo, np.float32)])]
             if isinstance(msg, P.Push):          # a worker that trained after all: stop it
                 return [P.Params(shard=k, version=1, log_hash="h", stop=True,
@@ -125,5 +126,18 @@ def test_an_answer_of_an_older_version_than_the_push_asked_for_is_refused():
                          lambda n: [[0, n // 2], [n // 2, n]], answer_push_at=0)
     assert "answered version 0 to a pull of version 1 or later" in str(err)
     assert sum(isinstance(m, P.Push) for m in received) == 1, "no second iteration trained"
+    leaves = [m for m in received if isinstance(m, P.Leave)]
+    assert len(leaves) == 1 and "ProtocolError" in leaves[0].reason
+
+
+def test_a_repeat_of_an_earlier_assignment_is_refused():
+    """Round modes: shard 0 hands out the assignment of the version it answers with. An answer
+    of version 1 that repeats iteration 0's assignment (a forger on shard 0's address, a server
+    bug) was taken, and the worker computed iteration 0 again on version 1's parameters (its
+    push then refused). Now a ``ProtocolError``, and a goodbye."""
+    first = P.Assignment(iteration=0, batch_size=8, ranges=[[0, 0, 8]], global_batch=8)
+    err, received = _run(first, lambda n: [[0, n // 2], [n // 2, n]], answer_push_at=1, push_assignment=first)
+    assert "answered version 1 with an assignment for iteration 0" in str(err)
+    assert sum(isinstance(m, P.Push) for m in received) == 1, "the repeat was not computed"
     leaves = [m for m in received if isinstance(m, P.Leave)]
     assert len(leaves) == 1 and "ProtocolError" in leaves[0].reason
