@@ -200,7 +200,7 @@ class BatchSizeManager:
         if name is None:
             raise KeyError(f"worker {worker_id} is not live")
         self._flush(timed=True)
-        cap = self.memory.out_of_memory(name, batch_size, self.min_batch)
+        cap = self.memory.out_of_memory(name, batch_size, refuse_below_min_batch=True)
         log.warning("worker %d (%s) ran out of memory at batch %d; retrying with %d", worker_id,
                     name, batch_size, cap)
         return cap

@@ -113,15 +113,8 @@ class MemoryCaps:
 
     def _learned(self, name: str) -> int | None:
         s = self._search.get(name)
-        return None if s is None else self._learned_from(s)
-
-    def probe_cap(self, fits: int, fails: int | None = None) -> int | None:
-        """The cap that a start-up probe alone (:meth:`probed`) would set, learning nothing: a
-        coordinator refuses a Join whose probe would leave the worker below min_batch."""
-        return self._learned_from(_Search(fits=max(0, int(fits)),
-                                          fails=None if fails is None or fails <= fits else int(fails)))
-
-    def _learned_from(self, s: _Search) -> int | None:
+        if s is None:
+            return None
         fits = s.fits if s.fails is None else min(s.fits, s.fails - 1)
         head = None if s.headroom_cap is None else max(s.headroom_cap, fits)  # never below a fit
         if s.fails is None:
@@ -154,12 +147,13 @@ class MemoryCaps:
         return {n: {"fits": s.fits, "fails": s.fails, "cap": self.cap(n)} for n, s in self._search.items()}
 
     # ----- what is learned ----------------------------------------------------------------------
-    def out_of_memory(self, name: str, batch_size: int, floor: int = 1) -> int:
+    def out_of_memory(self, name: str, batch_size: int, *, refuse_below_min_batch: bool = False) -> int:
         """``batch_size`` failed: the size to retry with (the new cap). The cap stays at or above
         :attr:`min_batch` while only sizes above it failed. Raises :class:`CannotFit` when one
-        sample failed, or when the new cap would fall below ``floor`` (the job's min_batch, once
-        a size at or below it failed: no split could include the worker, and every split would
-        fail), and then learns nothing: the worker cannot take part, the job goes on without it."""
+        sample failed, or, with ``refuse_below_min_batch``, when the new cap would fall below
+        min_batch (a size at or below it failed: no split could include the worker, and every
+        split would fail), and then learns nothing: the worker cannot take part, the job goes on
+        without it. Without it (a report, which cannot send its worker away) the cap is learned."""
         if batch_size <= 1:
             raise CannotFit(f"worker {name!r} ran out of memory with a single sample")
         before = self._search.get(name)
@@ -172,13 +166,13 @@ class MemoryCaps:
             s.headroom_cap = None   # the estimate was wrong: trust the failure
         cap = self.cap(name)
         assert cap is not None and cap < batch_size
-        if cap < floor:
+        if refuse_below_min_batch and cap < self.min_batch:
             if kept is None:
                 del self._search[name]
             else:
                 self._search[name] = kept
             raise CannotFit(f"worker {name!r} ran out of memory at {batch_size} samples: its cap would "
-                            f"be {cap}, below min_batch={floor}")
+                            f"be {cap}, below min_batch={self.min_batch}")
         self.version += 1
         return cap
 

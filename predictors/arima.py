@@ -353,12 +353,12 @@ class BatchARIMA(RefittingBatchPredictor):
         self.refit_fn = refit_job
         self.max_jobs = 2                          #: background jobs in flight at most
         self.job_slots: int | None = None          #: workers per background job (None: auto)
-        # No coalescing (see predictors.narx): statsmodels fits take long enough that at most
-        # max_jobs in flight already gate the submissions, and a landing replays every
-        # observation that arrived during its fit, so a larger job's later landing costs the
-        # decision more (tried: jobs of up to 100 of 100 workers landed in 11 ms decisions).
+        # Refits leave as they come due, not coalesced as NARX's (see predictors.narx):
+        # statsmodels fits take long enough that at most max_jobs in flight already gate the
+        # submissions, and a landing replays every observation that arrived during its fit, so
+        # a larger job's later landing costs the decision more (tried: jobs of up to 100 of 100
+        # workers landed in 11 ms decisions). One update's worth per job, for throttle_due.
         self.job_every = 1
-        self.last_job_at = -(1 << 62)
         p, d, q = self.order
         self._P, self._Q = max(p, 1), max(q, 1)
         # history for the fit window plus observations that arrive while a fit runs (replayed)
@@ -468,13 +468,12 @@ class BatchARIMA(RefittingBatchPredictor):
         tried = self._tried[slots]
         due = ((np.minimum(cnt, self.window) >= self.min_points)
                & (~tried | (since >= self.refit_every)) & ~self._busy[slots])
-        from predictors.narx import coalesce_due, throttle_due
-
-        if due.any() and not coalesce_due(self, due):
+        if due.any():
             if not self.synchronous:
+                from predictors.narx import throttle_due
+
                 due = throttle_due(self, slots, due, since)
             if due is not None:
-                self.last_job_at = self.updates
                 d = slots[due]
                 self._since[d] = np.where(tried[due], 0, self._offset[d])
                 self._tried[d] = True

@@ -286,7 +286,7 @@ def refit_job(payload: dict[str, Any]) -> dict[str, np.ndarray]:
 # ---------------------------------------------------------------------------------- batched
 def default_job_every(refit_every: int) -> int:
     """The largest divisor of ``refit_every`` up to half of it (1 for a prime period: no
-    coalescing), so that staggered phases settle on the job updates (see BatchNARX._throttle)."""
+    coalescing), so that staggered phases settle on the job updates (see the module docstring)."""
     return max(d for d in range(1, max(1, refit_every // 2) + 1) if refit_every % d == 0)
 
 
@@ -294,16 +294,6 @@ def job_cap(pred: Any, n: int) -> int:
     """Twice the refits one job carries on average (``job_every`` updates' worth of ``n``
     staggered workers), at least 16."""
     return max(16, 2 * pred.job_every * -(-n // pred.refit_every))
-
-
-def coalesce_due(pred: Any, due: np.ndarray) -> bool:
-    """Shared by the batched NARX and ARIMA (whose ``job_every`` is 1): True when the refits due
-    now wait for the next job update (see :meth:`BatchNARX._update`); a job is handed over at most once per
-    ``job_every`` updates, unless a full job's worth is due. Applies whatever the executor, so
-    that a synchronous replay refits at the updates a background run did."""
-    if pred.job_every > 1 and pred.updates - pred.last_job_at < pred.job_every:
-        return int(np.count_nonzero(due)) < (pred.job_slots or job_cap(pred, due.size))
-    return False
 
 
 def throttle_due(pred: Any, slots: np.ndarray, due: np.ndarray, since: np.ndarray) -> np.ndarray | None:
@@ -366,7 +356,7 @@ class BatchNARX(RefittingBatchPredictor):
         self.refit_every = cfg.refit_every
         self.max_jobs = 2                #: background jobs in flight at most
         self.job_slots: int | None = None  #: workers per background job at most (None: auto)
-        #: background refits are handed over at most once per this many updates (see _throttle)
+        #: refits are handed over at most once per this many updates (see the module docstring)
         self.job_every = default_job_every(cfg.refit_every)
         self.last_job_at = -(1 << 62)    #: the update that handed over the last job
         H, n_in, E, keep = cfg.hidden, cfg.n_inputs, max(cfg.n_exog, 0), cfg.keep
@@ -441,7 +431,7 @@ class BatchNARX(RefittingBatchPredictor):
         tried = self._tried[slots]
         due = (cnt - cfg.lag >= cfg.min_train) & (~tried | (since >= cfg.refit_every))
         due &= ~self._busy[slots]
-        if due.any() and not coalesce_due(self, due):
+        if due.any() and not self._coalesced(due):
             if not self.synchronous:
                 due = self._throttle(slots, due, since)
             if due is not None:
@@ -453,6 +443,14 @@ class BatchNARX(RefittingBatchPredictor):
                 if self.synchronous:
                     self.poll()
         self._forecast(slots)
+
+    def _coalesced(self, due: np.ndarray) -> bool:
+        """Do the refits due now wait for the next job update? A job leaves at most once per
+        ``job_every`` updates, unless a full job's worth is due; whatever the executor, so that
+        a synchronous replay refits at the updates a background run did."""
+        if self.job_every > 1 and self.updates - self.last_job_at < self.job_every:
+            return int(np.count_nonzero(due)) < (self.job_slots or job_cap(self, due.size))
+        return False
 
     def _throttle(self, slots: np.ndarray, due: np.ndarray, since: np.ndarray) -> np.ndarray | None:
         """Background refits: at most ``max_jobs`` jobs in flight and ``job_slots`` workers per

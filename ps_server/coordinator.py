@@ -246,7 +246,7 @@ class Coordinator:
         """A new member; a Join from a process that already is one replaces that membership.
         Raises :class:`JoinRefused` when one more member could not be given ``min_batch``
         samples (nor its start-up probe's cap), which would leave no split of X possible."""
-        self._check_admissible(name, instance, memory_fits, memory_fails)
+        self._check_admissible(name, instance, memory_fits)
         for wid, info in list(self.members.records.items()):
             if instance and info.instance == instance:
                 self.leave(wid, "joined again (same process)")
@@ -263,7 +263,7 @@ class Coordinator:
         log.info("worker %d (%s) joined; %d live", wid, name, len(self.members))
         return wid
 
-    def _check_admissible(self, name: str, instance: str, memory_fits: int, memory_fails: int = 0) -> None:
+    def _check_admissible(self, name: str, instance: str, memory_fits: int) -> None:
         """Refuse a member no split could include: past X / min_batch members, or one whose
         memory holds fewer than min_batch samples. Without this check, enough Joins (any holder
         of the worker credential can send them) would leave the next decision no split at all.
@@ -282,11 +282,8 @@ class Coordinator:
         if 0 < memory_fits < min_batch:
             raise JoinRefused("cannot_fit", f"this worker's memory holds {memory_fits} samples, fewer "
                                             f"than min_batch={min_batch}")
-        cap = self.manager.memory.probe_cap(memory_fits, memory_fails or None) if memory_fits > 0 else None
-        if cap is not None and cap < min_batch:   # a margin below a failure close to min_batch
-            raise JoinRefused("cannot_fit", f"this worker's probe (fits {memory_fits}, fails "
-                                            f"{memory_fails}) caps it at {cap} samples, fewer than "
-                                            f"min_batch={min_batch}")
+        # (a probe that fits min_batch caps the worker at min_batch at least: MemoryCaps keeps a
+        # search at or above it while only larger sizes failed)
         again = bool(instance) and any(i.instance == instance for i in self.members.records.values())
         n = len(self.members) + (0 if again else 1)
         total = self.policy.planned_total(self._global_batch_for(n), n)

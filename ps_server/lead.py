@@ -153,11 +153,14 @@ class Lead:
 
     def after_messages(self) -> None:
         self.advance()
-        coord = self.coord
-        if coord.stop and self.stop_announced and coord.everyone_knows_stop():
-            # at once, not at the next tick: an evaluator told eval_final_done has exited, and a
-            # rollback in between would wait for a final measurement nobody takes
+        # at once, not at the next tick: an evaluator told eval_final_done has exited, and a
+        # rollback in between would wait for a final measurement nobody takes
+        if self._everyone_knows():
             self.server.finish("every worker and the evaluator have the final version")
+
+    def _everyone_knows(self) -> bool:
+        """The stop is announced, and every worker and the evaluator have the final version."""
+        return self.coord.stop and self.stop_announced and self.coord.everyone_knows_stop()
 
     def tick(self, now: float) -> None:
         """Liveness, the wall-clock stop, checkpoint orders, the end of the job."""
@@ -180,11 +183,10 @@ class Lead:
         if (ck.every_seconds and coord.started and not coord.stop
                 and now - server.last_checkpoint_time >= ck.every_seconds):
             self.checkpoint_next_commit = True
-        if coord.stop and self.stop_announced:
-            if coord.everyone_knows_stop():
-                server.finish("every worker and the evaluator have the final version")
-            elif now - self.stop_time > self.cfg.training.finish_timeout_s:
-                server.finish(f"finish_timeout_s={self.cfg.training.finish_timeout_s} passed")
+        if self._everyone_knows():
+            server.finish("every worker and the evaluator have the final version")
+        elif coord.stop and self.stop_announced and now - self.stop_time > self.cfg.training.finish_timeout_s:
+            server.finish(f"finish_timeout_s={self.cfg.training.finish_timeout_s} passed")
 
     def _explain_long_waits(self, now: float) -> None:
         """A member's pull unanswered for longer than the heartbeat timeout is logged once, with
@@ -349,10 +351,9 @@ class Lead:
 
     def _on_eval(self, ident: bytes, role: str, msg: P.EvalReport) -> P.Message:
         """A measurement: it ends a pause and may stop the job at the target accuracy, so only
-        the newest evaluator's count (its Welcome's token): an earlier one is refused
-        ``superseded`` and ends (:meth:`Coordinator.evaluator_reports`), a token this process
-        never gave (shard 0 restarted) is refused
-        ``unknown_evaluator`` and its evaluator joins again. One of a version not reached
+        one evaluator's count (its Welcome's token, :meth:`Coordinator.evaluator_reports`): an
+        earlier one is refused ``superseded`` and ends, a token this process never gave (shard 0
+        restarted) is refused ``unknown_evaluator`` and its evaluator joins again. One of a version not reached
         (measured just before a rollback below it), with an accuracy no measurement gives, or
         of a history a rollback abandoned (its log hash is not this history's at that version)
         is acknowledged and set aside: it counts for nothing, and the evaluator goes on."""
@@ -364,7 +365,7 @@ class Lead:
         if who != "current":
             raise Refused("unknown_evaluator", "no evaluator joined with this token here: join again")
         if not (math.isfinite(msg.accuracy) and 0.0 <= msg.accuracy <= 1.0):
-            return self._set_aside(msg, "eval.bad_accuracy", f"an accuracy of {msg.accuracy}")
+            return self._set_aside(msg, "eval.bad_accuracy", f"an accuracy of {msg.accuracy}", last_anyway=True)
         if not 0 <= msg.version <= st.version:   # e.g. measured just before a rollback below it
             return self._set_aside(msg, "eval.not_reached", f"a measurement of version {msg.version}, "
                                                        f"not reached (the job is at {st.version})")
@@ -387,17 +388,16 @@ class Lead:
         """``eval_final_done`` when shard 0 finishes on this final report, so the evaluator may
         exit; otherwise a rollback may still come before every worker knows the stop, and the
         evaluator stays to measure the new history's final version."""
-        coord = self.coord
-        done = msg.final and coord.stop and self.stop_announced and coord.everyone_knows_stop()
-        return P.Ack(what="eval_final_done" if done else "eval_report")
+        return P.Ack(what="eval_final_done" if msg.final and self._everyone_knows() else "eval_report")
 
-    def _set_aside(self, msg: P.EvalReport, counter: str, what: str) -> P.Message:
+    def _set_aside(self, msg: P.EvalReport, counter: str, what: str, *, last_anyway: bool = False) -> P.Message:
         """A report that must not count, acknowledged all the same: the evaluator goes on (it
-        meets this after a rollback), and a forger learns nothing. A final one with an accuracy
-        no measurement gives still ends the wait for the evaluator at the stop (it would only
-        measure the same again); one of another history or a version not reached does not: the
-        evaluator, staying after its final report, measures this history's final version."""
-        if msg.final and counter == "eval.bad_accuracy":
+        meets this after a rollback), and a forger learns nothing. A final one still ends the
+        wait for the evaluator at the stop with ``last_anyway`` (an accuracy no measurement
+        gives: it would only measure the same again); one of another history or a version not
+        reached does not: the evaluator, staying after its final report, measures this
+        history's final version."""
+        if msg.final and last_anyway:
             self.coord.evaluator_done = True
         self.coord.count(counter)
         n = self.coord.counters[counter]

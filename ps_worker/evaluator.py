@@ -217,16 +217,8 @@ class Evaluator:
                 assert isinstance(status, P.Status)
                 seen_at = time.monotonic()
                 if status.started and status.version < last_seen and not status.stop:
-                    # The job rolled back (a shard restarted, perhaps at a new address): join
-                    # again for the shards' endpoints. Paused, measure the versions made again,
-                    # where the pauses now come; else go on from the next version not measured.
-                    self._join()
-                    if self.paused:
-                        next_version = -(-status.version // every) * every
-                    log.info("the job went back to version %d: joined again, measuring from %d",
-                             status.version, next_version)
-                    # a measurement of the abandoned history is no final one for the new history,
-                    # even of the same version number
+                    # The job rolled back (a shard restarted, perhaps at a new address).
+                    next_version = self._went_back(status.version, next_version, every)
                     prev, last_done, stop_seen = None, -1, None
                 last_seen = status.version if status.started else last_seen
                 if status.stop and stop_seen is None:
@@ -255,18 +247,13 @@ class Evaluator:
                         last_done = self._measure(status.version, report=False, exact=True)
                     done = self._report(self.results[-1] if self.results else None, final=True,
                                         log_hash=self._last_hash)
-                    if done or not self._went_back_after_final(status):
+                    changed = None if done else self._changed_after_final(status)
+                    if changed is None:
                         return self.results
                     # A rollback after the final report: the new history's stop needs its
-                    # own final measurement. Join again and go on as after any rollback.
-                    self._join()
-                    status = self.client.send_to_coordinator(P.StatusRequest(), P.Status)
-                    assert isinstance(status, P.Status)
-                    if self.paused:
-                        next_version = -(-status.version // every) * every
-                    last_seen, stop_seen, prev, last_done = status.version, None, None, -1
-                    log.info("the job went back to version %d after the final report: measuring "
-                             "again from %d", status.version, next_version)
+                    # own final measurement; go on as after any rollback.
+                    next_version = self._went_back(changed.version, next_version, every)
+                    last_seen, prev, last_done, stop_seen = changed.version, None, -1, None
                     continue
                 if self.paused and status.started:
                     time.sleep(next_poll_s(prev, seen_at, status.version, next_version, self.poll_s))
@@ -277,10 +264,21 @@ class Evaluator:
             self.metrics.close()
             self.client.close()
 
-    def _went_back_after_final(self, final: P.Status) -> bool:
+    def _went_back(self, version: int, next_version: int, every: int) -> int:
+        """The job went back to ``version``: join again for the shards' endpoints, and return the
+        next version to measure. Paused, the versions made again, where the pauses now come;
+        else the next one not measured. (The caller forgets what it measured of the abandoned
+        history: no final measurement for the new one, even of the same version number.)"""
+        self._join()
+        if self.paused:
+            next_version = -(-version // every) * every
+        log.info("the job went back to version %d: joined again, measuring from %d", version, next_version)
+        return next_version
+
+    def _changed_after_final(self, final: P.Status) -> P.Status | None:
         """After a final report that shard 0 did not finish on: wait while it answers, stopped
-        at the same version of the same history; True if the job went back (a rollback before
-        every worker knew the stop), False once shard 0 is gone or finished."""
+        at the same version of the same history. The status that shows the job went back (a
+        rollback before every worker knew the stop), or None once shard 0 is gone."""
         answered = time.monotonic()
         while True:
             time.sleep(self.poll_s)
@@ -291,11 +289,11 @@ class Evaluator:
                 if time.monotonic() - answered < FINAL_GONE_S:
                     continue
                 log.info("after the final report: shard 0 is gone (%s)", exc)
-                return False
+                return None
             answered = time.monotonic()
             assert isinstance(status, P.Status)
             if not status.stop or (status.version, status.log_hash) != (final.version, final.log_hash):
-                return True
+                return status
 
     def _catch_up_from(self, next_version: int, final: int, every: int) -> int:
         """At the stop, the shards wait for the final measurement at most finish_timeout_s: with a

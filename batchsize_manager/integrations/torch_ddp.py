@@ -633,10 +633,9 @@ class DDPBatchBalancer:
                              "weights the buckets by the planned sizes itself)")
         on_cuda = next((p.device for p in ddp_model.parameters() if p.is_cuda), None)
         # Whether the reports ride with the last bucket must be the same on every rank (the
-        # collectives differ otherwise): one rank on CUDA turns it off on all of them.
-        anywhere = torch.tensor([0 if on_cuda is None else 1], dtype=torch.int64, device=self.device)
-        dist.all_reduce(anywhere, op=dist.ReduceOp.MAX, group=self.group)
-        if int(anywhere.item()) and self.fused:
+        # collectives differ otherwise): one rank on CUDA turns it off on all of them. (fused is
+        # the same on every rank here: it follows the configuration and the collectives' device.)
+        if self.fused and self._any_rank(on_cuda is not None):
             if self._exchange != "auto":
                 raise ValueError(f"exchange={self._exchange!r} needs CPU timing, and a rank's model is "
                                  f"on CUDA (there the compute time is known only once the GPU is done; "
@@ -830,6 +829,12 @@ class DDPBatchBalancer:
         gathered = [torch.empty_like(local) for _ in range(self.world_size)]
         dist.all_gather(gathered, local, group=self.group)
         return torch.stack(gathered).cpu().tolist()
+
+    def _any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on some rank (one small all-reduce; every rank must call it)."""
+        t = torch.tensor([int(flag)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(t.item())
 
     def _job_id(self) -> str:
         """A number rank 0 draws and every rank of this start of the job gets (one broadcast):

@@ -126,19 +126,21 @@ def test_churn_under_new_names_keeps_the_live_workers_caps():
 
 
 def test_a_failure_that_would_cap_a_worker_below_the_floor_is_refused_and_learns_nothing():
-    caps = MemoryCaps()
+    caps = MemoryCaps(min_batch=5)
     caps.probed("a", 8)
     before = (caps.cap("a"), caps.version)
     with pytest.raises(CannotFit, match="below min_batch=5"):
-        caps.out_of_memory("a", 5, floor=5)          # the retry would get 4 samples
+        caps.out_of_memory("a", 5, refuse_below_min_batch=True)   # the retry would get 4 samples
     assert (caps.cap("a"), caps.version) == before, "the earlier search is kept as it was"
     with pytest.raises(CannotFit):
-        caps.out_of_memory("fresh", 4, floor=4)
+        caps.out_of_memory("fresh", 4, refuse_below_min_batch=True)
     assert caps.cap("fresh") is None and caps.capped_count() == 1
     plain = MemoryCaps()
     plain.probed("a", 8)
-    assert caps.out_of_memory("a", 40, floor=5) == plain.out_of_memory("a", 40) == 24  # as before
-    assert caps.probe_cap(21, 22) == 20 and caps.probe_cap(12) is None
+    assert caps.out_of_memory("a", 40, refuse_below_min_batch=True) == plain.out_of_memory("a", 40) == 24
+    plain.probed("p", 21, 22)
+    plain.probed("q", 12)
+    assert plain.cap("p") == 20 and plain.cap("q") is None
 
 
 @pytest.mark.parametrize("bad", [
@@ -167,13 +169,14 @@ def test_a_failure_just_above_min_batch_retries_at_min_batch_before_giving_up(ma
     caps = MemoryCaps(margin=margin, min_batch=32)
     if fitted:
         caps.completed("w", fitted)
-    assert caps.out_of_memory("w", 33, floor=32) == 32
-    assert caps.cap("w") == 32 and caps.probe_cap(32, 33) == 32
+    assert caps.out_of_memory("w", 33, refuse_below_min_batch=True) == 32
+    caps.probed("p", 32, 33)                       # a start-up probe: fits 32, fails 33
+    assert caps.cap("w") == 32 and caps.cap("p") == 32
     before = caps.state_dict()
     with pytest.raises(CannotFit, match="below min_batch=32"):
-        caps.out_of_memory("w", 32, floor=32)
+        caps.out_of_memory("w", 32, refuse_below_min_batch=True)
     assert caps.state_dict() == before, "nothing learned from the failure that sends it away"
-    assert MemoryCaps(margin=margin, min_batch=32).out_of_memory("v", 200, floor=32) == (
+    assert MemoryCaps(margin=margin, min_batch=32).out_of_memory("v", 200, refuse_below_min_batch=True) == (
         MemoryCaps(margin=margin).out_of_memory("v", 200)), "far above min_batch: as before"
 
 
