@@ -94,13 +94,16 @@ class BatchPredictor:
         Polls for finished refits unless :meth:`update` did less than :data:`POLLED_FOR_S` ago
         with no predict since: a decision applies its reports, then predicts, and looks at the
         refit pipe once, not twice; reports applied well before the decision do not count."""
-        polled_at, self._polled_at = self._polled_at, None
-        if polled_at is None or time.monotonic() - polled_at > POLLED_FOR_S:
-            self.poll()
+        self._poll_before_predict()
         raw = self._predict(slots)
         last = self._last[slots]
         ok = np.isfinite(raw) & (raw > 0.0)          # comparisons with nan never warn
         return np.where(ok, raw, last)
+
+    def _poll_before_predict(self) -> None:
+        polled_at, self._polled_at = self._polled_at, None
+        if polled_at is None or time.monotonic() - polled_at > POLLED_FOR_S:
+            self.poll()
 
     def n_updates(self, slots: np.ndarray) -> np.ndarray:
         return self._n[slots]

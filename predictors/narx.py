@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -343,9 +344,16 @@ class BatchNARX(RefittingBatchPredictor):
     _gen: np.ndarray
 
     def __init__(self, *, refit: str | RefitExecutor = "background", stagger: bool = True,
-                 **hyper: Any) -> None:
+                 compiled: bool | None = None, **hyper: Any) -> None:
         super().__init__()
         self.cfg = cfg = NARXConfig(**hyper)
+        from predictors import narx_kernel  # imports numba (~0.3 s): only where NARX runs
+        self._kernel = narx_kernel
+        if compiled and not narx_kernel.AVAILABLE:
+            raise ValueError("narx: compiled=True needs numba, which does not import here")
+        #: the per-iteration step runs as the compiled kernels of :mod:`predictors.narx_kernel`
+        #: (default where numba imports), else as the numpy code of this class (the reference)
+        self.compiled = narx_kernel.AVAILABLE if compiled is None else bool(compiled)
         self.n_exog = cfg.exog_used
         self.stagger = bool(stagger)
         self._init_refits(refit, "narx")
@@ -392,6 +400,17 @@ class BatchNARX(RefittingBatchPredictor):
         self.landed_fits = 0
         self.updates = 0                 #: update() calls (iterations, for a manager)
         self.lag_sum = 0                 #: Σ over landed fits of updates between submit and swap-in
+        self._fparams = np.zeros(3)
+        self._fparams[[narx_kernel.F_GATE_DECAY, narx_kernel.F_CLIP_LOW, narx_kernel.F_CLIP_HIGH]] = (
+            cfg.gate_decay, cfg.clip_low, cfg.clip_high)
+        self._iparams = np.zeros(8, dtype=np.int64)
+        self._iparams[[narx_kernel.I_KEEP, narx_kernel.I_LAG, narx_kernel.I_MIN_TRAIN,
+                       narx_kernel.I_REFIT_EVERY, narx_kernel.I_SPEED_LAGS, narx_kernel.I_EXOG_LAGS,
+                       narx_kernel.I_RATIO, narx_kernel.I_GATE]] = (
+            keep, cfg.lag, cfg.min_train, cfg.refit_every, cfg.speed_lags,
+            cfg.exog_lags if self._exog_cols else 0, cfg.target == "ratio", cfg.gate)
+        if self.compiled:
+            narx_kernel.warm_up(self)
 
     def _reset_slots(self, slots: np.ndarray, keys: np.ndarray | None) -> None:
         cfg = self.cfg
@@ -407,6 +426,35 @@ class BatchNARX(RefittingBatchPredictor):
         return int(self._fits.sum()) if slots is None else self._fits[slots]
 
     # ----- updates --------------------------------------------------------------------------
+    def update(self, slots: np.ndarray, values: np.ndarray, exog: np.ndarray | None = None) -> np.ndarray:
+        if not self.compiled:
+            return super().update(slots, values, exog)
+        self.poll()
+        self._polled_at = time.monotonic()
+        k, E = slots.shape[0], self._x.shape[2]
+        if values.shape != (k,):
+            raise ValueError(f"narx: {values.shape} speeds for {k} slots")
+        if exog is None or E == 0:
+            exog = self._kernel.NO_EXOG
+        elif exog.ndim != 2 or exog.shape[0] != k or exog.shape[1] < E:
+            raise ValueError(f"narx: exogenous inputs of shape {exog.shape} for {k} slots and {E} inputs")
+        n, due, n_due = self._kernel.update_step(
+            slots, values, exog, self._last, self._n, self._fc, self._merr, self._lerr, self._logv,
+            self._x, self._pos, self._cnt, self._since, self._tried, self._busy, self._has_w,
+            self._w1, self._b1, self._w2, self._b2, self._mx, self._sx, self._my, self._sy,
+            self._fparams, self._iparams)
+        self.updates += 1
+        if n_due:
+            self._schedule(slots, due, self._since[slots], self._tried[slots])
+        return n
+
+    def predict(self, slots: np.ndarray) -> np.ndarray:
+        if not self.compiled:
+            return super().predict(slots)
+        self._poll_before_predict()
+        return self._kernel.predict_step(slots, self._fc, self._merr, self._lerr, self._last,
+                                        bool(self.cfg.gate))
+
     def _update(self, slots: np.ndarray, values: np.ndarray, exog: np.ndarray | None,
                 prev: np.ndarray) -> None:
         cfg = self.cfg
@@ -431,18 +479,25 @@ class BatchNARX(RefittingBatchPredictor):
         tried = self._tried[slots]
         due = (cnt - cfg.lag >= cfg.min_train) & (~tried | (since >= cfg.refit_every))
         due &= ~self._busy[slots]
-        if due.any() and not self._coalesced(due):
-            if not self.synchronous:
-                due = self._throttle(slots, due, since)
-            if due is not None:
-                self.last_job_at = self.updates
-                d = slots[due]
-                self._since[d] = np.where(tried[due], 0, self._offset[d])
-                self._tried[d] = True
-                self._submit(d)
-                if self.synchronous:
-                    self.poll()
+        if due.any():
+            self._schedule(slots, due, since, tried)
         self._forecast(slots)
+
+    def _schedule(self, slots: np.ndarray, due: np.ndarray, since: np.ndarray,
+                  tried: np.ndarray) -> None:
+        """Hand the refits due now (``due``, aligned with ``slots``; at least one) to the
+        executor, unless they wait for the next job update or the helper is busy."""
+        if self._coalesced(due):
+            return
+        chosen = due if self.synchronous else self._throttle(slots, due, since)
+        if chosen is not None:
+            self.last_job_at = self.updates
+            d = slots[chosen]
+            self._since[d] = np.where(tried[chosen], 0, self._offset[d])
+            self._tried[d] = True
+            self._submit(d)
+            if self.synchronous:
+                self.poll()
 
     def _coalesced(self, due: np.ndarray) -> bool:
         """Do the refits due now wait for the next job update? A job leaves at most once per
@@ -503,6 +558,12 @@ class BatchNARX(RefittingBatchPredictor):
     # ----- forecasts ------------------------------------------------------------------------
     def _forecast(self, slots: np.ndarray) -> None:
         """Network forecast of each slot's next speed from its newest inputs (nan: no network)."""
+        if self.compiled:
+            self._kernel.forecast_step(slots, self._last, self._fc, self._logv, self._x, self._pos,
+                                      self._has_w, self._w1, self._b1, self._w2, self._b2,
+                                      self._mx, self._sx, self._my, self._sy, self._fparams,
+                                      self._iparams)
+            return
         has = self._has_w[slots]
         self._fc[slots[~has]] = math.nan
         if not has.any():
@@ -550,11 +611,12 @@ class NARXPredictor(GatedModelPredictor):
                  loss: str = "mse", gate: bool = True, gate_decay: float = 0.9, seed: int = 0,
                  refit_offset: int = 0) -> None:
         super().__init__()
-        hyper = dict(speed_lags=speed_lags, exog_lags=exog_lags, hidden=hidden, window=window,
-                     refit_every=refit_every, epochs=epochs, lr=lr, weight_decay=weight_decay,
-                     min_train=min_train, target=target, n_exog=n_exog, clip_low=clip_low,
-                     clip_high=clip_high, loss=loss, gate=gate, gate_decay=gate_decay, seed=seed,
-                     refit_offset=refit_offset)
+        hyper: dict[str, Any] = dict(
+            speed_lags=speed_lags, exog_lags=exog_lags, hidden=hidden, window=window,
+            refit_every=refit_every, epochs=epochs, lr=lr, weight_decay=weight_decay,
+            min_train=min_train, target=target, n_exog=n_exog, clip_low=clip_low,
+            clip_high=clip_high, loss=loss, gate=gate, gate_decay=gate_decay, seed=seed,
+            refit_offset=refit_offset)
         self._batch = BatchNARX(refit="sync", stagger=False, **hyper)
         cfg = self._batch.cfg
         self.cfg = cfg

@@ -99,6 +99,56 @@ def test_batched_narx_equals_the_scalar_narx():
     assert b.n_fits() == sum(p.n_fits for p in scal) > 4 * K
 
 
+def _narx_trace(p: BatchNARX, seed: int) -> list[np.ndarray]:
+    """Updates of varying subsets, with and without exogenous rows, a reset mid-way; every
+    update's counts and every forecast."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for t in range(T):
+        sel = ALL if t % 5 else ALL[::2]
+        ex = None if t % 7 == 0 else XS[t][sel]
+        out.append(p.update(sel, YS[sel, t] * (1.0 + 0.02 * rng.standard_normal(sel.size)), ex))
+        out.append(p.predict(ALL))
+        if t == 50:
+            p.reset(np.array([3]), np.array([3]))
+    return out
+
+
+@pytest.mark.parametrize("kw", [{"epochs": 8, "refit_every": 7},
+                                {"epochs": 5, "target": "level", "gate": False, "loss": "huber"},
+                                {"epochs": 5, "exog_lags": 0, "speed_lags": 3},
+                                {"epochs": 5, "n_exog": 0, "refit_every": 4, "clip_high": 1.05}])
+def test_compiled_narx_steps_equal_the_numpy_steps(kw):
+    """The numba kernels (the default) against the numpy code they replace, on the same trace:
+    the same counts, forecasts and state (the forecast's dot products may differ in the last bit)."""
+    a = BatchNARX(**kw, refit="sync", compiled=True)
+    b = BatchNARX(**kw, refit="sync", compiled=False)
+    assert BatchNARX(refit="sync").compiled          # numba is a dependency: the default
+    got, exp = _narx_trace(fresh(a), 3), _narx_trace(fresh(b), 3)
+    for g, e in zip(got, exp):
+        assert g.dtype == e.dtype
+        assert np.allclose(g, e, rtol=1e-12, atol=0, equal_nan=True)
+    assert a.n_fits() == b.n_fits() > 2 * K
+    for name in ("_last", "_n", "_fc", "_merr", "_lerr", "_logv", "_x", "_pos", "_cnt", "_since",
+                 "_tried", "_busy", "_has_w", "_w1", "_sy"):
+        assert np.allclose(getattr(a, name), getattr(b, name), rtol=1e-12, atol=1e-15,
+                           equal_nan=True), name
+
+
+def test_compiled_narx_refuses_slots_and_inputs_out_of_range():
+    """Compiled code does not check indices itself: the kernels and their caller do."""
+    p = fresh(BatchNARX(refit="sync", compiled=True))
+    with pytest.raises(IndexError, match="slot out of range"):
+        p.update(np.array([0, K]), np.ones(2), None)
+    with pytest.raises(IndexError, match="slot out of range"):
+        p.predict(np.array([-1]))
+    with pytest.raises(ValueError, match="exogenous inputs of shape"):
+        p.update(ALL, np.ones(K), np.ones((K, 2)))
+    with pytest.raises(ValueError, match="speeds for"):
+        p.update(ALL, np.ones(K - 1), None)
+    assert (p.n_updates(ALL) == 0).all()
+
+
 def test_scalar_adapter_and_registry():
     p = get_batch_predictor("ema", {"alpha": 0.5})
     assert isinstance(p, BatchEMA)
