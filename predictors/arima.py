@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 import warnings
 from collections import deque
 from collections.abc import Sequence
@@ -333,7 +334,8 @@ class BatchARIMA(RefittingBatchPredictor):
                  log_transform: bool = False, between: str = "recursion",
                  clip_low: float = 0.25, clip_high: float = 4.0, maxiter: int = 50,
                  gate: bool = True, gate_decay: float = 0.9, refit_offset: int = 0, *,
-                 refit: str | RefitExecutor = "background", stagger: bool = True) -> None:
+                 refit: str | RefitExecutor = "background", stagger: bool = True,
+                 compiled: bool | None = None) -> None:
         super().__init__()
         if between != "recursion":
             raise ValueError("arima: only between='recursion' is batched")
@@ -392,6 +394,23 @@ class BatchARIMA(RefittingBatchPredictor):
         self.landed_fits = 0
         self.updates = 0                 #: update() calls (iterations, for a manager)
         self.lag_sum = 0                 #: Σ over landed fits of updates between submit and swap-in
+        from predictors import arima_kernel as kernel  # imports numba (~0.3 s): only where ARIMA runs
+        if compiled and not kernel.AVAILABLE:
+            raise ValueError("arima: compiled=True needs numba, which does not import here")
+        #: the per-iteration step runs as the compiled kernels of :mod:`predictors.arima_kernel`
+        #: (default where numba imports), else as the numpy code of this class (the reference)
+        self.compiled = kernel.AVAILABLE if compiled is None else bool(compiled)
+        self._kernel = kernel
+        self._coef = np.array(self._diff_coef)
+        self._fparams = np.zeros(3)
+        self._fparams[[kernel.F_GATE_DECAY, kernel.F_CLIP_LOW, kernel.F_CLIP_HIGH]] = (
+            self.gate_decay, self.clip_low, self.clip_high)
+        self._iparams = np.zeros(8, dtype=np.int64)
+        self._iparams[[kernel.I_P, kernel.I_D, kernel.I_Q, kernel.I_KEEP, kernel.I_WINDOW,
+                       kernel.I_MIN_POINTS, kernel.I_REFIT_EVERY, kernel.I_LOG]] = (
+            p, d, q, self.keep, self.window, self.min_points, self.refit_every, self.log_transform)
+        if self.compiled:
+            kernel.warm_up(self)
 
     def n_fits(self, slots: np.ndarray | None = None) -> np.ndarray | int:
         """Fits attempted (per slot, or in total), as the scalar class counts them."""
@@ -443,6 +462,31 @@ class BatchARIMA(RefittingBatchPredictor):
         self._what[s] = self._one_step(s)
 
     # ----- updates --------------------------------------------------------------------------
+    def update(self, slots: np.ndarray, values: np.ndarray, exog: np.ndarray | None = None) -> np.ndarray:
+        if not self.compiled:
+            return super().update(slots, values, exog)
+        self.poll()
+        self._polled_at = time.monotonic()
+        if values.shape != slots.shape:
+            raise ValueError(f"arima: {values.shape} speeds for {slots.shape[0]} slots")
+        n, due, n_due = self._kernel.update_step(
+            slots, values, self._last, self._n, self._fc, self._merr, self._lerr, self._y,
+            self._pos, self._cnt, self._nobs, self._since, self._tried, self._busy, self._fitted,
+            self._mu, self._ar, self._ma, self._w, self._wn, self._e, self._en, self._what,
+            self._coef, self._fparams, self._iparams)
+        self.updates += 1
+        if n_due:
+            self._schedule(slots, due, self._since[slots], self._tried[slots])
+            self._forecast(slots[due])      # a submission or a landing changed their models
+        return n
+
+    def predict(self, slots: np.ndarray) -> np.ndarray:
+        if not self.compiled:
+            return super().predict(slots)
+        self._poll_before_predict()
+        return self._kernel.gated_predict(slots, self._fc, self._merr, self._lerr, self._last,
+                                          bool(self.gate))
+
     def _update(self, slots: np.ndarray, values: np.ndarray, exog: np.ndarray | None,
                 prev: np.ndarray) -> None:
         self.updates += 1
@@ -469,18 +513,26 @@ class BatchARIMA(RefittingBatchPredictor):
         due = ((np.minimum(cnt, self.window) >= self.min_points)
                & (~tried | (since >= self.refit_every)) & ~self._busy[slots])
         if due.any():
-            if not self.synchronous:
-                from predictors.narx import throttle_due
-
-                due = throttle_due(self, slots, due, since)
-            if due is not None:
-                d = slots[due]
-                self._since[d] = np.where(tried[due], 0, self._offset[d])
-                self._tried[d] = True
-                self._submit(d)
-                if self.synchronous:
-                    self.poll()
+            self._schedule(slots, due, since, tried)
         self._forecast(slots)
+
+    def _schedule(self, slots: np.ndarray, due: np.ndarray, since: np.ndarray,
+                  tried: np.ndarray) -> None:
+        """Hand the refits due now (``due``, aligned with ``slots``; at least one) to the
+        executor, unless the helper is busy."""
+        if self.synchronous:
+            chosen: np.ndarray | None = due
+        else:
+            from predictors.narx import throttle_due
+
+            chosen = throttle_due(self, slots, due, since)
+        if chosen is not None:
+            d = slots[chosen]
+            self._since[d] = np.where(tried[chosen], 0, self._offset[d])
+            self._tried[d] = True
+            self._submit(d)
+            if self.synchronous:
+                self.poll()
 
     def _windows(self, d: np.ndarray) -> np.ndarray | list[np.ndarray]:
         """Each slot's fit window (oldest first): one (K, window) array when all are full."""
@@ -591,6 +643,11 @@ class BatchARIMA(RefittingBatchPredictor):
 
     # ----- forecasts ------------------------------------------------------------------------
     def _forecast(self, slots: np.ndarray) -> None:
+        if self.compiled:
+            self._kernel.forecast_step(slots, self._last, self._fc, self._y, self._pos,
+                                       self._fitted, self._mu, self._what, self._coef,
+                                       self._fparams, self._iparams)
+            return
         fitted = self._fitted[slots] & np.isfinite(self._what[slots])
         self._fc[slots[~fitted]] = math.nan
         if not fitted.any():

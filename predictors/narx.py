@@ -452,8 +452,8 @@ class BatchNARX(RefittingBatchPredictor):
         if not self.compiled:
             return super().predict(slots)
         self._poll_before_predict()
-        return self._kernel.predict_step(slots, self._fc, self._merr, self._lerr, self._last,
-                                        bool(self.cfg.gate))
+        return self._kernel.gated_predict(slots, self._fc, self._merr, self._lerr, self._last,
+                                          bool(self.cfg.gate))
 
     def _update(self, slots: np.ndarray, values: np.ndarray, exog: np.ndarray | None,
                 prev: np.ndarray) -> None:

@@ -1,22 +1,17 @@
-"""NARX's per-iteration step (score, record, forecast, choose) compiled into one call per batch.
+"""NARX's per-iteration step (score, record, forecast) compiled into one call per batch.
 
-Why: a decision paced like a real run finds the CPU's caches cold, and on a shared host each
-distinct numpy call then costs tens of µs, whatever the array sizes (``bench_decision_cold.py``:
-one numpy call after a 50 ms sleep, 60-76 µs against 2.6 µs back to back). NARX's update and
-forecast in numpy are about 60 such calls: 470 µs per decision at 4 workers, nearly the whole 1%
-of a 50 ms iteration. The same arithmetic compiled by numba is one call whose code and data are
-small: 110 µs at 4 workers and 190 µs at 100, measured the same way.
+NARX's update and forecast in numpy are about 60 calls, each paid cold in a paced decision
+(:mod:`predictors.jit`): update + predict after a 50 ms sleep took 470 µs at 4 workers and 510 µs
+at 100; compiled, 160 and 220 µs (``benchmarks/bench_decision_cold.py --refits narx``).
 
-The functions here are the numpy code's arithmetic, slot by slot, in the same order of operations
-(the gate's error averages, the history ring, the forecast's clip and the final finite-and-positive
-guard are bit-identical; the forecast's dot products may differ from numpy's ``matmul`` in the
-last bit). :class:`~predictors.narx.BatchNARX` uses them when numba imports and keeps its numpy
-code as the reference and the fallback; ``tests/unit/test_predictors_batch.py`` runs both on the
-same traces. Refit scheduling (coalescing, throttling, submission) stays in Python: the kernel
-only says which slots are due.
-
-Compiled on first use and cached on disk (``cache=True``: later processes load it in ~0.1 s);
-:func:`warm_up` does that at construction so that no decision pays for it.
+The functions are the numpy code's arithmetic, slot by slot, in the same order of operations
+(the gate's error averages, the history ring and the forecast's clip are bit-identical; the
+forecast's dot products may differ from numpy's ``matmul`` in the last bit).
+:class:`~predictors.narx.BatchNARX` calls them where numba imports and keeps its numpy code as the
+reference and the fallback; ``tests/unit/test_predictors_batch.py`` runs both on the same traces.
+Refit scheduling (coalescing, throttling, submission) stays in Python: the kernel only says which
+slots are due. :func:`warm_up` compiles (or loads) the kernels when a BatchNARX is built, so that
+no decision pays for it.
 """
 
 from __future__ import annotations
@@ -26,18 +21,9 @@ from typing import Any
 
 import numpy as np
 
-#: Whether the compiled kernels are available (numba is a declared dependency; without it the
-#: functions below stay plain, slow Python, and BatchNARX keeps its numpy path).
-try:
-    import numba
-    AVAILABLE = True
-except ImportError:  # pragma: no cover - exercised only where numba is missing
-    AVAILABLE = False
+from predictors.jit import AVAILABLE, check_slots, gated_predict, jit
 
-
-def _jit(fn: Any) -> Any:
-    return numba.njit(cache=True, nogil=True)(fn) if AVAILABLE else fn
-
+__all__ = ["AVAILABLE", "forecast_step", "gated_predict", "update_step", "warm_up"]
 
 #: Indices into the float parameters array handed to the kernels.
 F_GATE_DECAY, F_CLIP_LOW, F_CLIP_HIGH = 0, 1, 2
@@ -45,15 +31,7 @@ F_GATE_DECAY, F_CLIP_LOW, F_CLIP_HIGH = 0, 1, 2
 I_KEEP, I_LAG, I_MIN_TRAIN, I_REFIT_EVERY, I_SPEED_LAGS, I_EXOG_LAGS, I_RATIO, I_GATE = range(8)
 
 
-@_jit
-def _check_slots(slots: np.ndarray, capacity: int) -> None:
-    """Compiled code does not check indices: a slot out of range would write anywhere."""
-    for i in range(slots.size):
-        if slots[i] < 0 or slots[i] >= capacity:
-            raise IndexError("narx: slot out of range")
-
-
-@_jit
+@jit
 def _forecast_one(s: int, logv: np.ndarray, x: np.ndarray, pos: np.ndarray, w1: np.ndarray,
                   b1: np.ndarray, w2: np.ndarray, b2: np.ndarray, mx: np.ndarray, sx: np.ndarray,
                   my: np.ndarray, sy: np.ndarray, last_v: float, fp: np.ndarray,
@@ -89,7 +67,7 @@ def _forecast_one(s: int, logv: np.ndarray, x: np.ndarray, pos: np.ndarray, w1: 
     return min(max(f, fp[F_CLIP_LOW] * last_v), fp[F_CLIP_HIGH] * last_v)
 
 
-@_jit
+@jit
 def update_step(slots: np.ndarray, values: np.ndarray, exog: np.ndarray, last: np.ndarray,
                  n: np.ndarray, fc: np.ndarray, merr: np.ndarray, lerr: np.ndarray,
                  logv: np.ndarray, x: np.ndarray, pos: np.ndarray, cnt: np.ndarray,
@@ -109,7 +87,7 @@ def update_step(slots: np.ndarray, values: np.ndarray, exog: np.ndarray, last: n
     n_out = np.empty(k, dtype=np.int64)
     due = np.zeros(k, dtype=np.bool_)
     n_due = 0
-    _check_slots(slots, last.shape[0])
+    check_slots(slots, last.shape[0])
     for i in range(k):
         s = slots[i]
         v = values[i]
@@ -140,34 +118,19 @@ def update_step(slots: np.ndarray, values: np.ndarray, exog: np.ndarray, last: n
     return n_out, due, n_due
 
 
-@_jit
+@jit
 def forecast_step(slots: np.ndarray, last: np.ndarray, fc: np.ndarray, logv: np.ndarray,
                    x: np.ndarray, pos: np.ndarray, has_w: np.ndarray, w1: np.ndarray,
                    b1: np.ndarray, w2: np.ndarray, b2: np.ndarray, mx: np.ndarray, sx: np.ndarray,
                    my: np.ndarray, sy: np.ndarray, fp: np.ndarray, ip: np.ndarray) -> None:
     """Forecasts of ``slots`` from their newest inputs (after new weights were swapped in)."""
-    _check_slots(slots, last.shape[0])
+    check_slots(slots, last.shape[0])
     for i in range(slots.size):
         s = slots[i]
         if has_w[s]:
             fc[s] = _forecast_one(s, logv, x, pos, w1, b1, w2, b2, mx, sx, my, sy, last[s], fp, ip)
         else:
             fc[s] = math.nan
-
-
-@_jit
-def predict_step(slots: np.ndarray, fc: np.ndarray, merr: np.ndarray, lerr: np.ndarray,
-                  last: np.ndarray, gate: bool) -> np.ndarray:
-    """The gated choice (``BatchNARX._predict``) and ``BatchPredictor.predict``'s guard."""
-    _check_slots(slots, last.shape[0])
-    out = np.empty(slots.size)
-    for i in range(slots.size):
-        s = slots[i]
-        f = fc[s]
-        use = math.isfinite(f) and (not gate or merr[s] < lerr[s])
-        r = f if use else last[s]
-        out[i] = r if (math.isfinite(r) and r > 0.0) else last[s]
-    return out
 
 
 NO_EXOG = np.zeros((0, 0))
@@ -197,4 +160,4 @@ def warm_up(pred: Any) -> None:
     forecast_step(one, a["last"], a["fc"], a["logv"], a["x"], a["pos"], a["has_w"], a["w1"],
                   a["b1"], a["w2"], a["b2"], a["mx"], a["sx"], a["my"], a["sy"], pred._fparams,
                   pred._iparams)
-    predict_step(one, a["fc"], a["merr"], a["lerr"], a["last"], bool(pred.cfg.gate))
+    gated_predict(one, a["fc"], a["merr"], a["lerr"], a["last"], bool(pred.cfg.gate))

@@ -99,7 +99,7 @@ def test_batched_narx_equals_the_scalar_narx():
     assert b.n_fits() == sum(p.n_fits for p in scal) > 4 * K
 
 
-def _narx_trace(p: BatchNARX, seed: int) -> list[np.ndarray]:
+def _step_trace(p, seed: int) -> list[np.ndarray]:
     """Updates of varying subsets, with and without exogenous rows, a reset mid-way; every
     update's counts and every forecast."""
     rng = np.random.default_rng(seed)
@@ -124,7 +124,7 @@ def test_compiled_narx_steps_equal_the_numpy_steps(kw):
     a = BatchNARX(**kw, refit="sync", compiled=True)
     b = BatchNARX(**kw, refit="sync", compiled=False)
     assert BatchNARX(refit="sync").compiled          # numba is a dependency: the default
-    got, exp = _narx_trace(fresh(a), 3), _narx_trace(fresh(b), 3)
+    got, exp = _step_trace(fresh(a), 3), _step_trace(fresh(b), 3)
     for g, e in zip(got, exp):
         assert g.dtype == e.dtype
         assert np.allclose(g, e, rtol=1e-12, atol=0, equal_nan=True)
@@ -135,7 +135,52 @@ def test_compiled_narx_steps_equal_the_numpy_steps(kw):
                            equal_nan=True), name
 
 
-def test_compiled_narx_refuses_slots_and_inputs_out_of_range():
+ARIMA_STATE = ("_last", "_n", "_fc", "_merr", "_lerr", "_y", "_pos", "_cnt", "_nobs", "_since",
+               "_tried", "_busy", "_fitted", "_mu", "_ar", "_ma", "_w", "_wn", "_e", "_en", "_what")
+
+
+@pytest.mark.parametrize("kw", [{}, {"order": (2, 1, 1), "window": 30, "clip_high": 1.05},
+                                {"order": (1, 0, 1), "gate": False, "refit_every": 20}])
+def test_compiled_arima_steps_equal_the_numpy_steps(kw):
+    """The numba kernels (the default) against the numpy recursion they replace, on the same
+    trace (refits, their landing and replay included): bit-identical counts, forecasts and state."""
+    a = BatchARIMA(**kw, refit="sync", compiled=True)
+    b = BatchARIMA(**kw, refit="sync", compiled=False)
+    assert BatchARIMA(refit="sync").compiled          # numba is a dependency: the default
+    got, exp = _step_trace(fresh(a), 4), _step_trace(fresh(b), 4)
+    for g, e in zip(got, exp):
+        assert g.dtype == e.dtype
+        assert np.array_equal(g, e, equal_nan=True)
+    assert a.n_fits() == b.n_fits() > 2 * K
+    for name in ARIMA_STATE:
+        assert np.array_equal(getattr(a, name), getattr(b, name), equal_nan=True), name
+
+
+def test_compiled_arima_log_steps_equal_the_numpy_steps_from_the_same_state():
+    """With ``log_transform`` the kernel's log and exp (the C library's) may differ from numpy's
+    in the last bit, and a refit on a window one bit apart can land elsewhere: so each step
+    starts from the numpy predictor's state, and its results must agree to 1e-12."""
+    kw = {"order": (1, 1, 1), "log_transform": True, "refit_every": 7}
+    a = fresh(BatchARIMA(**kw, refit="sync", compiled=True))
+    b = fresh(BatchARIMA(**kw, refit="sync", compiled=False))
+    rng = np.random.default_rng(4)
+    fitted_steps = 0
+    for t in range(T):
+        for name in ARIMA_STATE:
+            getattr(a, name)[...] = getattr(b, name)
+        a.updates = b.updates
+        sel = ALL if t % 5 else ALL[::2]
+        v = YS[sel, t] * (1.0 + 0.02 * rng.standard_normal(sel.size))
+        assert np.array_equal(a.update(sel, v), b.update(sel, v))
+        assert np.allclose(a.predict(ALL), b.predict(ALL), rtol=1e-12, atol=0, equal_nan=True)
+        for name in ARIMA_STATE:
+            assert np.allclose(getattr(a, name), getattr(b, name), rtol=1e-12, atol=1e-15,
+                               equal_nan=True), (t, name)
+        fitted_steps += int(b._fitted[sel].sum())
+    assert fitted_steps > T * 3
+
+
+def test_compiled_steps_refuse_slots_and_inputs_out_of_range():
     """Compiled code does not check indices itself: the kernels and their caller do."""
     p = fresh(BatchNARX(refit="sync", compiled=True))
     with pytest.raises(IndexError, match="slot out of range"):
@@ -147,6 +192,12 @@ def test_compiled_narx_refuses_slots_and_inputs_out_of_range():
     with pytest.raises(ValueError, match="speeds for"):
         p.update(ALL, np.ones(K - 1), None)
     assert (p.n_updates(ALL) == 0).all()
+    q = fresh(BatchARIMA(refit="sync", compiled=True))
+    with pytest.raises(IndexError, match="slot out of range"):
+        q.update(np.array([K]), np.ones(1))
+    with pytest.raises(ValueError, match="speeds for"):
+        q.update(ALL, np.ones(K - 1))
+    assert (q.n_updates(ALL) == 0).all()
 
 
 def test_scalar_adapter_and_registry():

@@ -1,0 +1,156 @@
+"""ARIMA's per-iteration step (score, record, the fitted recursion, forecast) compiled into one
+call per batch.
+
+Between refits :class:`~predictors.arima.BatchARIMA` runs the one-step ARMA recursion with the
+fitted coefficients: about 50 numpy calls per update and forecast, each paid cold in a paced
+decision (:mod:`predictors.jit`). The functions here are the numpy code's arithmetic, slot by
+slot, in the same order of operations, so the state and forecasts are bit-identical
+(``tests/unit/test_predictors_batch.py`` runs both on the same traces). Fits, their landing and
+the replay of the observations that arrived during a fit stay in numpy: they are rare, and the
+kernel only says which slots are due. :func:`warm_up` compiles (or loads) the kernels when a
+BatchARIMA is built, so that no decision pays for it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from predictors.jit import AVAILABLE, check_slots, gated_predict, jit
+
+__all__ = ["AVAILABLE", "forecast_step", "gated_predict", "update_step", "warm_up"]
+
+#: Indices into the float parameters array handed to the kernels.
+F_GATE_DECAY, F_CLIP_LOW, F_CLIP_HIGH = 0, 1, 2
+#: Indices into the integer parameters array.
+I_P, I_D, I_Q, I_KEEP, I_WINDOW, I_MIN_POINTS, I_REFIT_EVERY, I_LOG = range(8)
+
+
+@jit
+def _yback(y: np.ndarray, pos: np.ndarray, s: int, back: int, keep: int) -> float:
+    """y ``back`` observations before the newest one (0: the newest)."""
+    return y[s, (pos[s] - 1 - back) % keep]
+
+
+@jit
+def _forecast_one(s: int, y: np.ndarray, pos: np.ndarray, fitted: np.ndarray, mu: np.ndarray,
+                  what: np.ndarray, coef: np.ndarray, last_v: float, fp: np.ndarray,
+                  ip: np.ndarray) -> float:
+    """The fitted model's forecast of slot ``s``'s next speed (``BatchARIMA._forecast``)."""
+    if not (fitted[s] and math.isfinite(what[s])):
+        return math.nan
+    keep = ip[I_KEEP]
+    acc = 0.0
+    for k in range(1, coef.size):
+        acc = acc + coef[k] * _yback(y, pos, s, k - 1, keep)
+    y_next = what[s] + mu[s] - acc
+    f = math.exp(min(y_next, 700.0)) if ip[I_LOG] else y_next
+    if not math.isfinite(f):
+        return math.nan
+    return min(max(f, fp[F_CLIP_LOW] * last_v), fp[F_CLIP_HIGH] * last_v)
+
+
+@jit
+def _advance(s: int, y: np.ndarray, pos: np.ndarray, mu: np.ndarray, ar: np.ndarray,
+             ma: np.ndarray, w: np.ndarray, wn: np.ndarray, e: np.ndarray, en: np.ndarray,
+             what: np.ndarray, coef: np.ndarray, ip: np.ndarray) -> None:
+    """Feed slot ``s``'s newest observation to its fitted recursion (``BatchARIMA._advance``)."""
+    p, q, keep = ip[I_P], ip[I_Q], ip[I_KEEP]
+    P, Q = w.shape[1], e.shape[1]
+    acc = coef[0] * _yback(y, pos, s, 0, keep)
+    for k in range(1, coef.size):
+        acc = acc + coef[k] * _yback(y, pos, s, k, keep)
+    wv = acc - mu[s]
+    if q and math.isfinite(what[s]):
+        for j in range(Q - 1):
+            e[s, j] = e[s, j + 1]
+        e[s, Q - 1] = wv - what[s]
+        en[s] = min(en[s] + 1, Q)
+    for j in range(P - 1):
+        w[s, j] = w[s, j + 1]
+    w[s, P - 1] = wv
+    wn[s] = min(wn[s] + 1, P)
+    out = 0.0
+    for i in range(1, p + 1):
+        out = out + (ar[s, i - 1] * w[s, P - i] if wn[s] >= i else 0.0)
+    for j in range(1, q + 1):
+        out = out + (ma[s, j - 1] * e[s, Q - j] if en[s] >= j else 0.0)
+    what[s] = out
+
+
+@jit
+def update_step(slots: np.ndarray, values: np.ndarray, last: np.ndarray, n: np.ndarray,
+                fc: np.ndarray, merr: np.ndarray, lerr: np.ndarray, y: np.ndarray, pos: np.ndarray,
+                cnt: np.ndarray, nobs: np.ndarray, since: np.ndarray, tried: np.ndarray,
+                busy: np.ndarray, fitted: np.ndarray, mu: np.ndarray, ar: np.ndarray,
+                ma: np.ndarray, w: np.ndarray, wn: np.ndarray, e: np.ndarray, en: np.ndarray,
+                what: np.ndarray, coef: np.ndarray, fp: np.ndarray,
+                ip: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """One observation per slot (``BatchPredictor.update`` + ``BatchARIMA._update`` up to the
+    refit submission): returns each slot's update count, which slots are due a refit, and how
+    many."""
+    check_slots(slots, last.shape[0])
+    k = slots.size
+    a = fp[F_GATE_DECAY]
+    keep, window, min_points, refit_every = ip[I_KEEP], ip[I_WINDOW], ip[I_MIN_POINTS], ip[I_REFIT_EVERY]
+    n_out = np.empty(k, dtype=np.int64)
+    due = np.zeros(k, dtype=np.bool_)
+    n_due = 0
+    for i in range(k):
+        s = slots[i]
+        v = values[i]
+        prev = last[s]
+        last[s] = v
+        n[s] += 1
+        n_out[i] = n[s]
+        f = fc[s]
+        if math.isfinite(f) and math.isfinite(prev):     # score the forecasts made for v
+            lv = math.log(v)
+            merr[s] = a * merr[s] + (1 - a) * (math.log(f) - lv) ** 2
+            lerr[s] = a * lerr[s] + (1 - a) * (math.log(prev) - lv) ** 2
+        p = pos[s]
+        y[s, p] = math.log(v) if ip[I_LOG] else v
+        pos[s] = (p + 1) % keep
+        c = min(cnt[s] + 1, keep)
+        cnt[s] = c
+        nobs[s] += 1
+        since[s] += 1
+        if fitted[s]:
+            _advance(s, y, pos, mu, ar, ma, w, wn, e, en, what, coef, ip)
+        if min(c, window) >= min_points and (not tried[s] or since[s] >= refit_every) and not busy[s]:
+            due[i] = True
+            n_due += 1
+        fc[s] = _forecast_one(s, y, pos, fitted, mu, what, coef, v, fp, ip)
+    return n_out, due, n_due
+
+
+@jit
+def forecast_step(slots: np.ndarray, last: np.ndarray, fc: np.ndarray, y: np.ndarray,
+                  pos: np.ndarray, fitted: np.ndarray, mu: np.ndarray, what: np.ndarray,
+                  coef: np.ndarray, fp: np.ndarray, ip: np.ndarray) -> None:
+    """Forecasts of ``slots`` from their current state (after a landing or a submission)."""
+    check_slots(slots, last.shape[0])
+    for i in range(slots.size):
+        s = slots[i]
+        fc[s] = _forecast_one(s, y, pos, fitted, mu, what, coef, last[s], fp, ip)
+
+
+def warm_up(pred: Any) -> None:
+    """Compile (or load from the disk cache) the kernels for ``pred``'s arrays, on scratch
+    arrays of one slot, so that the first decision does not pay for it."""
+    one = np.zeros(1, dtype=np.int64)
+    P, Q = pred._w.shape[1], pred._e.shape[1]
+    p, q = pred._ar.shape[1], pred._ma.shape[1]
+    f1, i1, b1 = (lambda fill=0.0: np.full(1, fill)), (lambda: np.zeros(1, dtype=np.int64)), \
+        (lambda fill=False: np.full(1, fill, dtype=bool))
+    last, fc, what, fitted = f1(math.nan), f1(math.nan), f1(0.0), b1(True)
+    y, pos = np.zeros((1, pred.keep)), i1()
+    args = (last, i1(), fc, f1(), f1(), y, pos, i1(), i1(), i1(), b1(), b1(), fitted, f1(),
+            np.zeros((1, p)), np.zeros((1, q)), np.zeros((1, P)), i1(), np.zeros((1, Q)), i1(),
+            what, pred._coef, pred._fparams, pred._iparams)
+    update_step(one, np.ones(1), *args)
+    forecast_step(one, last, fc, y, pos, fitted, args[13], what, pred._coef, pred._fparams,
+                  pred._iparams)
+    gated_predict(one, fc, args[3], args[4], last, bool(pred.gate))

@@ -1,0 +1,56 @@
+"""What the compiled per-iteration steps of the refitting predictors share (numba).
+
+Why compile: a decision paced like a real run finds the CPU's caches cold, and on a shared host
+each distinct numpy call then costs tens of µs whatever the array sizes (``bench_decision_cold.py``:
+one numpy call after a 50 ms sleep, 60-76 µs against 2.6 µs back to back). A model's update and
+forecast written as numpy calls pay that dozens of times per decision; the same arithmetic
+compiled is one call whose code and data are small (see :mod:`predictors.narx_kernel` and
+:mod:`predictors.arima_kernel` for what each step does and what it saved).
+
+numba is a declared dependency. Where it does not import, :data:`AVAILABLE` is False, the kernels
+stay plain (slow) Python functions and the predictors keep their numpy code, which is the
+reference the tests hold the kernels to either way. Kernels are compiled on first use and cached
+on disk beside their module (``cache=True``: a later process loads them in ~0.1 s).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+try:
+    import numba
+    AVAILABLE = True
+except ImportError:  # pragma: no cover - exercised only where numba is missing
+    AVAILABLE = False
+
+
+def jit(fn: Any) -> Any:
+    """``numba.njit`` with the disk cache, releasing the GIL (the refit helper may be a thread)."""
+    return numba.njit(cache=True, nogil=True)(fn) if AVAILABLE else fn
+
+
+@jit
+def check_slots(slots: np.ndarray, capacity: int) -> None:
+    """Compiled code does not check indices: a slot out of range would write anywhere."""
+    for i in range(slots.size):
+        if slots[i] < 0 or slots[i] >= capacity:
+            raise IndexError("slot out of range")
+
+
+@jit
+def gated_predict(slots: np.ndarray, fc: np.ndarray, merr: np.ndarray, lerr: np.ndarray,
+                  last: np.ndarray, gate: bool) -> np.ndarray:
+    """The model's forecast where its recent errors beat the last value's (``_predict`` of NARX
+    and ARIMA), then ``BatchPredictor.predict``'s guard: finite and > 0, else the last value."""
+    check_slots(slots, last.shape[0])
+    out = np.empty(slots.size)
+    for i in range(slots.size):
+        s = slots[i]
+        f = fc[s]
+        use = math.isfinite(f) and (not gate or merr[s] < lerr[s])
+        r = f if use else last[s]
+        out[i] = r if (math.isfinite(r) and r > 0.0) else last[s]
+    return out
