@@ -99,12 +99,18 @@ def test_batched_narx_equals_the_scalar_narx():
     assert b.n_fits() == sum(p.n_fits for p in scal) > 4 * K
 
 
-def _step_trace(p, seed: int) -> list[np.ndarray]:
-    """Updates of varying subsets, with and without exogenous rows, a reset mid-way; every
-    update's counts and every forecast."""
+def _failing_fit() -> None:
+    raise RuntimeError("refit helper failed")
+
+
+def _step_trace(p, seed: int, fail_from: int = T) -> list[np.ndarray]:
+    """Updates of varying subsets, with and without exogenous rows, a reset mid-way, refits
+    that fail from ``fail_from`` on; every update's counts and every forecast."""
     rng = np.random.default_rng(seed)
     out = []
     for t in range(T):
+        if t == fail_from:
+            p.fit_hook = _failing_fit
         sel = ALL if t % 5 else ALL[::2]
         ex = None if t % 7 == 0 else XS[t][sel]
         out.append(p.update(sel, YS[sel, t] * (1.0 + 0.02 * rng.standard_normal(sel.size)), ex))
@@ -118,13 +124,14 @@ def _step_trace(p, seed: int) -> list[np.ndarray]:
                                 {"epochs": 5, "target": "level", "gate": False, "loss": "huber"},
                                 {"epochs": 5, "exog_lags": 0, "speed_lags": 3},
                                 {"epochs": 5, "n_exog": 0, "refit_every": 4, "clip_high": 1.05}])
-def test_compiled_narx_steps_equal_the_numpy_steps(kw):
+@pytest.mark.parametrize("fail_from", [T, 60])
+def test_compiled_narx_steps_equal_the_numpy_steps(kw, fail_from):
     """The numba kernels (the default) against the numpy code they replace, on the same trace:
     the same counts, forecasts and state (the forecast's dot products may differ in the last bit)."""
     a = BatchNARX(**kw, refit="sync", compiled=True)
     b = BatchNARX(**kw, refit="sync", compiled=False)
     assert BatchNARX(refit="sync").compiled          # numba is a dependency: the default
-    got, exp = _step_trace(fresh(a), 3), _step_trace(fresh(b), 3)
+    got, exp = _step_trace(fresh(a), 3, fail_from), _step_trace(fresh(b), 3, fail_from)
     for g, e in zip(got, exp):
         assert g.dtype == e.dtype
         assert np.allclose(g, e, rtol=1e-12, atol=0, equal_nan=True)
@@ -141,13 +148,15 @@ ARIMA_STATE = ("_last", "_n", "_fc", "_merr", "_lerr", "_y", "_pos", "_cnt", "_n
 
 @pytest.mark.parametrize("kw", [{}, {"order": (2, 1, 1), "window": 30, "clip_high": 1.05},
                                 {"order": (1, 0, 1), "gate": False, "refit_every": 20}])
-def test_compiled_arima_steps_equal_the_numpy_steps(kw):
+@pytest.mark.parametrize("fail_from", [T, 60])
+def test_compiled_arima_steps_equal_the_numpy_steps(kw, fail_from):
     """The numba kernels (the default) against the numpy recursion they replace, on the same
-    trace (refits, their landing and replay included): bit-identical counts, forecasts and state."""
+    trace (refits, their landing, replay and failure included): bit-identical counts, forecasts
+    and state."""
     a = BatchARIMA(**kw, refit="sync", compiled=True)
     b = BatchARIMA(**kw, refit="sync", compiled=False)
     assert BatchARIMA(refit="sync").compiled          # numba is a dependency: the default
-    got, exp = _step_trace(fresh(a), 4), _step_trace(fresh(b), 4)
+    got, exp = _step_trace(fresh(a), 4, fail_from), _step_trace(fresh(b), 4, fail_from)
     for g, e in zip(got, exp):
         assert g.dtype == e.dtype
         assert np.array_equal(g, e, equal_nan=True)
