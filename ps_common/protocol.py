@@ -34,7 +34,7 @@ from ps_common.frozen import fill, plain_defaults
 from ps_common.report import Telemetry
 
 MAGIC = b"LBPS"
-VERSION = 12
+VERSION = 13
 HEADER_PREFIX = MAGIC + bytes([VERSION])
 MAX_HEADER_BYTES = 1 << 20
 ALLOWED_DTYPES = frozenset({"<f4", "<f8", "<i8", "<i4", "|u1"})
@@ -388,6 +388,18 @@ class Stop(Message):
 
 
 @dataclass
+class Clocks(Message):
+    """Coordinator -> followers (SSP): after version ``version``, the slowest live worker's
+    committed clock is ``slowest_clock``. A follower at that version holds a worker's next
+    parameters by the rule shard 0 holds its assignment with, so that no slice is staler than
+    the bound (sent when the value changes: after commits, and when the slowest worker leaves)."""
+
+    TYPE: ClassVar[str] = "clocks"
+    version: int = 0
+    slowest_clock: int = field(default=0, metadata={"range": (0, 1 << 62)})
+
+
+@dataclass
 class Finish(Message):
     """Coordinator -> followers: everyone has the final version; write results and exit."""
 
@@ -642,7 +654,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         Hello, HelloReply, Ack, Join, Welcome, Heartbeat, HeartbeatReply, Leave, Push, OutOfMemory,
         Reassignment, TakeChunk, Chunk, Pull, Params, ClaimShard, ShardClaimed, RegisterShard, Registered,
         Have, ShardSync,
-        Commit, PlanMessage, Stop, Finish, Rollback,
+        Commit, PlanMessage, Stop, Clocks, Finish, Rollback,
         StatusRequest, Status, EvalReport, Shutdown, Error,
         BsmJoin, BsmWelcome, BsmLeave, BsmReport, BsmAssign, BsmAssignment, BsmStats, BsmStatsReply,
         ExchangeOpen, ExchangePlan, ExchangePush, ExchangeResult,

@@ -2,8 +2,8 @@
 
 Each follower keeps one DEALER connection to the coordinator, authenticated as the ``shard``
 role. Up it go RegisterShard, Have (gradients that arrived whole) and a ShardSync every second;
-down the same connection, in order, come Commit (with the next plan), Plan, Stop, Rollback and
-Finish. Nothing here is lost for good: the coordinator keeps its recent commits, and a
+down the same connection, in order, come Commit (with the next plan), Plan, Stop, Clocks (SSP's
+slowest clock), Rollback and Finish. Nothing here is lost for good: the coordinator keeps its recent commits, and a
 follower that misses one (a dropped connection, a full pipe) sends a ShardSync and is sent
 what it lacks. A follower that cannot be caught up, or whose history differs (``log_hash``),
 is rolled back to a checkpoint or stops; it never applies anything the coordinator did not

@@ -46,7 +46,7 @@ from ps_common.protocol import Assignment, Chunk, Plan
 from ps_server.chunks import ChunkPool
 from ps_server.data_cursor import DataCursor, ranges_size, split_ranges
 from ps_server.pause import EvaluatorPause
-from ps_server.sync import AsyncPolicy, RoundPolicy, SyncPolicy
+from ps_server.sync import NO_LIVE_WORKER, AsyncPolicy, RoundPolicy, SyncPolicy
 
 log = logging.getLogger(__name__)
 
@@ -552,8 +552,7 @@ class Coordinator:
             return a
         if len(mine) >= MAX_OUTSTANDING:
             return None  # its earlier gradients are not committed yet: back-pressure
-        records = self.members.records
-        if not policy.pull_ready({w: i.clock for w, i in records.items()}, records, key):
+        if not policy.admits(self.slowest_clock(), key):
             return None
         live = self.live()
         split = self._planned_split(live)
@@ -566,6 +565,11 @@ class Coordinator:
         a = Assignment(iteration=key, batch_size=x, ranges=self.cursor.take(x), global_batch=total)
         mine[key] = a
         return a
+
+    def slowest_clock(self) -> int:
+        """The slowest member's committed clock (:data:`NO_LIVE_WORKER` when there is none):
+        what SSP's reads wait for, here and, told by ``Clocks``, on the followers."""
+        return min((i.clock for i in self.members.records.values()), default=NO_LIVE_WORKER)
 
     def waiting_reason(self, worker_id: int, key: int, version: int) -> str:
         """Why :meth:`assignment` has nothing for this worker now (a diagnostic, never a decision)."""

@@ -68,6 +68,9 @@ class Follow:
         #: registering again as resumed (so shard 0 picks one this shard holds); a restore that
         #: succeeds resets it, and one more than MAX_RECOVERIES stops this shard
         self.failed_rollbacks = 0
+        #: SSP: the slowest live worker's committed clock at this version, as shard 0's last
+        #: ``Clocks`` said (0 until one does, and after the job went back: holding is the safe side)
+        self.slowest_clock = 0
         delay = fault("plan_delay")
         self._plan_delay_s = float(delay["seconds"]) if delay and int(delay["shard"]) == server.shard_id else 0.0
         self._delayed_plans: list[tuple[float, P.Plan]] = []  # (due, plan) under the plan_delay fault
@@ -178,8 +181,18 @@ class Follow:
     def restored(self, meta: dict) -> None:
         self._forget_iterations()
 
+    def may_answer(self, p: PendingPull) -> bool:
+        """May a worker's pull be answered with this slice now? Under SSP only once the slowest
+        worker is within the staleness bound of the clock it asks for: the rule shard 0 holds
+        the worker's assignment by, so the slices from every shard are as fresh as shard 0's
+        (before 2026-11-28 a follower answered as soon as the worker's own gradient was
+        applied, and its slice could miss the slowest worker's latest clock: bound s + 1)."""
+        policy = self.server.policy
+        return policy.admits(self.slowest_clock, policy.assignment_key(self.server.state.version, p.min_version))
+
     def _forget_iterations(self) -> None:
         """The job went back: no gradient held before it, nor its plan or stop, counts now."""
+        self.slowest_clock = 0
         self.haves = []   # those gradients are dropped: they must not be announced
         self.plan, self.last_iteration = None, -1
         self.stop_version, self._stop_reason = -1, ""
@@ -231,6 +244,12 @@ class Follow:
             elif isinstance(msg, P.Stop):
                 self.stop_version, self._stop_reason = msg.version, msg.reason
                 self.server.pulls_changed()
+            elif isinstance(msg, P.Clocks):
+                # of the version it was sent at: one behind it waits for the commits (and its
+                # beat gets the value again), as a slice without them is what the rule forbids
+                if msg.version == self.server.state.version:
+                    self.slowest_clock = msg.slowest_clock
+                    self.server.pulls_changed()
             elif isinstance(msg, P.Rollback):
                 # Each Rollback shard 0 sends is newer than the epoch of our registration and of
                 # the Rollbacks before it; one that is not is a repeat of one applied already.

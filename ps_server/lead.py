@@ -68,6 +68,8 @@ class Lead:
                                      server.metrics_existing)
         self.stop_announced = False
         self.stop_time = 0.0
+        #: the slowest clock the followers were last told (SSP's ``Clocks``; None: tell them)
+        self._clocks_sent: int | None = None
         #: the number of the last Rollback sent to a follower; it starts at the clock's
         #: milliseconds (and above the one a resumed checkpoint saved: ``resumed``), so a
         #: restarted shard 0 counts on above its previous process and the beats queued for that
@@ -223,6 +225,7 @@ class Lead:
                 self.claims[str(name)] = int(k)
         self.server.incarnation = os.urandom(6).hex()  # workers notice and join again
         self.stop_announced = False
+        self._clocks_sent = None
         self.followers.clear_log()
 
     def resumed(self, meta: dict) -> None:
@@ -300,6 +303,7 @@ class Lead:
                 version=start, job=self.cfg.job_spec(), token=token,
                 consistent_pulls=policy.consistent_pulls))
         self.pending_joins = []
+        self._tell_clocks()   # a join into an empty job lowers the slowest clock: before any commit
         self._announce_plan(coord.try_start())
         server.pulls_changed()  # the job may have started: waiting first pulls get assignments
 
@@ -430,12 +434,27 @@ class Lead:
             for d in decided:
                 self._log_commit(d)
             tm.since("write_down", t0)
+        self._tell_clocks()
         for ev in coord.drain_events():
             self.metrics.write(**ev)
         if not server.router.pending():
             t0 = time.perf_counter()
             coord.background_work()  # the batch policy, after the workers have their answers
             tm.since("background", t0)
+
+    def _tell_clocks(self, shard: int | None = None) -> None:
+        """SSP: tell the followers (or one, ``shard``, whatever it was told) the slowest live
+        worker's committed clock at this version when it changed: after commits, and when the
+        slowest worker left (nothing else would release the answers they hold for it)."""
+        if not self.server.policy.gates_reads:
+            return
+        slowest = self.coord.slowest_clock()
+        msg = P.Clocks(version=self.server.state.version, slowest_clock=slowest)
+        if shard is not None:
+            self.followers.send(shard, msg)
+        elif slowest != self._clocks_sent:
+            self._clocks_sent = slowest
+            self.followers.broadcast(msg)
 
     def _commit(self, d: CommitDecision) -> CommitDecision:
         server = self.server
@@ -546,6 +565,7 @@ class Lead:
         self.metrics.write(event="shard_registered", shard=msg.shard, endpoint=msg.endpoint,
                            version=msg.version, resumed=msg.resumed)
         self._answer_registration(ident, self.followers.peers[msg.shard])
+        self._tell_clocks(msg.shard)
         if target is not None and (target != msg.version or msg.log_hash != server.state.log_hash):
             # after the reply it waits for; at its own version too where the history it holds in
             # memory is not the one its checkpoint there (and shard 0's) has
@@ -622,6 +642,7 @@ class Lead:
         plan = coord.current_plan()
         if plan is not None:
             self.followers.send(msg.shard, P.PlanMessage(plan=plan))
+        self._tell_clocks(msg.shard)   # after the commits it missed: it applies it at our version
         if coord.stop:
             self.followers.send(msg.shard, P.Stop(version=coord.stop_version, reason=coord.stop_reason))
         return None

@@ -403,11 +403,14 @@ class ShardServer:
             if not self.policy.pull_answerable(version=st.version, min_version=p.min_version,
                                                settled=st.settled.get(p.worker_id, 0), after_push=p.after_push):
                 return None
-            if p.worker_id >= 0 and isinstance(self.role, Lead):  # only shard 0 hands out assignments
-                got = self.role.assignment(p)
-                if got is None or isinstance(got, P.Error):
-                    return got  # wait (no assignment due yet), or the refusal
-                assignment = got
+            if p.worker_id >= 0:
+                if isinstance(self.role, Lead):  # only shard 0 hands out assignments
+                    got = self.role.assignment(p)
+                    if got is None or isinstance(got, P.Error):
+                        return got  # wait (no assignment due yet), or the refusal
+                    assignment = got
+                elif not self.role.may_answer(p):
+                    return None  # SSP: the slowest worker is too far behind (shard 0's Clocks)
         return P.Params(shard=self.shard_id, version=st.version, version_time=st.version_time,
                         samples=st.samples_applied, stop=stop, assignment=assignment,
                         log_hash=st.log_hash, arrays=[st.newest_params])

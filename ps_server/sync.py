@@ -37,6 +37,9 @@ from typing import ClassVar, Iterable, Mapping, Sequence
 from ps_common.config import JobConfig
 from ps_common.registry import Registry
 
+#: The slowest committed clock when no worker is live: no read waits for anyone.
+NO_LIVE_WORKER = 1 << 62
+
 
 class SyncPolicy(ABC):
     """What every part of the system may ask about the job's sync mode."""
@@ -76,6 +79,17 @@ class SyncPolicy(ABC):
     #: Round modes: chunks per worker that others may take over within an iteration (FlexRR);
     #: 0: each worker computes exactly its planned samples.
     reassign_chunks: int = 0
+
+    #: Does :meth:`admits` ever hold a read back? (shard 0 then tells the followers the
+    #: slowest clock, in ``Clocks`` messages, so that they hold by the same rule)
+    gates_reads: ClassVar[bool] = False
+
+    def admits(self, slowest: int, clock: int) -> bool:
+        """May a worker read the parameters for clock ``clock`` when the slowest live worker's
+        committed clock is ``slowest`` (:data:`NO_LIVE_WORKER` when none is live)? The one rule
+        for shard 0's assignments and the followers' answers (async modes; round modes read at
+        the barrier)."""
+        return True
 
     def planned_total(self, global_batch: int, workers: int) -> int:
         """How many samples a split over ``workers`` workers hands out for a global batch X."""
@@ -124,7 +138,7 @@ class AsyncPolicy(SyncPolicy):
 
     def pull_ready(self, clocks: Mapping[int, int], live: Iterable[int], clock: int) -> bool:
         """May a worker start clock ``clock``, given every live worker's committed clock?"""
-        return True
+        return self.admits(min((clocks.get(w, 0) for w in live), default=NO_LIVE_WORKER), clock)
 
 
 #: Every sync mode, by the name ``mode.sync`` gives.
@@ -175,6 +189,17 @@ class Backup(RoundPolicy):
                              "N + b workers run, N are waited for")
         return cls(required=n - b)
 
+    #: Does :meth:`admits` ever hold a read back? (shard 0 then tells the followers the
+    #: slowest clock, in ``Clocks`` messages, so that they hold by the same rule)
+    gates_reads: ClassVar[bool] = False
+
+    def admits(self, slowest: int, clock: int) -> bool:
+        """May a worker read the parameters for clock ``clock`` when the slowest live worker's
+        committed clock is ``slowest`` (:data:`NO_LIVE_WORKER` when none is live)? The one rule
+        for shard 0's assignments and the followers' answers (async modes; round modes read at
+        the barrier)."""
+        return True
+
     def planned_total(self, global_batch: int, workers: int) -> int:
         """Each of the N + b workers gets a share of X / N, so the first N add up to X."""
         return max(workers, round(global_batch * workers / self.required))
@@ -204,8 +229,9 @@ class SSP(AsyncPolicy):
     def from_config(cls, cfg: JobConfig) -> "SSP":
         return cls(staleness=cfg.mode.staleness)
 
-    def pull_ready(self, clocks: Mapping[int, int], live: Iterable[int], clock: int) -> bool:
-        slowest = min((clocks.get(w, 0) for w in live), default=clock)
+    gates_reads = True
+
+    def admits(self, slowest: int, clock: int) -> bool:
         return slowest >= clock - self.staleness
 
 
