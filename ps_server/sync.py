@@ -189,17 +189,6 @@ class Backup(RoundPolicy):
                              "N + b workers run, N are waited for")
         return cls(required=n - b)
 
-    #: Does :meth:`admits` ever hold a read back? (shard 0 then tells the followers the
-    #: slowest clock, in ``Clocks`` messages, so that they hold by the same rule)
-    gates_reads: ClassVar[bool] = False
-
-    def admits(self, slowest: int, clock: int) -> bool:
-        """May a worker read the parameters for clock ``clock`` when the slowest live worker's
-        committed clock is ``slowest`` (:data:`NO_LIVE_WORKER` when none is live)? The one rule
-        for shard 0's assignments and the followers' answers (async modes; round modes read at
-        the barrier)."""
-        return True
-
     def planned_total(self, global_batch: int, workers: int) -> int:
         """Each of the N + b workers gets a share of X / N, so the first N add up to X."""
         return max(workers, round(global_batch * workers / self.required))
