@@ -475,8 +475,7 @@ class BatchARIMA(RefittingBatchPredictor):
             self._mu, self._ar, self._ma, self._w, self._wn, self._e, self._en, self._what,
             self._coef, self._fparams, self._iparams)
         self.updates += 1
-        if n_due:
-            self._schedule(slots, due, self._since[slots], self._tried[slots])
+        if n_due and self._schedule(slots, due):
             self._forecast(slots[due])      # a submission or a landing changed their models
         return n
 
@@ -513,26 +512,29 @@ class BatchARIMA(RefittingBatchPredictor):
         due = ((np.minimum(cnt, self.window) >= self.min_points)
                & (~tried | (since >= self.refit_every)) & ~self._busy[slots])
         if due.any():
-            self._schedule(slots, due, since, tried)
+            self._schedule(slots, due)
         self._forecast(slots)
 
-    def _schedule(self, slots: np.ndarray, due: np.ndarray, since: np.ndarray,
-                  tried: np.ndarray) -> None:
+    def _schedule(self, slots: np.ndarray, due: np.ndarray) -> bool:
         """Hand the refits due now (``due``, aligned with ``slots``; at least one) to the
-        executor, unless the helper is busy."""
+        executor, unless the helper is busy; whether a job left."""
         if self.synchronous:
             chosen: np.ndarray | None = due
+        elif self.in_flight >= self.max_jobs:
+            return False                    # they stay due (the usual case while a fit runs)
         else:
             from predictors.narx import throttle_due
 
-            chosen = throttle_due(self, slots, due, since)
-        if chosen is not None:
-            d = slots[chosen]
-            self._since[d] = np.where(tried[chosen], 0, self._offset[d])
-            self._tried[d] = True
-            self._submit(d)
-            if self.synchronous:
-                self.poll()
+            chosen = throttle_due(self, slots, due, self._since[slots])
+        if chosen is None:
+            return False
+        d = slots[chosen]
+        self._since[d] = np.where(self._tried[d], 0, self._offset[d])
+        self._tried[d] = True
+        self._submit(d)
+        if self.synchronous:
+            self.poll()
+        return True
 
     def _windows(self, d: np.ndarray) -> np.ndarray | list[np.ndarray]:
         """Each slot's fit window (oldest first): one (K, window) array when all are full."""

@@ -445,7 +445,7 @@ class BatchNARX(RefittingBatchPredictor):
             self._fparams, self._iparams)
         self.updates += 1
         if n_due:
-            self._schedule(slots, due, self._since[slots], self._tried[slots])
+            self._schedule(slots, due)
         return n
 
     def predict(self, slots: np.ndarray) -> np.ndarray:
@@ -480,20 +480,19 @@ class BatchNARX(RefittingBatchPredictor):
         due = (cnt - cfg.lag >= cfg.min_train) & (~tried | (since >= cfg.refit_every))
         due &= ~self._busy[slots]
         if due.any():
-            self._schedule(slots, due, since, tried)
+            self._schedule(slots, due)
         self._forecast(slots)
 
-    def _schedule(self, slots: np.ndarray, due: np.ndarray, since: np.ndarray,
-                  tried: np.ndarray) -> None:
+    def _schedule(self, slots: np.ndarray, due: np.ndarray) -> None:
         """Hand the refits due now (``due``, aligned with ``slots``; at least one) to the
         executor, unless they wait for the next job update or the helper is busy."""
-        if self._coalesced(due):
+        if self._coalesced(due) or (not self.synchronous and self.in_flight >= self.max_jobs):
             return
-        chosen = due if self.synchronous else self._throttle(slots, due, since)
+        chosen = due if self.synchronous else self._throttle(slots, due, self._since[slots])
         if chosen is not None:
             self.last_job_at = self.updates
             d = slots[chosen]
-            self._since[d] = np.where(tried[chosen], 0, self._offset[d])
+            self._since[d] = np.where(self._tried[d], 0, self._offset[d])
             self._tried[d] = True
             self._submit(d)
             if self.synchronous:
