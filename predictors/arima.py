@@ -638,6 +638,11 @@ class BatchARIMA(RefittingBatchPredictor):
             self._set_state(s, w, e, w_hat)
         ok = ~late
         ss, lag = ss[ok], lag[ok]
+        if self.compiled:
+            self._kernel.replay_step(ss, lag, self._last, self._y, self._pos, self._mu, self._ar,
+                                     self._ma, self._w, self._wn, self._e, self._en, self._what,
+                                     self._coef, self._iparams)
+            return
         for back in range(int(lag.max(initial=0)) - 1, -1, -1):
             sel = ss[lag > back]
             if sel.size:

@@ -5,9 +5,10 @@ Between refits :class:`~predictors.arima.BatchARIMA` runs the one-step ARMA recu
 fitted coefficients: about 50 numpy calls per update and forecast, each paid cold in a paced
 decision (:mod:`predictors.jit`). The functions here are the numpy code's arithmetic, slot by
 slot, in the same order of operations, so the state and forecasts are bit-identical
-(``tests/unit/test_predictors_batch.py`` runs both on the same traces). Fits, their landing and
-the replay of the observations that arrived during a fit stay in numpy: they are rare, and the
-kernel only says which slots are due. :func:`warm_up` compiles (or loads) the kernels when a
+(``tests/unit/test_predictors_batch.py`` runs both on the same traces). The replay of the
+observations that arrived during a fit, when its coefficients land, is a kernel too (in numpy
+it cost about 15 calls per observation replayed); the fits and the swap-in stay in numpy, and
+the update kernel only says which slots are due. :func:`warm_up` compiles (or loads) the kernels when a
 BatchARIMA is built, so that no decision pays for it.
 """
 
@@ -20,7 +21,7 @@ import numpy as np
 
 from predictors.jit import AVAILABLE, check_slots, gated_predict, jit
 
-__all__ = ["AVAILABLE", "forecast_step", "gated_predict", "update_step", "warm_up"]
+__all__ = ["AVAILABLE", "forecast_step", "gated_predict", "replay_step", "update_step", "warm_up"]
 
 #: Indices into the float parameters array handed to the kernels.
 F_GATE_DECAY, F_CLIP_LOW, F_CLIP_HIGH = 0, 1, 2
@@ -53,15 +54,16 @@ def _forecast_one(s: int, y: np.ndarray, pos: np.ndarray, fitted: np.ndarray, mu
 
 
 @jit
-def _advance(s: int, y: np.ndarray, pos: np.ndarray, mu: np.ndarray, ar: np.ndarray,
+def _advance(s: int, back: int, y: np.ndarray, pos: np.ndarray, mu: np.ndarray, ar: np.ndarray,
              ma: np.ndarray, w: np.ndarray, wn: np.ndarray, e: np.ndarray, en: np.ndarray,
              what: np.ndarray, coef: np.ndarray, ip: np.ndarray) -> None:
-    """Feed slot ``s``'s newest observation to its fitted recursion (``BatchARIMA._advance``)."""
+    """Feed slot ``s``'s observation ``back`` steps before the newest to its fitted recursion
+    (``BatchARIMA._advance``)."""
     p, q, keep = ip[I_P], ip[I_Q], ip[I_KEEP]
     P, Q = w.shape[1], e.shape[1]
-    acc = coef[0] * _yback(y, pos, s, 0, keep)
+    acc = coef[0] * _yback(y, pos, s, back, keep)
     for k in range(1, coef.size):
-        acc = acc + coef[k] * _yback(y, pos, s, k, keep)
+        acc = acc + coef[k] * _yback(y, pos, s, back + k, keep)
     wv = acc - mu[s]
     if q and math.isfinite(what[s]):
         for j in range(Q - 1):
@@ -118,7 +120,7 @@ def update_step(slots: np.ndarray, values: np.ndarray, last: np.ndarray, n: np.n
         nobs[s] += 1
         since[s] += 1
         if fitted[s]:
-            _advance(s, y, pos, mu, ar, ma, w, wn, e, en, what, coef, ip)
+            _advance(s, 0, y, pos, mu, ar, ma, w, wn, e, en, what, coef, ip)
         if min(c, window) >= min_points and (not tried[s] or since[s] >= refit_every) and not busy[s]:
             due[i] = True
             n_due += 1
@@ -137,20 +139,37 @@ def forecast_step(slots: np.ndarray, last: np.ndarray, fc: np.ndarray, y: np.nda
         fc[s] = _forecast_one(s, y, pos, fitted, mu, what, coef, last[s], fp, ip)
 
 
+@jit
+def replay_step(slots: np.ndarray, lag: np.ndarray, last: np.ndarray, y: np.ndarray,
+                pos: np.ndarray, mu: np.ndarray, ar: np.ndarray, ma: np.ndarray, w: np.ndarray,
+                wn: np.ndarray, e: np.ndarray, en: np.ndarray, what: np.ndarray,
+                coef: np.ndarray, ip: np.ndarray) -> None:
+    """Advance freshly landed recursions through the ``lag`` observations each slot got while
+    its fit ran, oldest first (``BatchARIMA._replay``, for slots whose history still holds
+    them)."""
+    check_slots(slots, last.shape[0])
+    for i in range(slots.size):
+        for back in range(lag[i] - 1, -1, -1):
+            _advance(slots[i], back, y, pos, mu, ar, ma, w, wn, e, en, what, coef, ip)
+
+
 def warm_up(pred: Any) -> None:
     """Compile (or load from the disk cache) the kernels for ``pred``'s arrays, on scratch
     arrays of one slot, so that the first decision does not pay for it."""
     one = np.zeros(1, dtype=np.int64)
-    P, Q = pred._w.shape[1], pred._e.shape[1]
-    p, q = pred._ar.shape[1], pred._ma.shape[1]
-    f1, i1, b1 = (lambda fill=0.0: np.full(1, fill)), (lambda: np.zeros(1, dtype=np.int64)), \
-        (lambda fill=False: np.full(1, fill, dtype=bool))
-    last, fc, what, fitted = f1(math.nan), f1(math.nan), f1(0.0), b1(True)
-    y, pos = np.zeros((1, pred.keep)), i1()
-    args = (last, i1(), fc, f1(), f1(), y, pos, i1(), i1(), i1(), b1(), b1(), fitted, f1(),
-            np.zeros((1, p)), np.zeros((1, q)), np.zeros((1, P)), i1(), np.zeros((1, Q)), i1(),
-            what, pred._coef, pred._fparams, pred._iparams)
-    update_step(one, np.ones(1), *args)
-    forecast_step(one, last, fc, y, pos, fitted, args[13], what, pred._coef, pred._fparams,
-                  pred._iparams)
-    gated_predict(one, fc, args[3], args[4], last, bool(pred.gate))
+    f = {k: np.zeros(1) for k in ("merr", "lerr", "mu", "what")}
+    f.update(last=np.full(1, math.nan), fc=np.full(1, math.nan))
+    i = {k: np.zeros(1, dtype=np.int64) for k in ("n", "pos", "cnt", "nobs", "since", "wn", "en")}
+    b = {k: np.zeros(1, dtype=bool) for k in ("tried", "busy")}
+    b["fitted"] = np.ones(1, dtype=bool)
+    a = {"y": np.zeros((1, pred.keep)), "ar": np.zeros((1, pred._ar.shape[1])),
+         "ma": np.zeros((1, pred._ma.shape[1])), "w": np.zeros((1, pred._w.shape[1])),
+         "e": np.zeros((1, pred._e.shape[1]))}
+    coef, fp, ip = pred._coef, pred._fparams, pred._iparams
+    recursion = (a["y"], i["pos"], f["mu"], a["ar"], a["ma"], a["w"], i["wn"], a["e"], i["en"], f["what"])
+    update_step(one, np.ones(1), f["last"], i["n"], f["fc"], f["merr"], f["lerr"], a["y"], i["pos"],
+                i["cnt"], i["nobs"], i["since"], b["tried"], b["busy"], b["fitted"], *recursion[2:],
+                coef, fp, ip)
+    forecast_step(one, f["last"], f["fc"], a["y"], i["pos"], b["fitted"], f["mu"], f["what"], coef, fp, ip)
+    gated_predict(one, f["fc"], f["merr"], f["lerr"], f["last"], bool(pred.gate))
+    replay_step(one, np.ones(1, dtype=np.int64), f["last"], *recursion, coef, ip)

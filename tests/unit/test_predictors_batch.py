@@ -287,6 +287,37 @@ class Gate:
         assert self.release.wait(30)
 
 
+@pytest.mark.parametrize("order", [(2, 0, 0), (1, 1, 1)])
+def test_compiled_arima_replays_late_fits_like_numpy(order):
+    """Fits held while observations arrive land, and each recursion is replayed through what
+    came meanwhile: by the compiled replay as by the numpy one, bit for bit."""
+    kw = {"order": order, "refit_every": 8, "gate": False}
+    ps = [fresh(BatchARIMA(**kw, refit="thread", compiled=c)) for c in (True, False)]
+    gates = [Gate(), Gate()]
+    try:
+        for t in range(30):
+            for p in ps:
+                p.update(ALL, YS[:, t])
+                assert p.drain(30)
+        for p, g in zip(ps, gates):
+            p.max_jobs, p.fit_hook = 1000, g
+        for t in range(30, 40):                     # fits held, observations keep coming
+            for p in ps:
+                p.update(ALL, YS[:, t])
+        assert all(p.in_flight >= 1 for p in ps)
+        for p, g in zip(ps, gates):
+            g.release.set()
+            assert p.drain(30)
+        assert ps[0].lag_sum == ps[1].lag_sum > 0
+        for name in ARIMA_STATE:
+            assert np.array_equal(getattr(ps[0], name), getattr(ps[1], name), equal_nan=True), name
+        assert np.array_equal(ps[0].predict(ALL), ps[1].predict(ALL), equal_nan=True)
+    finally:
+        for p, g in zip(ps, gates):
+            g.release.set()
+            p.close()
+
+
 @pytest.mark.parametrize("cls,kw", [(BatchNARX, {"epochs": 8, "gate": False}),
                                     (BatchARIMA, {"refit_every": 8, "gate": False})])
 def test_late_background_refits_catch_up_with_sync(cls, kw):
