@@ -629,6 +629,12 @@ class Lead:
                 return None
             for c in missing:
                 self.followers.send(msg.shard, c)
+            if self.followers.hash_of(msg.version) == msg.log_hash:
+                # only behind (commits in flight), on this history: what it holds counts. Before
+                # 2026-11-28 only a beat at shard 0's version did, so under ASP, where a
+                # follower is rarely there, a lost Have left its gradient incomplete until the
+                # worker's transport timeout
+                self._credit_holds(msg, behind=True)
         elif msg.version > st.version:
             self._realign(msg.shard, msg.version, "ahead of the coordinator")
             return None
@@ -636,9 +642,7 @@ class Lead:
             self._realign(msg.shard, msg.version, f"history differs ({msg.log_hash} vs {st.log_hash})")
             return None
         else:
-            for e in msg.entries:
-                if len(e) == 3:
-                    coord.on_gradient(msg.shard, e[0], e[1], e[2])
+            self._credit_holds(msg, behind=False)
         plan = coord.current_plan()
         if plan is not None:
             self.followers.send(msg.shard, P.PlanMessage(plan=plan))
@@ -646,6 +650,19 @@ class Lead:
         if coord.stop:
             self.followers.send(msg.shard, P.Stop(version=coord.stop_version, reason=coord.stop_reason))
         return None
+
+    def _credit_holds(self, msg: P.ShardSync, behind: bool) -> None:
+        """The gradients a follower's beat says it holds, as if its ``Have`` had said so (a
+        lost one is repaired). A follower ``behind`` still holds gradients this shard 0 has
+        committed since: those are skipped, not counted as unexpected (and dropped)."""
+        coord = self.coord
+        for e in msg.entries:
+            if len(e) != 3:
+                continue
+            w, it, x = e
+            if behind and (w, it) not in coord.ledger and coord.expected(w, it) is None:
+                continue
+            coord.on_gradient(msg.shard, w, it, x)
 
     def _behind_rollback(self, ident: bytes, peer: Follower) -> None:
         """A beat sent before the follower applied the last Rollback sent to it (or queued for a

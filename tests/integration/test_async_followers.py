@@ -1,4 +1,5 @@
-"""SSP's read bound on every shard, not only shard 0's: a real shard 0 (``Lead`` +
+"""SSP's read bound on every shard, not only shard 0's, and a lost ``Have`` repaired by a beat
+while commits are in flight: a real shard 0 (``Lead`` +
 ``ShardServer``) and a real follower ``ShardServer`` in this process, two workers driven with
 well-formed messages, the link between the shards carried by hand (in order, as the real one).
 
@@ -93,9 +94,10 @@ class TwoShards:
         self.s1.role.on_link_messages()
         self.s1.serve_pulls()
 
-    def push(self, w: int, clock: int) -> None:
+    def push(self, w: int, clock: int, have: bool = True, deliver: bool = True) -> None:
         """Worker ``w``'s gradient of ``clock`` to both shards (asking for the next
-        parameters), the follower's Have, and shard 0's commit carried to the follower."""
+        parameters), the follower's Have (unless it is lost), and shard 0's commit carried to
+        the follower (unless it is still in flight)."""
         x = self.assignment[w].batch_size
         for k, s in ((0, self.s0), (1, self.s1)):
             n = self.s0.ranges[k][1] - self.s0.ranges[k][0]
@@ -104,12 +106,23 @@ class TwoShards:
                 arrays=[np.zeros(n, np.float32)]))
         self.s1.role.after_messages()                          # the follower's Have goes up
         for m in self.link.sent:
-            if isinstance(m, P.Have):
+            if isinstance(m, P.Have) and have:
                 self.lead._on_have(b"f1", "shard", m)
         self.link.sent.clear()
         self.lead.after_messages()
         self.s0.serve_pulls()
-        self.deliver()
+        if deliver:
+            self.deliver()
+
+    def beat(self) -> None:
+        """The follower's ShardSync reaches shard 0, which answers (and decides) at once."""
+        self.s1.role._send_sync()
+        for m in self.link.sent:
+            assert isinstance(m, P.ShardSync)
+            self.lead._on_shard_sync(b"f1", "shard", m)
+        self.link.sent.clear()
+        self.lead.after_messages()
+        self.s0.serve_pulls()
 
     def answered(self, shard: int, w: int) -> list[int]:
         """Versions shard ``shard`` answered worker ``w`` with."""
@@ -184,3 +197,42 @@ def test_asp_followers_answer_at_once_and_nobody_sends_clocks(tmp_path, sync):
         job.push(0, 0)
         assert job.answered(0, 0) == [1] and job.answered(1, 0) == [1]
         assert not any(isinstance(m, P.Clocks) for m in job.link.inbox + job.down)
+
+
+def test_a_beat_from_a_follower_behind_repairs_a_lost_have(tmp_path):
+    """ASP: the fast worker's Have is lost, and the follower's beats are always a commit or two
+    behind (they are in flight on its link). Before 2026-11-28 only a beat at shard 0's version
+    counted what the follower holds, so that gradient waited for the worker's transport timeout."""
+    with two_shards(tmp_path, "asp") as job:
+        job.push(1, 0)                           # v1 (w1), on both shards
+        job.push(0, 0, have=False)               # shard 0 never hears that the follower has it
+        job.push(1, 1, deliver=False)            # v2 commits w1 again; the follower is at v1
+        assert job.s0.state.version == 2 and job.s1.state.version == 1
+        unexpected = job.lead.coord.counters.get("have.unexpected", 0)
+        job.beat()
+        assert job.s0.state.version == 3         # w0's gradient is complete: it commits
+        assert job.answered(0, 0) == [3]
+        assert job.lead.coord.counters.get("have.unexpected", 0) == unexpected
+        job.deliver()                            # v2, v3, then the repeat the beat asked for
+        assert job.s1.state.version == 3 and job.s1.state.log_hash == job.s0.state.log_hash
+        assert job.answered(1, 0) == [3]
+
+
+def test_a_beat_behind_of_another_history_credits_nothing(tmp_path):
+    """Shard 0 credits a beat from behind only where its log says the follower's version and
+    history hash are this history's (a forged hash here)."""
+    with two_shards(tmp_path, "asp") as job:
+        job.push(1, 0)
+        job.push(0, 0, have=False)
+        job.push(1, 1, deliver=False)
+        job.s1.role._send_sync()
+        (sync,) = job.link.sent
+        job.link.sent.clear()
+        forged = P.ShardSync(shard=1, version=1, log_hash="0" * 16, entries=sync.entries,
+                             rollback_epoch=sync.rollback_epoch)
+        job.lead._on_shard_sync(b"f1", "shard", forged)
+        job.lead.after_messages()
+        assert job.s0.state.version == 2
+        job.lead._on_shard_sync(b"f1", "shard", sync)
+        job.lead.after_messages()
+        assert job.s0.state.version == 3
