@@ -467,6 +467,7 @@ class BatchARIMA(RefittingBatchPredictor):
             return super().update(slots, values, exog)
         self.poll()
         self._polled_at = time.monotonic()
+        slots, values = self._kernel.as_int64(slots), self._kernel.as_float64(values)
         if values.shape != slots.shape:
             raise ValueError(f"arima: {values.shape} speeds for {slots.shape[0]} slots")
         n, due, n_due = self._kernel.update_step(
@@ -483,8 +484,8 @@ class BatchARIMA(RefittingBatchPredictor):
         if not self.compiled:
             return super().predict(slots)
         self._poll_before_predict()
-        return self._kernel.gated_predict(slots, self._fc, self._merr, self._lerr, self._last,
-                                          bool(self.gate))
+        return self._kernel.gated_predict(self._kernel.as_int64(slots), self._fc, self._merr,
+                                          self._lerr, self._last, bool(self.gate))
 
     def _update(self, slots: np.ndarray, values: np.ndarray, exog: np.ndarray | None,
                 prev: np.ndarray) -> None:

@@ -27,6 +27,22 @@ except ImportError:  # pragma: no cover - exercised only where numba is missing
     AVAILABLE = False
 
 
+_INT64, _FLOAT64 = np.dtype(np.int64), np.dtype(np.float64)
+
+
+def as_int64(a: np.ndarray) -> np.ndarray:
+    """``a`` as the C-contiguous int64 array the kernels were compiled for (no copy when it is
+    one already): any other dtype or layout would compile a new signature inside a decision
+    (about 1 s)."""
+    return a if a.dtype == _INT64 and a.flags.c_contiguous else np.ascontiguousarray(a, dtype=_INT64)
+
+
+def as_float64(a: np.ndarray) -> np.ndarray:
+    """``a`` as a C-contiguous float64 array (see :func:`as_int64`; float32 speeds would also
+    take float32 logs)."""
+    return a if a.dtype == _FLOAT64 and a.flags.c_contiguous else np.ascontiguousarray(a, dtype=_FLOAT64)
+
+
 def jit(fn: Any) -> Any:
     """``numba.njit`` with the disk cache, releasing the GIL (the refit helper may be a thread)."""
     return numba.njit(cache=True, nogil=True)(fn) if AVAILABLE else fn

@@ -431,6 +431,8 @@ class BatchNARX(RefittingBatchPredictor):
             return super().update(slots, values, exog)
         self.poll()
         self._polled_at = time.monotonic()
+        kern = self._kernel
+        slots, values = kern.as_int64(slots), kern.as_float64(values)
         k, E = slots.shape[0], self._x.shape[2]
         if values.shape != (k,):
             raise ValueError(f"narx: {values.shape} speeds for {k} slots")
@@ -438,6 +440,8 @@ class BatchNARX(RefittingBatchPredictor):
             exog = self._kernel.NO_EXOG
         elif exog.ndim != 2 or exog.shape[0] != k or exog.shape[1] < E:
             raise ValueError(f"narx: exogenous inputs of shape {exog.shape} for {k} slots and {E} inputs")
+        else:
+            exog = kern.as_float64(exog)
         n, due, n_due = self._kernel.update_step(
             slots, values, exog, self._last, self._n, self._fc, self._merr, self._lerr, self._logv,
             self._x, self._pos, self._cnt, self._since, self._tried, self._busy, self._has_w,
@@ -452,8 +456,8 @@ class BatchNARX(RefittingBatchPredictor):
         if not self.compiled:
             return super().predict(slots)
         self._poll_before_predict()
-        return self._kernel.gated_predict(slots, self._fc, self._merr, self._lerr, self._last,
-                                          bool(self.cfg.gate))
+        return self._kernel.gated_predict(self._kernel.as_int64(slots), self._fc, self._merr,
+                                          self._lerr, self._last, bool(self.cfg.gate))
 
     def _update(self, slots: np.ndarray, values: np.ndarray, exog: np.ndarray | None,
                 prev: np.ndarray) -> None:

@@ -4,9 +4,11 @@ NARX's update and forecast in numpy are about 60 calls, each paid cold in a pace
 (:mod:`predictors.jit`): update + predict after a 50 ms sleep took 470 µs at 4 workers and 510 µs
 at 100; compiled, 160 and 220 µs (``benchmarks/bench_decision_cold.py --refits narx``).
 
-The functions are the numpy code's arithmetic, slot by slot, in the same order of operations
-(the gate's error averages, the history ring and the forecast's clip are bit-identical; the
-forecast's dot products may differ from numpy's ``matmul`` in the last bit).
+The functions are the numpy code's arithmetic, slot by slot, in the same order of operations,
+with two sources of last-bit differences: logs are the C library's ``log``, which differs from
+numpy's vectorised ``np.log`` in the last bit for a few inputs in 10,000 (the history ring and
+the gate's error averages can), and the forecast's dot products are summed in order, not by
+``matmul``. Counts, clocks and the refit schedule are identical.
 :class:`~predictors.narx.BatchNARX` calls them where numba imports and keeps its numpy code as the
 reference and the fallback; ``tests/unit/test_predictors_batch.py`` runs both on the same traces.
 Refit scheduling (coalescing, throttling, submission) stays in Python: the kernel only says which
@@ -21,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from predictors.jit import AVAILABLE, check_slots, gated_predict, jit
+from predictors.jit import AVAILABLE, as_float64, as_int64, check_slots, gated_predict, jit
 
-__all__ = ["AVAILABLE", "forecast_step", "gated_predict", "update_step", "warm_up"]
+__all__ = ["AVAILABLE", "as_float64", "as_int64", "forecast_step", "gated_predict", "update_step", "warm_up"]
 
 #: Indices into the float parameters array handed to the kernels.
 F_GATE_DECAY, F_CLIP_LOW, F_CLIP_HIGH = 0, 1, 2

@@ -368,6 +368,9 @@ class Commit(Message):
     next_plan: Union[Plan, None] = None
     log_hash: str = ""
     checkpoint: bool = False  # write a checkpoint once applied (the cut is the same everywhere)
+    #: SSP: the slowest live worker's committed clock once this commit is applied (0 in other
+    #: modes): every commit carries it, so a lost ``Clocks`` never outlives the next commit
+    slowest_clock: int = field(default=0, metadata={"range": (0, 1 << 62)})
 
 
 @dataclass
@@ -389,10 +392,11 @@ class Stop(Message):
 
 @dataclass
 class Clocks(Message):
-    """Coordinator -> followers (SSP): after version ``version``, the slowest live worker's
-    committed clock is ``slowest_clock``. A follower at that version holds a worker's next
+    """Coordinator -> followers (SSP): at version ``version``, the slowest live worker's
+    committed clock is now ``slowest_clock``. A follower at that version holds a worker's next
     parameters by the rule shard 0 holds its assignment with, so that no slice is staler than
-    the bound (sent when the value changes: after commits, and when the slowest worker leaves)."""
+    the bound. Commits carry the value too; this says it when it changes between commits (the
+    slowest worker left, or workers joined an empty job), and on every beat."""
 
     TYPE: ClassVar[str] = "clocks"
     version: int = 0

@@ -69,7 +69,8 @@ class Follow:
         #: succeeds resets it, and one more than MAX_RECOVERIES stops this shard
         self.failed_rollbacks = 0
         #: SSP: the slowest live worker's committed clock at this version, as shard 0's last
-        #: ``Clocks`` said (0 until one does, and after the job went back: holding is the safe side)
+        #: commit or ``Clocks`` said (0 until one does, after registering and after the job
+        #: went back: holding is the safe side)
         self.slowest_clock = 0
         delay = fault("plan_delay")
         self._plan_delay_s = float(delay["seconds"]) if delay and int(delay["shard"]) == server.shard_id else 0.0
@@ -223,6 +224,7 @@ class Follow:
             registration=os.urandom(8).hex()),
             self.cfg.transport.connect_timeout_s)
         self.member_key = reg.member_key
+        self.slowest_clock = 0          # hold until this shard 0 says (a Clocks follows)
         if reg.version == server.state.version:
             # else a Rollback follows, and applying it clears it (at the job's version with
             # another history, one follows all the same, and any later registration is compared)
@@ -308,6 +310,8 @@ class Follow:
                         f"({applied.log_hash} vs {msg.log_hash}): stopping")
             return
         st.drop(msg.drops)
+        if server.policy.gates_reads:   # SSP: the slowest clock as of this commit
+            self.slowest_clock = msg.slowest_clock
         if server.policy.plans_rounds:  # the commit closes its iteration; the next plan rides on it
             self.last_iteration = msg.iteration
             st.drop_through(msg.iteration)

@@ -444,8 +444,9 @@ class Lead:
 
     def _tell_clocks(self, shard: int | None = None) -> None:
         """SSP: tell the followers (or one, ``shard``, whatever it was told) the slowest live
-        worker's committed clock at this version when it changed: after commits, and when the
-        slowest worker left (nothing else would release the answers they hold for it)."""
+        worker's committed clock at this version when it changed since the last commit or
+        ``Clocks``: when the slowest worker left (nothing else would release the answers they
+        hold for it), or workers joined an empty job."""
         if not self.server.policy.gates_reads:
             return
         slowest = self.coord.slowest_clock()
@@ -462,9 +463,13 @@ class Lead:
         ck = self.cfg.checkpoint
         d.checkpoint = self.checkpoint_next_commit or bool(ck.every_iterations and d.version % ck.every_iterations == 0)
         self.checkpoint_next_commit = False
+        slowest = 0
+        if server.policy.gates_reads:      # the clocks after this commit (decide() moved them)
+            slowest = self._clocks_sent = self.coord.slowest_clock()
         msg = P.Commit(version=d.version, iteration=d.iteration, entries=d.entries, lr_scale=d.lr_scale,
                        drops=d.drops, next_plan=d.next_plan, checkpoint=d.checkpoint,
-                       log_hash=next_log_hash(st.log_hash, d.version, d.iteration, d.entries, d.lr_scale))
+                       log_hash=next_log_hash(st.log_hash, d.version, d.iteration, d.entries, d.lr_scale),
+                       slowest_clock=slowest)
         st.check_holds(d.iteration, d.entries)  # never send a commit this shard cannot apply
         self.followers.broadcast(msg)  # first: the followers apply in parallel with us
         applied = st.apply(d.iteration, d.entries, d.lr_scale)
@@ -594,6 +599,7 @@ class Lead:
         if not peer.heard:   # else an attempt left queued behind its retry: the follower is on peer.ident
             peer.ident = ident
         self._answer_registration(ident, peer)
+        self._tell_clocks(peer.shard)
         if peer.rollback is not None:
             self.followers.send(peer.shard, peer.rollback)
         return None

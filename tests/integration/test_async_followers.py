@@ -24,6 +24,7 @@ import zmq
 from ps_common import protocol as P
 from ps_common.security.authenticator import stop_authenticators
 from ps_server.server import ShardServer
+from ps_server.sync import NO_LIVE_WORKER
 from tests.cluster_util import in_process_shard_0, write_config
 
 
@@ -236,3 +237,33 @@ def test_a_beat_behind_of_another_history_credits_nothing(tmp_path):
         job.lead._on_shard_sync(b"f1", "shard", sync)
         job.lead.after_messages()
         assert job.s0.state.version == 3
+
+
+def test_a_lost_clocks_when_workers_join_an_empty_job_never_outlives_a_commit(tmp_path):
+    """Found by a review: the slowest clock falls when workers join a job everyone had left
+    (shard 0 had said: nobody to wait for). Before every commit carried it, a lost Clocks there
+    let the follower answer outside the bound until its next beat."""
+    with two_shards(tmp_path, "ssp") as job:
+        job.push(0, 0)
+        job.push(1, 0)
+        job.lead.remove_worker(0, "left")
+        job.lead.remove_worker(1, "left")
+        job.deliver()
+        assert job.s1.role.slowest_clock == NO_LIVE_WORKER
+        job.replies.clear()
+        for name in ("w2", "w3"):
+            job.lead._on_join(name.encode(), "worker", P.Join(name=name, instance=name,
+                                                                job_digest=job.s0.job_digest))
+        assert [m for m in job.down if isinstance(m, P.Clocks)] == [P.Clocks(version=2, slowest_clock=0)]
+        job.down = [m for m in job.down if not isinstance(m, P.Clocks)]      # that send failed
+        job.deliver()
+        job.token.update({m.worker_id: m.token for m in job.replies if isinstance(m, P.Welcome)})
+        for w in (2, 3):
+            job.s0._on_pull(f"w{w}".encode(), "worker", P.Pull(worker_id=w, token=job.token[w], min_version=0))
+        job.s0.serve_pulls()
+        job.assignment.update({int(i.decode()[1:]): m.assignment for i, m in job.answers[0]})
+        job.answers[0].clear()
+        job.answers[1].clear()
+        job.push(2, 0)                    # w2's clock 0 commits (v3); w3 has committed nothing
+        assert job.s1.role.slowest_clock == 0
+        assert job.answered(0, 2) == [] and job.answered(1, 2) == []

@@ -136,10 +136,8 @@ def test_compiled_narx_steps_equal_the_numpy_steps(kw, fail_from):
         assert g.dtype == e.dtype
         assert np.allclose(g, e, rtol=1e-12, atol=0, equal_nan=True)
     assert a.n_fits() == b.n_fits() > 2 * K
-    for name in ("_last", "_n", "_fc", "_merr", "_lerr", "_logv", "_x", "_pos", "_cnt", "_since",
-                 "_tried", "_busy", "_has_w", "_w1", "_sy"):
-        assert np.allclose(getattr(a, name), getattr(b, name), rtol=1e-12, atol=1e-15,
-                           equal_nan=True), name
+    _assert_same_state(a, b, ("_last", "_n", "_fc", "_merr", "_lerr", "_logv", "_x", "_pos", "_cnt",
+                              "_since", "_tried", "_busy", "_has_w", "_w1", "_sy"))
 
 
 ARIMA_STATE = ("_last", "_n", "_fc", "_merr", "_lerr", "_y", "_pos", "_cnt", "_nobs", "_since",
@@ -151,18 +149,28 @@ ARIMA_STATE = ("_last", "_n", "_fc", "_merr", "_lerr", "_y", "_pos", "_cnt", "_n
 @pytest.mark.parametrize("fail_from", [T, 60])
 def test_compiled_arima_steps_equal_the_numpy_steps(kw, fail_from):
     """The numba kernels (the default) against the numpy recursion they replace, on the same
-    trace (refits, their landing, replay and failure included): bit-identical counts, forecasts
-    and state."""
+    trace (refits, their landing, replay and failure included): the same counts, forecasts and
+    state."""
     a = BatchARIMA(**kw, refit="sync", compiled=True)
     b = BatchARIMA(**kw, refit="sync", compiled=False)
     assert BatchARIMA(refit="sync").compiled          # numba is a dependency: the default
     got, exp = _step_trace(fresh(a), 4, fail_from), _step_trace(fresh(b), 4, fail_from)
     for g, e in zip(got, exp):
         assert g.dtype == e.dtype
-        assert np.array_equal(g, e, equal_nan=True)
+        assert np.allclose(g, e, rtol=1e-12, atol=0, equal_nan=True)
     assert a.n_fits() == b.n_fits() > 2 * K
-    for name in ARIMA_STATE:
-        assert np.array_equal(getattr(a, name), getattr(b, name), equal_nan=True), name
+    _assert_same_state(a, b, ARIMA_STATE)
+
+
+def _assert_same_state(a, b, names) -> None:
+    """Counts, clocks and flags equal; floats to 1e-12 (the kernels' logs are the C
+    library's, which may differ from numpy's vectorised ones in the last bit)."""
+    for name in names:
+        x, y = getattr(a, name), getattr(b, name)
+        if x.dtype.kind == "f":
+            assert np.allclose(x, y, rtol=1e-12, atol=1e-15, equal_nan=True), name
+        else:
+            assert np.array_equal(x, y), name
 
 
 def test_compiled_arima_log_steps_equal_the_numpy_steps_from_the_same_state():
@@ -187,6 +195,22 @@ def test_compiled_arima_log_steps_equal_the_numpy_steps_from_the_same_state():
                                equal_nan=True), (t, name)
         fitted_steps += int(b._fitted[sel].sum())
     assert fitted_steps > T * 3
+
+
+@pytest.mark.parametrize("cls,kw", [(BatchNARX, {"epochs": 5}), (BatchARIMA, {})])
+def test_compiled_steps_take_any_int_and_float_arrays_as_int64_and_float64(cls, kw):
+    """Found by a review: int32 slots or float32 speeds compiled a new signature inside a
+    decision (about 1 s) and took float32 logs. They are converted first: the same results."""
+    a, b = fresh(cls(**kw, refit="sync")), fresh(cls(**kw, refit="sync"))
+    for t in range(40):
+        sel = ALL[::-1][: K - t % 3]                  # reversed: a strided view, not contiguous
+        v = YS[sel, t].astype(np.float32)
+        ex = np.asfortranarray(XS[t][sel])
+        na = a.update(sel.astype(np.int32), v, ex)
+        nb = b.update(sel.copy(), v.astype(np.float64), np.ascontiguousarray(ex))
+        assert np.array_equal(na, nb)
+        assert np.array_equal(a.predict(ALL.astype(np.int16)), b.predict(ALL), equal_nan=True)
+    assert a.n_fits() == b.n_fits() > 0
 
 
 def test_compiled_steps_refuse_slots_and_inputs_out_of_range():
@@ -290,7 +314,7 @@ class Gate:
 @pytest.mark.parametrize("order", [(2, 0, 0), (1, 1, 1)])
 def test_compiled_arima_replays_late_fits_like_numpy(order):
     """Fits held while observations arrive land, and each recursion is replayed through what
-    came meanwhile: by the compiled replay as by the numpy one, bit for bit."""
+    came meanwhile: by the compiled replay as by the numpy one."""
     kw = {"order": order, "refit_every": 8, "gate": False}
     ps = [fresh(BatchARIMA(**kw, refit="thread", compiled=c)) for c in (True, False)]
     gates = [Gate(), Gate()]
@@ -309,9 +333,8 @@ def test_compiled_arima_replays_late_fits_like_numpy(order):
             g.release.set()
             assert p.drain(30)
         assert ps[0].lag_sum == ps[1].lag_sum > 0
-        for name in ARIMA_STATE:
-            assert np.array_equal(getattr(ps[0], name), getattr(ps[1], name), equal_nan=True), name
-        assert np.array_equal(ps[0].predict(ALL), ps[1].predict(ALL), equal_nan=True)
+        _assert_same_state(ps[0], ps[1], ARIMA_STATE)
+        assert np.allclose(ps[0].predict(ALL), ps[1].predict(ALL), rtol=1e-12, atol=0, equal_nan=True)
     finally:
         for p, g in zip(ps, gates):
             g.release.set()
