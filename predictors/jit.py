@@ -44,8 +44,15 @@ def as_float64(a: np.ndarray) -> np.ndarray:
 
 
 def jit(fn: Any) -> Any:
-    """``numba.njit`` with the disk cache, releasing the GIL (the refit helper may be a thread)."""
-    return numba.njit(cache=True, nogil=True)(fn) if AVAILABLE else fn
+    """``numba.njit`` with the disk cache, releasing the GIL (the refit helper may be a thread).
+    Where no cache directory is writable (numba then refuses ``cache=True`` at decoration),
+    each process compiles its own instead."""
+    if not AVAILABLE:
+        return fn
+    try:
+        return numba.njit(cache=True, nogil=True)(fn)
+    except RuntimeError:  # pragma: no cover - "cannot cache function ...: no locator available"
+        return numba.njit(nogil=True)(fn)
 
 
 @jit
