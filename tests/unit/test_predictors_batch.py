@@ -455,6 +455,42 @@ def test_staggered_refits_leave_in_jobs_every_half_period_and_every_period_stays
     assert sum(unstaggered[first + 1:]) == 10 * (59 - first), "as many refits, only in fewer jobs"
 
 
+def test_a_job_that_cannot_leave_does_not_count_as_the_last_job():
+    """While the helper is busy (``max_jobs`` in flight), due refits stay due and no job leaves:
+    that must not count as the job update, or coalescing would hold the next job back once the
+    helper is free (a mend of 2026-11-28, tested since: the first update after the helper frees
+    up with refits due hands them over)."""
+    p = fresh(BatchNARX(epochs=3, refit="thread"))
+    p.max_jobs = 1
+    gate = Gate()
+    try:
+        t = 0
+        while p.submitted_jobs == 0:                # every worker's first fit, let through
+            p.update(ALL, YS[:, t], XS[t])
+            t += 1
+        assert p.drain(30)
+        p.fit_hook = gate
+        while p.submitted_jobs == 1:                # the next job (some workers) is held
+            p.update(ALL, YS[:, t], XS[t])
+            t += 1
+        p.fit_hook = None
+        left_at, jobs = p.last_job_at, p.submitted_jobs
+        assert gate.entered.wait(30)
+        for _ in range(2 * p.job_every):            # refits come due while the helper is busy
+            p.update(ALL, YS[:, t], XS[t])
+            t += 1
+        assert p.submitted_jobs == jobs and p.last_job_at == left_at
+        waiting = ~p._busy[:K] & (p._since[:K] >= p.cfg.refit_every)
+        assert waiting.any()                          # others are due and wait for the helper
+        gate.release.set()
+        assert p.drain(30)
+        p.update(ALL, YS[:, t], XS[t])
+        assert p.submitted_jobs == jobs + 1 and p.last_job_at == p.updates
+    finally:
+        gate.release.set()
+        p.close()
+
+
 def test_a_decision_looks_for_finished_refits_once():
     """update() polls the refit pipe; the predict() that follows it within POLLED_FOR_S (the
     same decision) does not poll again; a predict() with no update before it, or after an
