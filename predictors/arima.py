@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 import warnings
 from collections import deque
 from collections.abc import Sequence
@@ -394,13 +393,10 @@ class BatchARIMA(RefittingBatchPredictor):
         self.landed_fits = 0
         self.updates = 0                 #: update() calls (iterations, for a manager)
         self.lag_sum = 0                 #: Σ over landed fits of updates between submit and swap-in
-        from predictors import arima_kernel as kernel  # imports numba (~0.3 s): only where ARIMA runs
-        if compiled and not kernel.AVAILABLE:
-            raise ValueError("arima: compiled=True needs numba, which does not import here")
-        #: the per-iteration step runs as the compiled kernels of :mod:`predictors.arima_kernel`
-        #: (default where numba imports), else as the numpy code of this class (the reference)
-        self.compiled = kernel.AVAILABLE if compiled is None else bool(compiled)
-        self._kernel = kernel
+        from predictors import arima_kernel as kernel
+
+        self._init_compiled(kernel, compiled, "arima")
+        self._gated = bool(self.gate)
         self._coef = np.array(self._diff_coef)
         self._fparams = np.zeros(3)
         self._fparams[[kernel.F_GATE_DECAY, kernel.F_CLIP_LOW, kernel.F_CLIP_HIGH]] = (
@@ -465,8 +461,7 @@ class BatchARIMA(RefittingBatchPredictor):
     def update(self, slots: np.ndarray, values: np.ndarray, exog: np.ndarray | None = None) -> np.ndarray:
         if not self.compiled:
             return super().update(slots, values, exog)
-        self.poll()
-        self._polled_at = time.monotonic()
+        self._poll_for_update()
         slots, values = self._kernel.as_int64(slots), self._kernel.as_float64(values)
         if values.shape != slots.shape:
             raise ValueError(f"arima: {values.shape} speeds for {slots.shape[0]} slots")
@@ -479,13 +474,6 @@ class BatchARIMA(RefittingBatchPredictor):
         if n_due and self._schedule(slots, due):
             self._forecast(slots[due])      # a submission or a landing changed their models
         return n
-
-    def predict(self, slots: np.ndarray) -> np.ndarray:
-        if not self.compiled:
-            return super().predict(slots)
-        self._poll_before_predict()
-        return self._kernel.gated_predict(self._kernel.as_int64(slots), self._fc, self._merr,
-                                          self._lerr, self._last, bool(self.gate))
 
     def _update(self, slots: np.ndarray, values: np.ndarray, exog: np.ndarray | None,
                 prev: np.ndarray) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from predictors.jit import AVAILABLE, as_float64, as_int64, check_slots, gated_predict, jit
+from predictors.jit import AVAILABLE, as_float64, as_int64, check_slots, gated_predict, jit, record_and_score
 
 __all__ = ["AVAILABLE", "as_float64", "as_int64", "forecast_step", "gated_predict", "replay_step",
            "update_step", "warm_up"]
@@ -107,15 +107,7 @@ def update_step(slots: np.ndarray, values: np.ndarray, last: np.ndarray, n: np.n
     for i in range(k):
         s = slots[i]
         v = values[i]
-        prev = last[s]
-        last[s] = v
-        n[s] += 1
-        n_out[i] = n[s]
-        f = fc[s]
-        if math.isfinite(f) and math.isfinite(prev):     # score the forecasts made for v
-            lv = math.log(v)
-            merr[s] = a * merr[s] + (1 - a) * (math.log(f) - lv) ** 2
-            lerr[s] = a * lerr[s] + (1 - a) * (math.log(prev) - lv) ** 2
+        n_out[i] = record_and_score(s, v, last, n, fc, merr, lerr, a)
         p = pos[s]
         y[s, p] = math.log(v) if ip[I_LOG] else v
         pos[s] = (p + 1) % keep
@@ -158,22 +150,16 @@ def replay_step(slots: np.ndarray, lag: np.ndarray, last: np.ndarray, y: np.ndar
 
 
 def warm_up(pred: Any) -> None:
-    """Compile (or load from the disk cache) the kernels for ``pred``'s arrays, on scratch
-    arrays of one slot, so that the first decision does not pay for it."""
-    one = np.zeros(1, dtype=np.int64)
-    f = {k: np.zeros(1) for k in ("merr", "lerr", "mu", "what")}
-    f.update(last=np.full(1, math.nan), fc=np.full(1, math.nan))
-    i = {k: np.zeros(1, dtype=np.int64) for k in ("n", "pos", "cnt", "nobs", "since", "wn", "en")}
-    b = {k: np.zeros(1, dtype=bool) for k in ("tried", "busy")}
-    b["fitted"] = np.ones(1, dtype=bool)
-    a = {"y": np.zeros((1, pred.keep)), "ar": np.zeros((1, pred._ar.shape[1])),
-         "ma": np.zeros((1, pred._ma.shape[1])), "w": np.zeros((1, pred._w.shape[1])),
-         "e": np.zeros((1, pred._e.shape[1]))}
-    coef, fp, ip = pred._coef, pred._fparams, pred._iparams
-    recursion = (a["y"], i["pos"], f["mu"], a["ar"], a["ma"], a["w"], i["wn"], a["e"], i["en"], f["what"])
-    update_step(one, np.ones(1), f["last"], i["n"], f["fc"], f["merr"], f["lerr"], a["y"], i["pos"],
-                i["cnt"], i["nobs"], i["since"], b["tried"], b["busy"], b["fitted"], *recursion[2:],
-                coef, fp, ip)
-    forecast_step(one, f["last"], f["fc"], a["y"], i["pos"], b["fitted"], f["mu"], f["what"], coef, fp, ip)
-    gated_predict(one, f["fc"], f["merr"], f["lerr"], f["last"], bool(pred.gate))
-    replay_step(one, np.ones(1, dtype=np.int64), f["last"], *recursion, coef, ip)
+    """Compile (or load from the disk cache) the kernels for ``pred``'s arrays, so that the
+    first decision does not pay for it: on no slot at all (numba compiles for the types, and
+    an empty batch changes nothing)."""
+    none = np.zeros(0, dtype=np.int64)
+    p = pred
+    recursion = (p._y, p._pos, p._mu, p._ar, p._ma, p._w, p._wn, p._e, p._en, p._what)
+    update_step(none, np.zeros(0), p._last, p._n, p._fc, p._merr, p._lerr, p._y, p._pos, p._cnt,
+                p._nobs, p._since, p._tried, p._busy, p._fitted, *recursion[2:], p._coef,
+                p._fparams, p._iparams)
+    forecast_step(none, p._last, p._fc, p._y, p._pos, p._fitted, p._mu, p._what, p._coef,
+                  p._fparams, p._iparams)
+    gated_predict(none, p._fc, p._merr, p._lerr, p._last, p._gated)
+    replay_step(none, none, p._last, *recursion, p._coef, p._iparams)

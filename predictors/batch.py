@@ -80,8 +80,7 @@ class BatchPredictor:
     def update(self, slots: np.ndarray, values: np.ndarray, exog: np.ndarray | None = None) -> np.ndarray:
         """Record one observation for each of ``slots`` (unique): speeds and (n, n_exog) inputs.
         Returns each slot's count of observations, this one included (:meth:`n_updates`)."""
-        self.poll()
-        self._polled_at = time.monotonic()
+        self._poll_for_update()
         prev = self._last[slots]
         self._last[slots] = values
         n = self._n[slots] + 1
@@ -99,6 +98,10 @@ class BatchPredictor:
         last = self._last[slots]
         ok = np.isfinite(raw) & (raw > 0.0)          # comparisons with nan never warn
         return np.where(ok, raw, last)
+
+    def _poll_for_update(self) -> None:
+        self.poll()
+        self._polled_at = time.monotonic()
 
     def _poll_before_predict(self) -> None:
         polled_at, self._polled_at = self._polled_at, None
@@ -144,6 +147,29 @@ class RefittingBatchPredictor(BatchPredictor):
     refit_mode = "sync"
     _executor: Any = None
     _sync_override: Any = None
+    #: the per-iteration step runs as compiled kernels (:mod:`predictors.jit`), else as the
+    #: subclass's numpy code (the reference)
+    compiled = False
+    _kernel: Any = None
+    _gated = True                       #: the gate is on (the compiled predict reads it)
+    _fc: np.ndarray                     # the compiled predict's inputs (NARX and ARIMA)
+    _merr: np.ndarray
+    _lerr: np.ndarray
+
+    def _init_compiled(self, kernel: Any, compiled: bool | None, name: str) -> None:
+        """Use ``kernel`` (a kernel module, numba imported with it: ~0.3 s, only where a model
+        that refits is built) where numba imports, unless ``compiled`` is False."""
+        if compiled and not kernel.AVAILABLE:
+            raise ValueError(f"{name}: compiled=True needs numba, which does not import here")
+        self.compiled = kernel.AVAILABLE if compiled is None else bool(compiled)
+        self._kernel = kernel
+
+    def predict(self, slots: np.ndarray) -> np.ndarray:
+        if not self.compiled:
+            return super().predict(slots)
+        self._poll_before_predict()
+        k = self._kernel
+        return k.gated_predict(k.as_int64(slots), self._fc, self._merr, self._lerr, self._last, self._gated)
 
     def _init_refits(self, refit: Any, name: str) -> None:
         from predictors.refit import REFIT_MODES, RefitExecutor

@@ -64,6 +64,23 @@ def check_slots(slots: np.ndarray, capacity: int) -> None:
 
 
 @jit
+def record_and_score(s: int, v: float, last: np.ndarray, n: np.ndarray, fc: np.ndarray,
+                     merr: np.ndarray, lerr: np.ndarray, decay: float) -> int:
+    """One observation ``v`` of slot ``s``: ``BatchPredictor.update``'s bookkeeping (the last
+    value, the count, returned) and the gate's scoring of the forecasts made for it, the
+    model's against the last value's (``BaselineGate``: decayed mean squared log errors)."""
+    prev = last[s]
+    last[s] = v
+    n[s] += 1
+    f = fc[s]
+    if math.isfinite(f) and math.isfinite(prev):
+        lv = math.log(v)
+        merr[s] = decay * merr[s] + (1 - decay) * (math.log(f) - lv) ** 2
+        lerr[s] = decay * lerr[s] + (1 - decay) * (math.log(prev) - lv) ** 2
+    return n[s]
+
+
+@jit
 def gated_predict(slots: np.ndarray, fc: np.ndarray, merr: np.ndarray, lerr: np.ndarray,
                   last: np.ndarray, gate: bool) -> np.ndarray:
     """The model's forecast where its recent errors beat the last value's (``_predict`` of NARX

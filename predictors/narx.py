@@ -67,7 +67,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -347,13 +346,10 @@ class BatchNARX(RefittingBatchPredictor):
                  compiled: bool | None = None, **hyper: Any) -> None:
         super().__init__()
         self.cfg = cfg = NARXConfig(**hyper)
-        from predictors import narx_kernel  # imports numba (~0.3 s): only where NARX runs
-        self._kernel = narx_kernel
-        if compiled and not narx_kernel.AVAILABLE:
-            raise ValueError("narx: compiled=True needs numba, which does not import here")
-        #: the per-iteration step runs as the compiled kernels of :mod:`predictors.narx_kernel`
-        #: (default where numba imports), else as the numpy code of this class (the reference)
-        self.compiled = narx_kernel.AVAILABLE if compiled is None else bool(compiled)
+        from predictors import narx_kernel
+
+        self._init_compiled(narx_kernel, compiled, "narx")
+        self._gated = bool(cfg.gate)
         self.n_exog = cfg.exog_used
         self.stagger = bool(stagger)
         self._init_refits(refit, "narx")
@@ -429,8 +425,7 @@ class BatchNARX(RefittingBatchPredictor):
     def update(self, slots: np.ndarray, values: np.ndarray, exog: np.ndarray | None = None) -> np.ndarray:
         if not self.compiled:
             return super().update(slots, values, exog)
-        self.poll()
-        self._polled_at = time.monotonic()
+        self._poll_for_update()
         kern = self._kernel
         slots, values = kern.as_int64(slots), kern.as_float64(values)
         k, E = slots.shape[0], self._x.shape[2]
@@ -451,13 +446,6 @@ class BatchNARX(RefittingBatchPredictor):
         if n_due:
             self._schedule(slots, due)
         return n
-
-    def predict(self, slots: np.ndarray) -> np.ndarray:
-        if not self.compiled:
-            return super().predict(slots)
-        self._poll_before_predict()
-        return self._kernel.gated_predict(self._kernel.as_int64(slots), self._fc, self._merr,
-                                          self._lerr, self._last, bool(self.cfg.gate))
 
     def _update(self, slots: np.ndarray, values: np.ndarray, exog: np.ndarray | None,
                 prev: np.ndarray) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from predictors.jit import AVAILABLE, as_float64, as_int64, check_slots, gated_predict, jit
+from predictors.jit import AVAILABLE, as_float64, as_int64, check_slots, gated_predict, jit, record_and_score
 
 __all__ = ["AVAILABLE", "as_float64", "as_int64", "forecast_step", "gated_predict", "update_step", "warm_up"]
 
@@ -93,17 +93,9 @@ def update_step(slots: np.ndarray, values: np.ndarray, exog: np.ndarray, last: n
     for i in range(k):
         s = slots[i]
         v = values[i]
-        prev = last[s]
-        last[s] = v
-        n[s] += 1
-        n_out[i] = n[s]
-        lv = math.log(v)
-        f = fc[s]
-        if math.isfinite(f) and math.isfinite(prev):     # score the forecasts made for v
-            merr[s] = a * merr[s] + (1 - a) * (math.log(f) - lv) ** 2
-            lerr[s] = a * lerr[s] + (1 - a) * (math.log(prev) - lv) ** 2
+        n_out[i] = record_and_score(s, v, last, n, fc, merr, lerr, a)
         p = pos[s]
-        logv[s, p] = lv
+        logv[s, p] = math.log(v)
         for e in range(E):
             x[s, p, e] = exog[i, e] if has_exog else 0.0
         pos[s] = (p + 1) % keep
@@ -139,27 +131,14 @@ NO_EXOG = np.zeros((0, 0))
 
 
 def warm_up(pred: Any) -> None:
-    """Compile (or load from the disk cache) the kernels for ``pred``'s arrays, on a scratch
-    copy of one slot, so that the first decision does not pay for it."""
-    one = np.zeros(1, dtype=np.int64)
-    keep = pred._keep
-    arrays = dict(last=np.full(1, math.nan), n=np.zeros(1, dtype=np.int64),
-                  fc=np.full(1, math.nan), merr=np.zeros(1), lerr=np.zeros(1),
-                  logv=np.zeros((1, keep)), x=np.zeros((1, keep, pred._x.shape[2])),
-                  pos=np.zeros(1, dtype=np.int64), cnt=np.zeros(1, dtype=np.int64),
-                  since=np.zeros(1, dtype=np.int64), tried=np.zeros(1, dtype=bool),
-                  busy=np.zeros(1, dtype=bool), has_w=np.ones(1, dtype=bool),
-                  w1=pred._init[0][None].copy(), b1=pred._init[1][None].copy(),
-                  w2=pred._init[2][None].copy(), b2=np.full(1, pred._init[3]),
-                  mx=np.zeros((1, pred.cfg.n_inputs)), sx=np.ones((1, pred.cfg.n_inputs)),
-                  my=np.zeros(1), sy=np.ones(1))
-    a = arrays
-    for exog in (NO_EXOG, np.ones((1, max(pred._x.shape[2], 1)))):
-        update_step(one, np.ones(1), exog, a["last"], a["n"], a["fc"], a["merr"], a["lerr"],
-                    a["logv"], a["x"], a["pos"], a["cnt"], a["since"], a["tried"], a["busy"],
-                    a["has_w"], a["w1"], a["b1"], a["w2"], a["b2"], a["mx"], a["sx"], a["my"],
-                    a["sy"], pred._fparams, pred._iparams)
-    forecast_step(one, a["last"], a["fc"], a["logv"], a["x"], a["pos"], a["has_w"], a["w1"],
-                  a["b1"], a["w2"], a["b2"], a["mx"], a["sx"], a["my"], a["sy"], pred._fparams,
-                  pred._iparams)
-    gated_predict(one, a["fc"], a["merr"], a["lerr"], a["last"], bool(pred.cfg.gate))
+    """Compile (or load from the disk cache) the kernels for ``pred``'s arrays, so that the
+    first decision does not pay for it: on no slot at all (numba compiles for the types, and
+    an empty batch changes nothing)."""
+    none = np.zeros(0, dtype=np.int64)
+    p = pred
+    update_step(none, np.zeros(0), NO_EXOG, p._last, p._n, p._fc, p._merr, p._lerr, p._logv, p._x,
+                p._pos, p._cnt, p._since, p._tried, p._busy, p._has_w, p._w1, p._b1, p._w2, p._b2,
+                p._mx, p._sx, p._my, p._sy, p._fparams, p._iparams)
+    forecast_step(none, p._last, p._fc, p._logv, p._x, p._pos, p._has_w, p._w1, p._b1, p._w2,
+                  p._b2, p._mx, p._sx, p._my, p._sy, p._fparams, p._iparams)
+    gated_predict(none, p._fc, p._merr, p._lerr, p._last, p._gated)

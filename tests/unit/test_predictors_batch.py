@@ -128,16 +128,9 @@ def _step_trace(p, seed: int, fail_from: int = T) -> list[np.ndarray]:
 def test_compiled_narx_steps_equal_the_numpy_steps(kw, fail_from):
     """The numba kernels (the default) against the numpy code they replace, on the same trace:
     the same counts, forecasts and state (the forecast's dot products may differ in the last bit)."""
-    a = BatchNARX(**kw, refit="sync", compiled=True)
-    b = BatchNARX(**kw, refit="sync", compiled=False)
-    assert BatchNARX(refit="sync").compiled          # numba is a dependency: the default
-    got, exp = _step_trace(fresh(a), 3, fail_from), _step_trace(fresh(b), 3, fail_from)
-    for g, e in zip(got, exp):
-        assert g.dtype == e.dtype
-        assert np.allclose(g, e, rtol=1e-12, atol=0, equal_nan=True)
-    assert a.n_fits() == b.n_fits() > 2 * K
-    _assert_same_state(a, b, ("_last", "_n", "_fc", "_merr", "_lerr", "_logv", "_x", "_pos", "_cnt",
-                              "_since", "_tried", "_busy", "_has_w", "_w1", "_sy"))
+    _assert_compiled_equals_numpy(BatchNARX, kw, 3, fail_from, (
+        "_last", "_n", "_fc", "_merr", "_lerr", "_logv", "_x", "_pos", "_cnt", "_since", "_tried",
+        "_busy", "_has_w", "_w1", "_sy"))
 
 
 ARIMA_STATE = ("_last", "_n", "_fc", "_merr", "_lerr", "_y", "_pos", "_cnt", "_nobs", "_since",
@@ -151,15 +144,21 @@ def test_compiled_arima_steps_equal_the_numpy_steps(kw, fail_from):
     """The numba kernels (the default) against the numpy recursion they replace, on the same
     trace (refits, their landing, replay and failure included): the same counts, forecasts and
     state."""
-    a = BatchARIMA(**kw, refit="sync", compiled=True)
-    b = BatchARIMA(**kw, refit="sync", compiled=False)
-    assert BatchARIMA(refit="sync").compiled          # numba is a dependency: the default
-    got, exp = _step_trace(fresh(a), 4, fail_from), _step_trace(fresh(b), 4, fail_from)
+    _assert_compiled_equals_numpy(BatchARIMA, kw, 4, fail_from, ARIMA_STATE)
+
+
+def _assert_compiled_equals_numpy(cls, kw, seed: int, fail_from: int, state) -> None:
+    """``cls`` compiled (the default) and with its numpy code on the same trace: every update's
+    counts and every forecast, the refits and the final state."""
+    a = cls(**kw, refit="sync", compiled=True)
+    b = cls(**kw, refit="sync", compiled=False)
+    assert cls(refit="sync").compiled                 # numba is a dependency: the default
+    got, exp = _step_trace(fresh(a), seed, fail_from), _step_trace(fresh(b), seed, fail_from)
     for g, e in zip(got, exp):
         assert g.dtype == e.dtype
         assert np.allclose(g, e, rtol=1e-12, atol=0, equal_nan=True)
     assert a.n_fits() == b.n_fits() > 2 * K
-    _assert_same_state(a, b, ARIMA_STATE)
+    _assert_same_state(a, b, state)
 
 
 def _assert_same_state(a, b, names) -> None:
