@@ -8,7 +8,8 @@ Three kinds of attacker, all during the run, all at once:
   credential authorizes anything;
 - an **insider with a worker's credential** but not the membership of any worker (a compromised
   or buggy worker host): a seeded generator sends well-formed forgeries of every message type
-  (Hello then Shutdown and EvalReport, RegisterShard/Have/ShardSync posing as a shard, Join with
+  (Hello then Shutdown and EvalReport, RegisterShard/Have/ShardSync posing as a shard, Clocks
+  and Commit posing as shard 0's down link, Join with
   an empty or wrong digest, right-sized finite pushes to every shard with the ids of the real
   workers and huge batch sizes, pulls with and without worker ids, floods of pulls) plus
   malformed frames, pushes among them whose report has a field out of range, of the wrong type
@@ -80,6 +81,10 @@ def forgeries(rng: random.Random, sizes: list[int], digest: str):
         elif kind == "rollback":
             msg = P.Rollback(version=0, coordinator="tcp://10.0.0.66:1", log_hash=token(),
                              epoch=rng.choice([0, 2**62]))
+        elif kind == "down_link":  # shard 0's down-link messages, posing as shard 0 to any shard's socket
+            msg = rng.choice([P.Clocks(version=rng.randrange(400), slowest_clock=rng.choice([0, 2**62])),
+                              P.Commit(version=rng.randrange(400), iteration=rng.randrange(400),
+                                       entries=[[rng.randrange(3), 32]], slowest_clock=2**62)])
         elif kind == "join":
             msg = P.Join(name="intruder", instance=token(), job_digest=rng.choice(["", "0" * 16, digest[:-1] + "x"]))
         elif kind == "push":  # right size, finite, a real worker's id, a guessed token
@@ -122,7 +127,8 @@ def forgeries(rng: random.Random, sizes: list[int], digest: str):
         yield kind, P.encode(msg), k
 
 
-KINDS = ["shutdown", "eval_report", "claim_shard", "register_shard", "have", "shard_sync", "rollback", "join", "push",
+KINDS = ["shutdown", "eval_report", "claim_shard", "register_shard", "have", "shard_sync", "rollback", "down_link",
+         "join", "push",
          "out_of_memory", "take_chunk", "pull", "heartbeat", "hello_status", "malformed", "bad_report"]
 #: Report fields a forged push gets wrong: not finite, negative, out of range, wrong type, unknown.
 BAD_REPORT_FIELDS = [("compute_s", float("nan")), ("data_s", -1.0), ("finish_s", float("inf")),
