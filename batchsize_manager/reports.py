@@ -281,6 +281,12 @@ class ReportBatch:
                 self._head, self._rows = records["head"], records["tel"]
         return self._rows
 
+    @property
+    def head(self) -> np.ndarray | None:
+        """(worker_id, iteration, batch_size) per report as an (n, 3) int64 matrix, where
+        :attr:`rows` is not None."""
+        return self._head if self.rows is not None else None
+
     def _field(self, name: str) -> np.ndarray:
         """float64 column of field ``name`` (None and unconvertible values: nan)."""
         rows = self.rows

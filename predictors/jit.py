@@ -43,16 +43,19 @@ def as_float64(a: np.ndarray) -> np.ndarray:
     return a if a.dtype == _FLOAT64 and a.flags.c_contiguous else np.ascontiguousarray(a, dtype=_FLOAT64)
 
 
-def jit(fn: Any) -> Any:
+def jit(fn: Any = None, **options: Any) -> Any:
     """``numba.njit`` with the disk cache, releasing the GIL (the refit helper may be a thread).
     Where no cache directory is writable (numba then refuses ``cache=True`` at decoration),
-    each process compiles its own instead."""
+    each process compiles its own instead. ``options`` go to numba (``@jit(error_model="numpy")``:
+    a division by zero gives inf or nan, as in the numpy code, instead of raising)."""
+    if fn is None:
+        return lambda f: jit(f, **options)
     if not AVAILABLE:
         return fn
     try:
-        return numba.njit(cache=True, nogil=True)(fn)
+        return numba.njit(cache=True, nogil=True, **options)(fn)
     except RuntimeError:  # pragma: no cover - "cannot cache function ...: no locator available"
-        return numba.njit(nogil=True)(fn)
+        return numba.njit(nogil=True, **options)(fn)
 
 
 @jit

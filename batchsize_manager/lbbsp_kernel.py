@@ -1,0 +1,353 @@
+"""LB-BSP's per-decision arithmetic on many workers compiled (numba): the tail of the server-seen
+finish times and the equal-finish-time split, one call each.
+
+Why: a decision paced like a real run finds the CPU's caches cold, and each distinct numpy call
+then costs tens of µs whatever the array sizes (``benchmarks/bench_decision_cold.py``; see
+:mod:`predictors.jit`). At 100 workers the policy's tail model (the stall share and two row
+quantiles) and the split (Newton steps, largest-remainder rounding) were some 40 numpy calls
+per decision. Here each is one compiled call over plain loops.
+
+The numpy code in :mod:`batchsize_manager.lbbsp` and :mod:`batchsize_manager.allocation` stays:
+it is the reference the tests hold these to, and the path where numba does not import
+(:data:`predictors.jit.AVAILABLE`). The split is :func:`~batchsize_manager.allocation.split_small`'s
+algorithm step for step (its sums run in the same order, so its results are the same);
+against the numpy split, whose sums are BLAS dot products, the real-valued shares may differ in
+the last bits, and the integer split with them only at a rounding tie. Divisions follow
+numpy's rules (``error_model="numpy"``: x / 0 is inf or nan), as the numpy code does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from predictors.jit import AVAILABLE, as_float64, as_int64, jit
+
+__all__ = ["AVAILABLE", "as_float64", "as_int64", "latest_finish", "observe_rows", "split", "tail_rows", "warm_up"]
+
+
+@jit(error_model="numpy")
+def _row_quantile_full(r: np.ndarray, q: float) -> float:
+    """``np.quantile(r, q)`` (linear) of one row with no NaN, sorting ``r`` in place:
+    :func:`~batchsize_manager.lbbsp._row_quantile`'s arithmetic. An insertion sort (NaNs last,
+    as numpy's): a window is a few dozen values, where it takes a quarter of ``r.sort()``'s
+    time."""
+    for i in range(1, r.size):
+        x = r[i]
+        j = i - 1
+        while j >= 0 and (r[j] > x or (r[j] != r[j] and x == x)):
+            r[j + 1] = r[j]
+            j -= 1
+        r[j + 1] = x
+    pos = q * (r.size - 1)
+    lo = int(math.floor(pos))
+    hi = min(lo + 1, r.size - 1)
+    return r[lo] * (1.0 - (pos - lo)) + r[hi] * (pos - lo)
+
+
+@jit(error_model="numpy")
+def tail_rows(slots: np.ndarray, v: np.ndarray, ff: np.ndarray, fx: np.ndarray, fc: np.ndarray,
+              fv: np.ndarray, quantile: float, base_quantile: float, per_sample: bool,
+              tail_finish: bool) -> tuple[np.ndarray, np.ndarray]:
+    """``LBBSPCpuPolicy._tail_rows`` for slots whose finish windows are all full (no NaN), with
+    its caller's floor at 0: per slot s with speed v, (v lowered by the stall share where
+    ``per_sample``, max(0, the ``quantile`` of finish_j - x_j / v_i)); with ``tail_finish``
+    False, of finish_j - compute_j and v unchanged. ``ff``, ``fx``, ``fc``, ``fv``: the
+    (slots x window) finish times, batch sizes, compute times and planned speeds."""
+    n, w = slots.size, ff.shape[1]
+    for i in range(n):
+        if slots[i] < 0 or slots[i] >= ff.shape[0]:
+            raise IndexError("slot out of range")
+    vr = np.empty(n)
+    c = np.empty(n)
+    work = np.empty(w)
+    rest = np.empty(w)
+    for i in range(n):
+        s = slots[i]
+        vi = v[i]
+        if tail_finish:
+            if per_sample:
+                work_sum = 0.0
+                finish_sum = 0.0
+                for j in range(w):
+                    p = fv[s, j]
+                    wj = fx[s, j] / p if p > 0 else fc[s, j]
+                    work[j] = wj
+                    rest[j] = ff[s, j] - wj
+                    work_sum += wj
+                    finish_sum += ff[s, j]
+                base = _row_quantile_full(rest, base_quantile)
+                den = finish_sum - w * base
+                share = work_sum / den if den != 0.0 else 1.0   # numpy: inf or nan, then 1
+                if share > 1.0:
+                    share = 1.0
+                if not share > 0:          # nan, 0 or less: no share known
+                    share = 1.0
+                vi = vi * share
+            for j in range(w):
+                rest[j] = ff[s, j] - fx[s, j] / vi
+        else:
+            for j in range(w):
+                rest[j] = ff[s, j] - fc[s, j]
+        vr[i] = vi
+        q = _row_quantile_full(rest, quantile)
+        c[i] = 0.0 if q < 0.0 else q             # np.maximum(0, q): nan stays nan
+    return vr, c
+
+
+@jit(error_model="numpy")
+def latest_finish(c: np.ndarray, x: np.ndarray, v: np.ndarray) -> float:
+    """max_i c_i + x_i / v_i: the iteration time the model predicts for the split ``x``."""
+    t = -math.inf
+    for i in range(c.size):
+        ti = c[i] + x[i] / v[i]
+        if ti > t or ti != ti:                   # numpy's max: a nan wins
+            t = ti
+            if ti != ti:
+                break
+    return t
+
+
+@jit(error_model="numpy")
+def _duration(a: float) -> float:
+    """A duration that counts (``ReportBatch._durations``): finite and > 0, else 0."""
+    return a if 0.0 < a < math.inf else 0.0
+
+
+@jit(error_model="numpy")
+def _measured(a: float) -> float:
+    """``ReportBatch.measured``: finite, else nan."""
+    return a if math.isfinite(a) else math.nan
+
+
+@jit(error_model="numpy")
+def observe_rows(slots: np.ndarray, head: np.ndarray, rows: np.ndarray, cols: np.ndarray,
+                 seen: np.ndarray, warmup: int, overhead: np.ndarray, alpha: float, use_overhead: bool,
+                 windows: bool, fn: np.ndarray, fx: np.ndarray, ff: np.ndarray, fc: np.ndarray,
+                 fv: np.ndarray, vplan: np.ndarray, use_quota: bool, fcpu: np.ndarray,
+                 fwork: np.ndarray, quota: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``LBBSPCpuPolicy._observe`` of a batch read from its reports' rows, but for feeding the
+    predictor: per report i of slot ``slots[i]`` (distinct), in order, the speed (batch /
+    compute, kept where finite and > 0), the warm-up count, the overhead's EMA and the finish
+    window's entry (with the CPU times and the quota where ``use_quota``). ``head``: the rows'
+    (worker, iteration, batch size); ``rows``: their telemetry; ``cols``: the positions in a row
+    of compute_s, finish_s, data_s, prev_push_s, prev_pull_s, cpu_s, compute_cpu_s and
+    cpu_quota. Returns the positions, slots and speeds of the reports to feed the predictor."""
+    n = slots.size
+    cap = seen.shape[0]
+    for i in range(n):
+        if slots[i] < 0 or slots[i] >= cap:
+            raise IndexError("slot out of range")
+    i_comp, i_fin, i_data, i_push, i_pull = cols[0], cols[1], cols[2], cols[3], cols[4]
+    i_cpu, i_work, i_quota = cols[5], cols[6], cols[7]
+    w = ff.shape[1]
+    keep = np.empty(n, dtype=np.int64)
+    keep_slots = np.empty(n, dtype=np.int64)
+    keep_v = np.empty(n)
+    m = 0
+    for i in range(n):
+        s = slots[i]
+        c = rows[i, i_comp]
+        b = float(head[i, 2])
+        if not c > 0:                    # nan, 0 or less: no speed
+            continue
+        v = b / c
+        if not (0.0 < v < math.inf):
+            continue
+        seen[s] += 1
+        if seen[s] <= warmup:
+            continue
+        keep[m] = i
+        keep_slots[m] = s
+        keep_v[m] = v
+        m += 1
+        fin = _duration(rows[i, i_fin])
+        if not use_overhead:
+            o = 0.0
+        elif fin > 0:                    # seen by the servers: finish - compute
+            o = max(0.0, fin - c)
+        else:                            # the worker's own: data + previous push + pull
+            o = _duration(rows[i, i_data]) + _duration(rows[i, i_push]) + _duration(rows[i, i_pull])
+        prev = overhead[s]
+        overhead[s] = o if prev != prev else alpha * o + (1 - alpha) * prev
+        if windows and fin > 0:
+            count = fn[s]
+            pos = count % w
+            fx[s, pos] = b
+            ff[s, pos] = fin
+            fc[s, pos] = c
+            fv[s, pos] = vplan[s]
+            if use_quota:
+                fcpu[s, pos] = _measured(rows[i, i_cpu])
+                fwork[s, pos] = _measured(rows[i, i_work])
+            fn[s] = count + 1
+        if use_quota:
+            quota[s] = _measured(rows[i, i_quota])
+    return keep[:m], keep_slots[:m], keep_v[:m]
+
+
+@jit(error_model="numpy")
+def split(v: np.ndarray, c: np.ndarray, total: int, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """:func:`~batchsize_manager.allocation.split_small` on arrays: the real equal-finish-time
+    split (piecewise Newton steps from the all-free start, a sweep over the sorted breakpoints
+    when they do not settle in 8), then largest-remainder rounding within [lo, hi] with ties to
+    the lower position when adding and to the higher when taking away. ``hi`` may hold inf."""
+    n = v.size
+    vmax = 1.0
+    for i in range(n):
+        if not (0.0 <= v[i] < math.inf):
+            raise ValueError("speeds must be finite and non-negative")
+        if i == 0 or v[i] > vmax:
+            vmax = v[i]
+    tiny = 1e-12 * (vmax if vmax > 0 else 1.0)
+    vv = np.empty(n)
+    lo_sum = 0.0
+    hi_sum = 0.0
+    for i in range(n):
+        vv[i] = v[i] if v[i] >= tiny else tiny
+        lo_sum += lo[i]
+        hi_sum += hi[i]
+    if lo_sum > total + 1e-9 or hi_sum < total - 1e-9:
+        raise ValueError("total is outside [sum of lo, sum of hi]")
+    t_lo = np.empty(n)
+    t_hi = np.empty(n)
+    vc = np.empty(n)
+    v_sum = 0.0
+    vc_sum = 0.0
+    for i in range(n):
+        t_lo[i] = c[i] + lo[i] / vv[i]
+        t_hi[i] = c[i] + hi[i] / vv[i]
+        vc[i] = vv[i] * c[i]
+        v_sum += vv[i]
+        vc_sum += vc[i]
+    t = (total + vc_sum) / v_sum
+    at_lo = np.zeros(n, dtype=np.bool_)
+    at_hi = np.zeros(n, dtype=np.bool_)
+    settled = False
+    for _ in range(8):
+        same = True
+        for i in range(n):
+            a = t <= t_lo[i]
+            b = t >= t_hi[i]
+            if a != at_lo[i] or b != at_hi[i]:
+                same = False
+            at_lo[i] = a
+            at_hi[i] = b
+        if same:
+            settled = True
+            break
+        s = 0.0
+        for i in range(n):
+            if not (at_lo[i] or at_hi[i]):
+                s += vv[i]
+        if not s > 0:
+            break
+        lo_in = 0.0
+        for i in range(n):
+            if at_lo[i]:
+                lo_in += lo[i]
+        hi_in = 0.0
+        for i in range(n):
+            if at_hi[i]:
+                hi_in += hi[i]
+        vc_free = 0.0
+        for i in range(n):
+            if not (at_lo[i] or at_hi[i]):
+                vc_free += vc[i]
+        t = (total - lo_in - hi_in + vc_free) / s
+    if not settled:                       # sweep over the sorted breakpoints
+        m = n
+        for i in range(n):
+            if t_hi[i] < math.inf:
+                m += 1
+        times = np.empty(m)
+        dslope = np.empty(m)
+        for i in range(n):
+            times[i] = t_lo[i]
+            dslope[i] = vv[i]
+        k = n
+        for i in range(n):
+            if t_hi[i] < math.inf:
+                times[k] = t_hi[i]
+                dslope[k] = -vv[i]
+                k += 1
+        order = np.argsort(times, kind="mergesort")   # ties by position: lo entries, then hi
+        f_at = np.empty(m)
+        slopes = np.empty(m)
+        f_at[0] = lo_sum
+        slope = 0.0
+        for j in range(m):
+            slope += dslope[order[j]]
+            slopes[j] = slope
+            if j + 1 < m:
+                f_at[j + 1] = f_at[j] + slope * (times[order[j + 1]] - times[order[j]])
+        kk = 0
+        while kk < m and f_at[kk] < total:        # bisect_left
+            kk += 1
+        if kk == 0:
+            t = times[order[0]] if m else 0.0
+        else:
+            sl = slopes[kk - 1]
+            tk = times[order[kk - 1]]
+            t = tk + (total - f_at[kk - 1]) / sl if sl > 0 else tk
+    x = np.empty(n)
+    out = np.empty(n)
+    out_sum = 0.0
+    for i in range(n):
+        xi = min(max(vv[i] * (t - c[i]), lo[i]), hi[i])
+        x[i] = xi
+        oi = min(max(float(math.floor(xi + 1e-9)), lo[i]), hi[i])
+        out[i] = oi
+        out_sum += oi
+    left = int(round(total - out_sum))
+    key = np.empty(n)
+    while left != 0:
+        cand = np.empty(n, dtype=np.int64)
+        m = 0
+        if left > 0:                      # largest remainders first, ties to the lower position
+            for i in range(n):
+                if out[i] < hi[i]:
+                    cand[m] = i
+                    key[m] = -(x[i] - out[i])
+                    m += 1
+        else:                             # smallest first, ties to the higher position
+            for i in range(n - 1, -1, -1):
+                if out[i] > lo[i]:
+                    cand[m] = i
+                    key[m] = x[i] - out[i]
+                    m += 1
+        if m == 0:
+            raise ValueError("cannot place the samples within the workers' bounds")
+        order = np.argsort(key[:m], kind="mergesort")
+        take = min(m, abs(left))
+        step = 1.0 if left > 0 else -1.0
+        for j in range(take):
+            out[cand[order[j]]] += step
+        left += -take if left > 0 else take
+    res = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        res[i] = int(out[i])
+    return res
+
+
+def warm_up() -> None:
+    """Load (or compile) both kernels now, at the policy's construction, not in a decision."""
+    if not AVAILABLE:
+        return
+    one = np.ones(1)
+    split(one, np.zeros(1), 1, one, one)
+    latest_finish(one, one, one)
+    no_slot = np.zeros(0, dtype=np.int64)
+    state = (np.zeros(1, dtype=np.int64), 1, np.zeros(1), 0.3, True, True, np.zeros(1, dtype=np.int64),
+             np.zeros((1, 2)), np.zeros((1, 2)), np.zeros((1, 2)), np.zeros((1, 2)), np.zeros(1), True,
+             np.zeros((1, 2)), np.zeros((1, 2)), np.zeros(1))
+    records = np.zeros(2, dtype=[("head", "<i8", (3,)), ("tel", "<f8", (8,))])
+    records.flags.writeable = False                # as read from the joined bytes
+    cols = np.arange(8, dtype=np.int64)
+    # the rows as read from the joined reports (strided views) and as a sub-batch's copies
+    observe_rows(no_slot, records["head"], records["tel"], cols, *state)
+    observe_rows(no_slot, np.zeros((0, 3), dtype=np.int64), np.zeros((0, 8)), cols, *state)
+    latest_finish(one, np.ones(1, dtype=np.int64), one)
+    tail_rows(np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros((0, 2)), np.zeros((0, 2)),
+              np.zeros((0, 2)), np.zeros((0, 2)), 0.9, 0.25, True, True)

@@ -1,0 +1,173 @@
+"""The compiled LB-BSP decision (:mod:`batchsize_manager.lbbsp_kernel`) against the numpy code it
+stands in for: the split against :func:`split_small` (the same algorithm, so the same integers,
+ties included), the tail model against the numpy rows, and whole runs of the policy compiled
+and on numpy, which must observe into the same state and decide the same splits."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+
+from batchsize_manager import BatchSizeManager
+from batchsize_manager import lbbsp_kernel as K
+from batchsize_manager.allocation import split_small
+from batchsize_manager.lbbsp import STALL_BASE_QUANTILE, _row_quantile, _stall_share
+from batchsize_manager.simulation import SimulatedWorker, Simulation
+from tests.report_util import edge_report
+from tests.unit.test_bsm_speed import random_problem
+
+pytestmark = pytest.mark.skipif(not K.AVAILABLE, reason="numba does not import here")
+
+
+def test_split_is_split_small_to_the_sample():
+    """Random problems of 1-80 workers with floors, caps and overheads, near ties included: the
+    kernel's integers are split_small's, and it refuses what split_small refuses."""
+    rng = random.Random(11)
+    for _ in range(1500):
+        v, c, total, lo, hi = random_problem(rng, rng.randint(1, 80))
+        want = split_small(v, c, total, [float(x) for x in lo], hi)
+        got = K.split(np.array(v), np.array(c), total, np.array(lo, dtype=float), np.array(hi))
+        assert got.tolist() == want, (v, c, total, lo, hi)
+    v = [1.0, 100.0, 1.0, 100.0, 3.0] * 8          # Newton steps that cycle: the sweep
+    c = [0.0, 1.0, 2.0, 0.5, 0.1] * 8
+    lo = [1.0, 30.0, 1.0, 1.0, 20.0] * 8
+    hi = [50.0, 40.0, 9.0, math.inf, 25.0] * 8
+    for total in (int(sum(lo)), int(sum(lo)) + 1, 1500, 2000):
+        assert K.split(np.array(v), np.array(c), total, np.array(lo), np.array(hi)).tolist() == \
+            split_small(v, c, total, lo, hi)
+    zero = np.array([0.0, 1e3, 2e3])                 # a zero speed: kept at its floor
+    assert K.split(zero, np.zeros(3), 30, np.ones(3), np.full(3, math.inf)).tolist() == \
+        split_small(zero.tolist(), [0.0] * 3, 30, [1.0] * 3, [math.inf] * 3)
+    with pytest.raises(ValueError, match="outside"):
+        K.split(np.ones(3), np.zeros(3), 2, np.ones(3), np.full(3, math.inf))
+    with pytest.raises(ValueError, match="finite"):
+        K.split(np.array([1.0, math.nan]), np.zeros(2), 4, np.ones(2), np.full(2, math.inf))
+
+
+def _numpy_tail(slots, v, ff, fx, fc, fv, per_sample, tail_finish):
+    finish, x = ff[slots], fx[slots]
+    vr = v.copy()
+    with np.errstate(invalid="ignore", divide="ignore"):
+        if tail_finish:
+            if per_sample:
+                vr = vr * _stall_share(finish, fc[slots], x, fv[slots], np.empty_like(finish),
+                                       np.empty_like(finish), True)
+            rest = finish - x / vr[:, None]
+        else:
+            rest = finish - fc[slots]
+    return vr, np.maximum(0.0, _row_quantile(rest, 0.9, full=True))
+
+
+def test_tail_rows_match_the_numpy_rows():
+    """Full windows with planned speeds that are missing (nan) or 0 (the measured compute stands
+    in), any subset of slots, both stall models and both tails: the same speeds and overheads
+    (to 1e-12: numpy sums a row as a BLAS product, in another order)."""
+    rng = np.random.default_rng(0)
+    for _ in range(100):
+        cap, w = 50, int(rng.integers(2, 40))
+        ff = rng.uniform(0.01, 0.2, (cap, w))
+        fx = rng.integers(1, 64, (cap, w)).astype(float)
+        fc = rng.uniform(0.005, 0.1, (cap, w))
+        fv = rng.uniform(100, 2000, (cap, w))
+        fv[rng.random((cap, w)) < 0.1] = np.nan
+        fv[rng.random((cap, w)) < 0.05] = 0.0
+        slots = np.sort(rng.choice(cap, int(rng.integers(1, cap)), replace=False)).astype(np.int64)
+        v = rng.uniform(100, 3000, slots.size)
+        for per_sample in (True, False):
+            for tail_finish in (True, False):
+                want_v, want_c = _numpy_tail(slots, v, ff, fx, fc, fv, per_sample, tail_finish)
+                got_v, got_c = K.tail_rows(slots, v, ff, fx, fc, fv, 0.9, STALL_BASE_QUANTILE,
+                                           per_sample, tail_finish)
+                np.testing.assert_allclose(got_v, want_v, rtol=1e-12)
+                np.testing.assert_allclose(got_c, want_c, rtol=1e-12, atol=1e-15)
+    with pytest.raises(IndexError):
+        K.tail_rows(np.array([50]), np.ones(1), ff, fx, fc, fv, 0.9, 0.25, True, True)
+
+
+def test_latest_finish_is_numpys_max():
+    c, v = np.array([0.01, 0.02, 0.0]), np.array([100.0, 200.0, 50.0])
+    for x in (np.array([3, 5, 1]), np.array([0, 0, 0])):
+        assert K.latest_finish(c, x, v) == float((c + x / v).max())
+    assert K.latest_finish(c, np.array([1, 1, 1]), np.array([100.0, 0.0, 1.0])) == math.inf
+    assert math.isnan(K.latest_finish(c, np.array([1, 0, 1]), np.array([100.0, 0.0, 1.0])))
+
+
+def _fleet(seed: int) -> list[SimulatedWorker]:
+    """40 workers (above SMALL_N: the arrays path): speeds 1-4x, some held to a CPU quota."""
+    return [SimulatedWorker(400.0 * (1 + i % 4), overhead=0.003, noise=0.05, seed=seed + i,
+                            cpu_quota=0.5 if i % 7 == 3 else None) for i in range(40)]
+
+
+STATE = ("_overhead", "_seen", "_fx", "_ff", "_fc", "_fv", "_fcpu", "_fwork", "_quota", "_fn",
+         "_hv", "_hx", "_vplan")
+
+
+@pytest.mark.parametrize("args", [
+    {"predictor": "ema", "finish_window": 6},
+    {"predictor": "last", "finish_window": 5, "warmup": 3, "stalls": "fixed", "use_quota": False},
+    {"predictor": "ema", "finish_window": 4, "finish_tail": "overhead", "use_overhead": False},
+    {"predictor": "narx", "refit": "sync", "finish_window": 6,
+     "predictor_args": {"epochs": 2, "min_train": 4, "refit_every": 5}},
+])
+def test_the_compiled_policy_decides_as_the_numpy_one(args):
+    """The same simulated run (received reports with the servers' finish times; a worker
+    leaving, one joining, so the slots stop running in one block) through the policy compiled and
+    through its numpy code: every split equal, and the observed state equal to the bit."""
+    runs = []
+    for compiled in (True, False):
+        m = BatchSizeManager("lbbsp-cpu", 40 * 32, min_batch=2,
+                             policy_args={**args, "compiled": compiled})
+        assert m.policy.compiled is compiled
+        runs.append((m, Simulation(m, _fleet(3))))
+    before = {f: len(getattr(K, f).signatures) for f in ("split", "tail_rows", "latest_finish", "observe_rows")}
+    for step in range(40):
+        if step == 15:
+            for _, sim in runs:
+                sim.remove_worker(6)
+        if step == 22:
+            for _, sim in runs:
+                sim.add_worker(77, SimulatedWorker(900.0, overhead=0.003, seed=77))
+        a, b = (sim.step() for _, sim in runs)
+        assert a.sizes == b.sizes, step
+    (mc, _), (mn, _) = runs
+    for name in STATE:
+        x, y = getattr(mc.policy, name), getattr(mn.policy, name)
+        assert x.shape == y.shape and np.array_equal(x, y, equal_nan=True), name
+    assert json.dumps(mc.policy.state_dict(), sort_keys=True) == json.dumps(mn.policy.state_dict(), sort_keys=True)
+    assert mc.policy.changes > 0 and mc.policy.changes == mn.policy.changes
+    # nothing compiled inside a decision: the construction's warm-up made every signature used
+    assert {f: len(getattr(K, f).signatures) for f in before} == before
+    for m, _ in runs:
+        m.close()
+
+
+@pytest.mark.parametrize("args", [
+    {"predictor": "ema", "finish_window": 4},
+    {"predictor": "last", "warmup": 0, "finish_window": 3, "stalls": "fixed"},
+])
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # speeds near 1e300: inf, handled
+def test_reports_at_the_edges_observe_into_the_same_state(args):
+    """Reports drawn from the edges of what the wire accepts (0, denormal, huge, missing finish
+    times and quotas), some workers twice in an iteration: the compiled pass over their rows
+    leaves the state the numpy columns leave, and the splits stay equal."""
+    ms = [BatchSizeManager("lbbsp-cpu", 64 * 40, policy_args={**args, "compiled": c}) for c in (True, False)]
+    for m in ms:
+        for w in range(40):
+            m.join(w)
+    rng = random.Random(5)
+    for it in range(14):
+        sizes = ms[0].assign()
+        assert ms[1].assign() == sizes, it
+        reports = [edge_report(rng, w, it, x) for w, x in sizes.items()]
+        reports += [edge_report(rng, w, it, sizes[w]) for w in range(0, 40, 9)]   # twice
+        for m in ms:
+            m.observe_many(reports)
+        for name in STATE:
+            x, y = (getattr(m.policy, name) for m in ms)
+            assert np.array_equal(x, y, equal_nan=True), (it, name)
+    for m in ms:
+        m.close()
