@@ -333,6 +333,12 @@ class SlotPolicy(BatchPolicy):
             batch = batch.take(rest)
         if batch.small:                           # a few reports: dict lookups, no id column
             slots = self._slots.lookup_list([r.worker_id for r in batch.reports], create=True)
+        elif self.kernels is not None and (head := batch.head) is not None:
+            slots, status = self.kernels.known_slots(head, self._slots.lut, self._scratch)
+            if status == 0:                       # every worker known, none twice: one call
+                self._observe(batch, slots)
+                return
+            slots = self._slots.lookup(batch.worker, create=True)
         else:
             slots = self._slots.lookup(batch.worker, create=True)
         rounds = occurrence_rounds(slots, self._scratch)
@@ -626,10 +632,10 @@ class LBBSPCpuPolicy(SlotPolicy):
             _default_predictor_factory(predictor, self.predictor_args)   # clear errors now
         self._pred = get_batch_predictor(predictor, self.predictor_args, refit=refit,
                                          stagger=stagger, factory=predictor_factory)
-        self._kernel = _load_kernel(compiled)
+        self.kernels = _load_kernel(compiled)
         #: the tail model and the split of more than SMALL_N workers run compiled
         #: (:mod:`batchsize_manager.lbbsp_kernel`), else on numpy (the reference)
-        self.compiled = self._kernel is not None
+        self.compiled = self.kernels is not None
         self._n_exog = len(EXOG_KEYS)
         self._overhead = np.zeros(0)              # nan: none yet
         self._seen = np.zeros(0, dtype=np.int64)  # reports per worker since it joined (warmup)
@@ -694,7 +700,7 @@ class LBBSPCpuPolicy(SlotPolicy):
         self._slots.remove(w)
 
     def _observe(self, batch: ReportBatch, slots: np.ndarray) -> None:
-        k = self._kernel
+        k = self.kernels
         if k is not None:
             rows = batch.rows
             if rows is not None:                        # received reports: one compiled pass
@@ -812,7 +818,7 @@ class LBBSPCpuPolicy(SlotPolicy):
                 every = False
         if every:                    # the steady state: every row, nothing to copy or scatter
             full = int(fn.min()) >= self.finish_window
-            k = self._kernel
+            k = self.kernels
             if full and k is not None:
                 return k.tail_rows(
                     k.as_int64(slots), k.as_float64(v), self._ff, self._fx, self._fc, self._fv,
@@ -950,14 +956,14 @@ class LBBSPCpuPolicy(SlotPolicy):
     def _split(self, v: np.ndarray, c: np.ndarray, total: int, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         """:func:`finish_time_split_arrays`, compiled where the policy is (up to SMALL_N workers
         both use :func:`split_small`, whose algorithm the kernel is)."""
-        k = self._kernel
+        k = self.kernels
         if k is None or v.size <= SMALL_N:
             return finish_time_split_arrays(v, c, total, lo, hi)
         return k.split(k.as_float64(v), k.as_float64(c), total, k.as_float64(lo), k.as_float64(hi))
 
     def _latest_finish(self, c: np.ndarray, x: np.ndarray, v: np.ndarray) -> float:
         """max_i c_i + x_i / v_i (:meth:`predicted_time` by position)."""
-        k = self._kernel
+        k = self.kernels
         if k is None:
             return float((c + x / v).max())
         return float(k.latest_finish(k.as_float64(c), k.as_int64(x), k.as_float64(v)))

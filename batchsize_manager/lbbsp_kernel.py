@@ -24,7 +24,8 @@ import numpy as np
 
 from predictors.jit import AVAILABLE, as_float64, as_int64, jit
 
-__all__ = ["AVAILABLE", "as_float64", "as_int64", "latest_finish", "observe_rows", "split", "tail_rows", "warm_up"]
+__all__ = ["AVAILABLE", "as_float64", "as_int64", "check_split", "known_slots", "latest_finish", "observe_rows",
+           "scan_rows", "split", "tail_rows", "warm_up"]
 
 
 @jit(error_model="numpy")
@@ -188,6 +189,56 @@ def observe_rows(slots: np.ndarray, head: np.ndarray, rows: np.ndarray, cols: np
 
 
 @jit(error_model="numpy")
+def scan_rows(rows: np.ndarray, i_oom: int, i_headroom: int) -> tuple[bool, bool]:
+    """(does any report say out of memory, does any carry a memory headroom): the manager's
+    ``ReportBatch.any_oom`` and ``headroom_rows().size > 0`` in one pass over the rows."""
+    oom = False
+    headroom = False
+    for i in range(rows.shape[0]):
+        if rows[i, i_oom] != 0.0:
+            oom = True
+        if rows[i, i_headroom] == rows[i, i_headroom]:
+            headroom = True
+    return oom, headroom
+
+
+@jit(error_model="numpy")
+def known_slots(head: np.ndarray, lut: np.ndarray, scratch: np.ndarray) -> tuple[np.ndarray, int]:
+    """The slots of the reports' workers (``head[:, 0]``) by the id -> slot table ``lut``, and 0
+    when each has a slot and none repeats; 1 when some id is outside the table or has no slot, 2
+    when a slot repeats (the caller then takes the numpy path, which adds and splits).
+    ``scratch``: an int array at least as long as the slots' range."""
+    n = head.shape[0]
+    slots = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        w = head[i, 0]
+        if w < 0 or w >= lut.size:
+            return slots, 1
+        s = lut[w]
+        if s < 0 or s >= scratch.size:
+            return slots, 1
+        slots[i] = s
+    for i in range(n):
+        scratch[slots[i]] = i
+    for i in range(n):
+        if scratch[slots[i]] != i:
+            return slots, 2
+    return slots, 0
+
+
+@jit(error_model="numpy")
+def check_split(x: np.ndarray, lo: int, caps: np.ndarray) -> tuple[int, int]:
+    """(Σ x, the first position outside [lo, caps_i] or -1): the manager's check of a split."""
+    total = 0
+    bad = -1
+    for i in range(x.size):
+        total += x[i]
+        if bad < 0 and (x[i] < lo or x[i] > caps[i]):
+            bad = i
+    return total, bad
+
+
+@jit(error_model="numpy")
 def split(v: np.ndarray, c: np.ndarray, total: int, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     """:func:`~batchsize_manager.allocation.split_small` on arrays: the real equal-finish-time
     split (piecewise Newton steps from the all-free start, a sweep over the sorted breakpoints
@@ -348,6 +399,10 @@ def warm_up() -> None:
     # the rows as read from the joined reports (strided views) and as a sub-batch's copies
     observe_rows(no_slot, records["head"], records["tel"], cols, *state)
     observe_rows(no_slot, np.zeros((0, 3), dtype=np.int64), np.zeros((0, 8)), cols, *state)
+    for head, rows in ((records["head"], records["tel"]), (np.zeros((0, 3), dtype=np.int64), np.zeros((0, 8)))):
+        scan_rows(rows, 0, 1)
+        known_slots(head, np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64))
     latest_finish(one, np.ones(1, dtype=np.int64), one)
+    check_split(np.ones(1, dtype=np.int64), 1, one)
     tail_rows(np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros((0, 2)), np.zeros((0, 2)),
               np.zeros((0, 2)), np.zeros((0, 2)), 0.9, 0.25, True, True)

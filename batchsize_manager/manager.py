@@ -30,8 +30,11 @@ from batchsize_manager.membership import Member, Membership
 from batchsize_manager.memory import CannotFit, MemoryCaps
 from batchsize_manager.policies import BatchPolicy, get_policy
 from batchsize_manager.reports import ReportBatch, WorkerReport
+from ps_common.report import ROW_INDEX
 
 log = logging.getLogger(__name__)
+
+_OOM_AT, _HEADROOM_AT = ROW_INDEX["oom"], ROW_INDEX["mem_headroom_mb"]   # in a report's row
 
 STATE_VERSION = 1
 
@@ -157,6 +160,12 @@ class BatchSizeManager:
         its failure in one batch leave the caps they would leave one report at a time (a success
         counts only for a worker with a search, which its failure may start). One vectorised
         check when the batch has no failure and nobody has a search (the usual case)."""
+        k = getattr(self._policy, "kernels", None)
+        if k is not None and (rows := batch.rows) is not None:    # one compiled pass
+            any_oom, any_headroom = k.scan_rows(rows, _OOM_AT, _HEADROOM_AT)
+            batch.known_any_oom(any_oom)
+            if not (any_oom or any_headroom or self.memory.tracks_any()):
+                return
         if not batch.any_oom and not self.memory.tracks_any():
             for i in batch.headroom_rows().tolist():
                 self._completed(batch.reports[i])
@@ -435,14 +444,19 @@ class BatchSizeManager:
         if x.shape != ids.shape:
             raise RuntimeError(f"batch policy {name} answered {x.size} sizes for {ids.size} workers")
         small = x.size <= SMALL_N
-        total = int(sum(xs) if small else x.sum())
+        k = getattr(self._policy, "kernels", None)
+        if not small and k is not None:
+            total, first_bad = k.check_split(k.as_int64(x), self.min_batch, k.as_float64(caps))
+            bad = [] if first_bad < 0 else [first_bad]
+        else:
+            total = int(sum(xs) if small else x.sum())
         if total != self.global_batch:
             raise RuntimeError(f"batch policy {name} split sums to {total}, "
                                f"not X={self.global_batch}: {dict(zip(ids.tolist(), xs))}")
         lo = self.min_batch
         if small:
             bad = [i for i, (xi, ci) in enumerate(zip(xs, self._caps_list(caps))) if xi < lo or xi > ci]
-        else:
+        elif k is None:
             bad = np.flatnonzero((x < lo) | (x > caps)).tolist()
         if bad:
             i = bad[0]

@@ -40,6 +40,9 @@ class BatchPolicy(ABC):
     name: str = ""
     #: True when ``assign_arrays``/``observe_batch`` are the policy's own (vectorised) code
     native_arrays: bool = False
+    #: compiled helpers (:mod:`batchsize_manager.lbbsp_kernel`) that the manager also uses for its
+    #: own per-decision checks when the policy has loaded them; None: numpy
+    kernels: Any = None
 
     def join(self, worker_id: int) -> None:
         """A worker became live."""

@@ -357,6 +357,11 @@ class ReportBatch:
                 self._any_oom = any(map(_OOM, self.tels))
         return self._any_oom
 
+    def known_any_oom(self, value: bool) -> None:
+        """Set :attr:`any_oom` from a scan the caller made of :attr:`rows` (the manager's
+        compiled one), so that it is not read again."""
+        self._any_oom = bool(value)
+
     @property
     def oom(self) -> np.ndarray:
         """Per report: did the worker run out of memory (``Telemetry.oom``)?"""

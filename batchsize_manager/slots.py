@@ -71,6 +71,12 @@ class SlotTable:
             return True
         return False
 
+    @property
+    def lut(self) -> np.ndarray:
+        """id -> slot for ids below its size (-1: none); ids beyond it are in no array (read it,
+        never write it)."""
+        return self._lut
+
     # ----- single ids -----------------------------------------------------------------------
     def get(self, w: int) -> int:
         """The slot of ``w`` or -1."""

@@ -171,3 +171,44 @@ def test_reports_at_the_edges_observe_into_the_same_state(args):
             assert np.array_equal(x, y, equal_nan=True), (it, name)
     for m in ms:
         m.close()
+
+
+def test_known_slots_and_scan_rows_read_the_rows_as_the_numpy_columns():
+    """Slots by the id table (0: all known, none twice; 1: an id without a slot or outside the
+    table; 2: a slot twice), and the out-of-memory and headroom flags, against the numpy reads."""
+    lut = np.array([3, -1, 0, 1, 2], dtype=np.int64)
+    scratch = np.zeros(4, dtype=np.int64)
+    head = lambda ids: np.array([[w, 0, 8] for w in ids], dtype=np.int64)   # noqa: E731
+    slots, status = K.known_slots(head([0, 2, 3, 4]), lut, scratch)
+    assert status == 0 and slots.tolist() == [3, 0, 1, 2]
+    assert K.known_slots(head([0, 1]), lut, scratch)[1] == 1      # id 1 has no slot
+    assert K.known_slots(head([0, 5]), lut, scratch)[1] == 1      # beyond the table
+    assert K.known_slots(head([-1, 0]), lut, scratch)[1] == 1
+    assert K.known_slots(head([2, 3, 2]), lut, scratch)[1] == 2   # worker 2 twice
+    rows = np.full((5, 3), math.nan)
+    rows[:, 0] = 0.0                                              # oom column
+    for oom, room in ((None, None), (3, None), (None, 4), (0, 0), (None, 1)):
+        r = rows.copy()
+        if oom is not None:
+            r[oom, 0] = 1.0
+        if room is not None:
+            r[room, 2] = 512.0 if room != 1 else 0.0              # none left is a headroom too
+        assert K.scan_rows(r, 0, 2) == (bool(r[:, 0].any()), bool(np.flatnonzero(r[:, 2] == r[:, 2]).size))
+
+
+def test_the_manager_refuses_a_bad_split_on_the_compiled_check():
+    """The manager's check of a split of more than SMALL_N workers runs compiled: a split that
+    does not sum to X, or one outside a worker's bounds, is refused with the worker named."""
+    m = BatchSizeManager("lbbsp-cpu", 40 * 8, min_batch=2, max_batch=20)
+    assert m.policy.kernels is not None
+    for w in range(40):
+        m.join(w)
+    good = m.policy._assign
+    for bad, match in (([8] * 39 + [9], "sums to 321"), ([8] * 10 + [1, 15] + [8] * 28, "worker 10 batch 1"),
+                       ([8] * 20 + [21] + [7] * 13 + [8] * 6, "worker 20 batch 21")):
+        m.policy._assign = lambda *a, bad=bad: np.array(bad, dtype=np.int64)   # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match=match):
+            m.assign()
+    m.policy._assign = good                                       # type: ignore[method-assign]
+    assert sum(m.assign().values()) == 320
+    m.close()
