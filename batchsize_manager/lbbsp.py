@@ -772,7 +772,17 @@ class LBBSPCpuPolicy(SlotPolicy):
         when no worker is measured. ``plan``: a decision uses them, so remember each worker's
         forecast as the speed its next batch is planned with (:func:`stall_share`)."""
         v = self._pred.predict(slots)            # nan (unmeasured) or finite and > 0
-        if plan:
+        k = self.kernels
+        if k is not None:                        # the steady state in one compiled call
+            slots, v = k.as_int64(slots), k.as_float64(v)
+            done, ve, ce = k.estimate(
+                slots, v, plan, self._vplan, self._overhead, self.finish_quantile is not None, self._fn,
+                self.use_quota, self._quota, self._ff, self._fx, self._fc, self._fv,
+                self.finish_quantile or 0.0, STALL_BASE_QUANTILE, self.stalls == "per_sample",
+                self.finish_tail == "finish")
+            if done:
+                return ve, ce
+        elif plan:
             self._vplan[slots] = v
         ok = v > 0
         k = int(np.count_nonzero(ok))
@@ -817,14 +827,7 @@ class LBBSPCpuPolicy(SlotPolicy):
                     return v_out, out
                 every = False
         if every:                    # the steady state: every row, nothing to copy or scatter
-            full = int(fn.min()) >= self.finish_window
-            k = self.kernels
-            if full and k is not None:
-                return k.tail_rows(
-                    k.as_int64(slots), k.as_float64(v), self._ff, self._fx, self._fc, self._fv,
-                    self.finish_quantile, STALL_BASE_QUANTILE, self.stalls == "per_sample",
-                    self.finish_tail == "finish")
-            vr, q = self._tail_rows(slots, v, full=full)
+            vr, q = self._tail_rows(slots, v, full=int(fn.min()) >= self.finish_window)
             return vr, np.maximum(0.0, q)
         if out is None or v_out is None:
             out, v_out = oh.copy(), v.copy()

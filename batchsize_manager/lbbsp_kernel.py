@@ -1,19 +1,26 @@
-"""LB-BSP's per-decision arithmetic on many workers compiled (numba): the tail of the server-seen
-finish times and the equal-finish-time split, one call each.
+"""LB-BSP's per-decision work on many workers compiled (numba): a batch of received reports
+observed in one pass over their rows, the estimate (forecast speeds, the tail of the server-seen
+finish times) and the equal-finish-time split one call each, and the manager's reads and checks
+around them.
 
 Why: a decision paced like a real run finds the CPU's caches cold, and each distinct numpy call
 then costs tens of µs whatever the array sizes (``benchmarks/bench_decision_cold.py``; see
-:mod:`predictors.jit`). At 100 workers the policy's tail model (the stall share and two row
-quantiles) and the split (Newton steps, largest-remainder rounding) were some 40 numpy calls
-per decision. Here each is one compiled call over plain loops.
+:mod:`predictors.jit`). At 100 workers a decision was some 80 numpy calls besides the
+predictor's: reading the reports' columns, the warm-up and window bookkeeping, the stall share
+and two row quantiles, the Newton steps and the rounding of the split, the manager's checks.
+Here each step is one compiled call over plain loops, and the row quantiles keep only the few
+values at the quantile's end of the window instead of sorting it.
 
-The numpy code in :mod:`batchsize_manager.lbbsp` and :mod:`batchsize_manager.allocation` stays:
-it is the reference the tests hold these to, and the path where numba does not import
-(:data:`predictors.jit.AVAILABLE`). The split is :func:`~batchsize_manager.allocation.split_small`'s
-algorithm step for step (its sums run in the same order, so its results are the same);
-against the numpy split, whose sums are BLAS dot products, the real-valued shares may differ in
-the last bits, and the integer split with them only at a rounding tie. Divisions follow
-numpy's rules (``error_model="numpy"``: x / 0 is inf or nan), as the numpy code does.
+The numpy code in :mod:`batchsize_manager.lbbsp`, :mod:`batchsize_manager.allocation` and
+:mod:`batchsize_manager.manager` stays: it is the reference the tests hold these to, the path for
+everything but the steady state (workers still warming up or filling their windows, a quota
+below a core, reports of unknown or repeated workers, OOM reports), and the whole path where
+numba does not import (:data:`predictors.jit.AVAILABLE`). The split is
+:func:`~batchsize_manager.allocation.split_small`'s algorithm step for step (its sums run in the
+same order, so its integers are the same); against the numpy split of many workers, whose sums
+are BLAS dot products, the real-valued shares may differ in the last bits, and the integer
+split with them only at a rounding tie. Divisions follow numpy's rules
+(``error_model="numpy"``: x / 0 is inf or nan).
 """
 
 from __future__ import annotations
@@ -24,27 +31,61 @@ import numpy as np
 
 from predictors.jit import AVAILABLE, as_float64, as_int64, jit
 
-__all__ = ["AVAILABLE", "as_float64", "as_int64", "check_split", "known_slots", "latest_finish", "observe_rows",
-           "scan_rows", "split", "tail_rows", "warm_up"]
+__all__ = ["AVAILABLE", "as_float64", "as_int64", "check_split", "estimate", "known_slots", "latest_finish",
+           "observe_rows", "scan_rows", "split", "tail_rows", "warm_up"]
 
 
 @jit(error_model="numpy")
-def _row_quantile_full(r: np.ndarray, q: float) -> float:
-    """``np.quantile(r, q)`` (linear) of one row with no NaN, sorting ``r`` in place:
-    :func:`~batchsize_manager.lbbsp._row_quantile`'s arithmetic. An insertion sort (NaNs last,
-    as numpy's): a window is a few dozen values, where it takes a quarter of ``r.sort()``'s
-    time."""
-    for i in range(1, r.size):
-        x = r[i]
-        j = i - 1
-        while j >= 0 and (r[j] > x or (r[j] != r[j] and x == x)):
-            r[j + 1] = r[j]
-            j -= 1
-        r[j + 1] = x
-    pos = q * (r.size - 1)
+def _before(a: float, b: float) -> bool:
+    """a sorts before b, NaNs last (numpy's order)."""
+    return a < b or (b != b and a == a)
+
+
+@jit(error_model="numpy")
+def _row_quantile_full(r: np.ndarray, q: float, buf: np.ndarray) -> float:
+    """``np.quantile(r, q)`` (linear) of one row: :func:`~batchsize_manager.lbbsp._row_quantile`'s
+    arithmetic on the two order statistics it reads, found by keeping only the few values at
+    that end of the row in ``buf`` (sorted by insertion; NaNs sort last, as numpy's): the 0.9
+    quantile of 32 values needs the 5 largest. ``buf``: scratch of at least ``r.size``."""
+    n = r.size
+    pos = q * (n - 1)
     lo = int(math.floor(pos))
-    hi = min(lo + 1, r.size - 1)
-    return r[lo] * (1.0 - (pos - lo)) + r[hi] * (pos - lo)
+    hi = min(lo + 1, n - 1)
+    if hi + 1 <= n - lo:                      # keep the hi + 1 smallest, ascending
+        k = hi + 1
+        m = 0
+        for i in range(n):
+            x = r[i]
+            if m == k:
+                if not _before(x, buf[k - 1]):
+                    continue
+                j = k - 1
+            else:
+                j = m
+                m += 1
+            while j > 0 and _before(x, buf[j - 1]):
+                buf[j] = buf[j - 1]
+                j -= 1
+            buf[j] = x
+        a, b = buf[lo], buf[hi]
+    else:                                     # keep the n - lo largest, descending
+        k = n - lo
+        m = 0
+        for i in range(n):
+            x = r[i]
+            if m == k:
+                if not _before(buf[k - 1], x):
+                    continue
+                j = k - 1
+            else:
+                j = m
+                m += 1
+            while j > 0 and _before(buf[j - 1], x):
+                buf[j] = buf[j - 1]
+                j -= 1
+            buf[j] = x
+        a, b = buf[k - 1], buf[k - 1 - (hi - lo)]
+    return a * (1.0 - (pos - lo)) + b * (pos - lo)
 
 
 @jit(error_model="numpy")
@@ -64,6 +105,7 @@ def tail_rows(slots: np.ndarray, v: np.ndarray, ff: np.ndarray, fx: np.ndarray, 
     c = np.empty(n)
     work = np.empty(w)
     rest = np.empty(w)
+    buf = np.empty(w)
     for i in range(n):
         s = slots[i]
         vi = v[i]
@@ -78,7 +120,7 @@ def tail_rows(slots: np.ndarray, v: np.ndarray, ff: np.ndarray, fx: np.ndarray, 
                     rest[j] = ff[s, j] - wj
                     work_sum += wj
                     finish_sum += ff[s, j]
-                base = _row_quantile_full(rest, base_quantile)
+                base = _row_quantile_full(rest, base_quantile, buf)
                 den = finish_sum - w * base
                 share = work_sum / den if den != 0.0 else 1.0   # numpy: inf or nan, then 1
                 if share > 1.0:
@@ -92,9 +134,48 @@ def tail_rows(slots: np.ndarray, v: np.ndarray, ff: np.ndarray, fx: np.ndarray, 
             for j in range(w):
                 rest[j] = ff[s, j] - fc[s, j]
         vr[i] = vi
-        q = _row_quantile_full(rest, quantile)
+        q = _row_quantile_full(rest, quantile, buf)
         c[i] = 0.0 if q < 0.0 else q             # np.maximum(0, q): nan stays nan
     return vr, c
+
+
+@jit(error_model="numpy")
+def estimate(slots: np.ndarray, v: np.ndarray, plan: bool, vplan: np.ndarray, overhead: np.ndarray,
+             tail: bool, fn: np.ndarray, use_quota: bool, quota: np.ndarray, ff: np.ndarray,
+             fx: np.ndarray, fc: np.ndarray, fv: np.ndarray, quantile: float, base_quantile: float,
+             per_sample: bool, tail_finish: bool) -> tuple[bool, np.ndarray, np.ndarray]:
+    """``LBBSPCpuPolicy._estimate_arrays`` after the forecast ``v`` in the steady state, where
+    every worker has a speed and (``tail``) a full finish window of at least 4 entries and no
+    quota below a core (``use_quota``), or (no ``tail``) an overhead: (True, speeds, overheads).
+    (False, ...) otherwise, for the numpy code, which fills in means and plans by quota. Writes
+    ``vplan[slots] = v`` first where ``plan``, as the numpy code does."""
+    n = slots.size
+    for i in range(n):
+        if slots[i] < 0 or slots[i] >= overhead.shape[0]:
+            raise IndexError("slot out of range")
+    if plan:
+        for i in range(n):
+            vplan[slots[i]] = v[i]
+    need = max(ff.shape[1], 4)
+    for i in range(n):
+        s = slots[i]
+        if not v[i] > 0:
+            return False, v, v
+        if tail:
+            if fn[s] < need or (use_quota and quota[s] < 1.0):
+                return False, v, v
+        elif overhead[s] != overhead[s]:
+            return False, v, v
+    if not tail:
+        c = np.empty(n)
+        for i in range(n):
+            c[i] = overhead[slots[i]]
+        return True, v, c
+    vr, c = tail_rows(slots, v, ff, fx, fc, fv, quantile, base_quantile, per_sample, tail_finish)
+    for i in range(n):
+        if c[i] != c[i]:
+            return False, v, v
+    return True, vr, c
 
 
 @jit(error_model="numpy")
@@ -387,9 +468,12 @@ def warm_up() -> None:
     if not AVAILABLE:
         return
     one = np.ones(1)
+    no_slot = np.zeros(0, dtype=np.int64)
     split(one, np.zeros(1), 1, one, one)
     latest_finish(one, one, one)
-    no_slot = np.zeros(0, dtype=np.int64)
+    estimate(no_slot, np.zeros(0), True, np.zeros(1), np.zeros(1), True, np.zeros(1, dtype=np.int64), True,
+             np.zeros(1), np.zeros((1, 2)), np.zeros((1, 2)), np.zeros((1, 2)), np.zeros((1, 2)), 0.9, 0.25,
+             True, True)
     state = (np.zeros(1, dtype=np.int64), 1, np.zeros(1), 0.3, True, True, np.zeros(1, dtype=np.int64),
              np.zeros((1, 2)), np.zeros((1, 2)), np.zeros((1, 2)), np.zeros((1, 2)), np.zeros(1), True,
              np.zeros((1, 2)), np.zeros((1, 2)), np.zeros(1))
