@@ -467,6 +467,8 @@ class StaticPolicy(SlotPolicy):
 #: Where :func:`batchsize_manager.lbbsp_kernel.observe_rows` reads a report's row.
 _ROW_COLS = np.array([ROW_INDEX[k] for k in ("compute_s", "finish_s", "data_s", "prev_push_s", "prev_pull_s",
                                              "cpu_s", "compute_cpu_s", "cpu_quota")], dtype=np.int64)
+_EXOG_COLS = np.array([ROW_INDEX[k] for k in EXOG_KEYS], dtype=np.int64)   # :meth:`Telemetry.exog`'s
+_NO_COLS = np.zeros(0, dtype=np.int64)
 
 
 def _load_kernel(compiled: bool | None) -> Any:
@@ -704,16 +706,14 @@ class LBBSPCpuPolicy(SlotPolicy):
         if k is not None:
             rows = batch.rows
             if rows is not None:                        # received reports: one compiled pass
-                keep, ks, v = k.observe_rows(
-                    k.as_int64(slots), batch.head, rows, _ROW_COLS, self._seen, self.warmup,
-                    self._overhead, self.overhead_alpha, self.use_overhead,
+                _, ks, v, exog = k.observe_rows(
+                    k.as_int64(slots), batch.head, rows, _ROW_COLS, _EXOG_COLS if self.use_exog else _NO_COLS,
+                    self._seen, self.warmup, self._overhead, self.overhead_alpha, self.use_overhead,
                     self.finish_quantile is not None, self._fn, self._fx, self._ff, self._fc,
                     self._fv, self._vplan, self.use_quota, self._fcpu, self._fwork, self._quota)
                 if ks.size:
-                    exog = None
-                    if self.use_exog:
-                        exog = batch.exog() if keep.size == batch.n else batch.exog()[keep]
-                    self._feed(ks, v, exog)
+                    counts = self._pred.update(ks, v, exog if self.use_exog else None)
+                    k.record_history(ks, k.as_int64(counts), v, exog, self._hv, self._hx)
                 return
         v = batch.speed()
         rows = None

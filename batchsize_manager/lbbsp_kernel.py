@@ -32,7 +32,7 @@ import numpy as np
 from predictors.jit import AVAILABLE, as_float64, as_int64, jit
 
 __all__ = ["AVAILABLE", "as_float64", "as_int64", "check_split", "estimate", "known_slots", "latest_finish",
-           "observe_rows", "scan_rows", "split", "tail_rows", "warm_up"]
+           "observe_rows", "record_history", "scan_rows", "split", "tail_rows", "warm_up"]
 
 
 @jit(error_model="numpy")
@@ -205,17 +205,20 @@ def _measured(a: float) -> float:
 
 @jit(error_model="numpy")
 def observe_rows(slots: np.ndarray, head: np.ndarray, rows: np.ndarray, cols: np.ndarray,
-                 seen: np.ndarray, warmup: int, overhead: np.ndarray, alpha: float, use_overhead: bool,
-                 windows: bool, fn: np.ndarray, fx: np.ndarray, ff: np.ndarray, fc: np.ndarray,
-                 fv: np.ndarray, vplan: np.ndarray, use_quota: bool, fcpu: np.ndarray,
-                 fwork: np.ndarray, quota: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                 exog_cols: np.ndarray, seen: np.ndarray, warmup: int, overhead: np.ndarray,
+                 alpha: float, use_overhead: bool, windows: bool, fn: np.ndarray, fx: np.ndarray,
+                 ff: np.ndarray, fc: np.ndarray, fv: np.ndarray, vplan: np.ndarray, use_quota: bool,
+                 fcpu: np.ndarray, fwork: np.ndarray,
+                 quota: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """``LBBSPCpuPolicy._observe`` of a batch read from its reports' rows, but for feeding the
     predictor: per report i of slot ``slots[i]`` (distinct), in order, the speed (batch /
     compute, kept where finite and > 0), the warm-up count, the overhead's EMA and the finish
     window's entry (with the CPU times and the quota where ``use_quota``). ``head``: the rows'
     (worker, iteration, batch size); ``rows``: their telemetry; ``cols``: the positions in a row
     of compute_s, finish_s, data_s, prev_push_s, prev_pull_s, cpu_s, compute_cpu_s and
-    cpu_quota. Returns the positions, slots and speeds of the reports to feed the predictor."""
+    cpu_quota; ``exog_cols``: of the exogenous inputs the predictor takes (none: no inputs).
+    Returns the positions, slots, speeds and exogenous inputs (finite, else 0: ``ReportBatch.exog``)
+    of the reports to feed the predictor."""
     n = slots.size
     cap = seen.shape[0]
     for i in range(n):
@@ -227,6 +230,8 @@ def observe_rows(slots: np.ndarray, head: np.ndarray, rows: np.ndarray, cols: np
     keep = np.empty(n, dtype=np.int64)
     keep_slots = np.empty(n, dtype=np.int64)
     keep_v = np.empty(n)
+    n_exog = exog_cols.size
+    keep_x = np.empty((n, n_exog))
     m = 0
     for i in range(n):
         s = slots[i]
@@ -243,6 +248,9 @@ def observe_rows(slots: np.ndarray, head: np.ndarray, rows: np.ndarray, cols: np
         keep[m] = i
         keep_slots[m] = s
         keep_v[m] = v
+        for e in range(n_exog):
+            x = rows[i, exog_cols[e]]
+            keep_x[m, e] = x if math.isfinite(x) else 0.0
         m += 1
         fin = _duration(rows[i, i_fin])
         if not use_overhead:
@@ -266,7 +274,26 @@ def observe_rows(slots: np.ndarray, head: np.ndarray, rows: np.ndarray, cols: np
             fn[s] = count + 1
         if use_quota:
             quota[s] = _measured(rows[i, i_quota])
-    return keep[:m], keep_slots[:m], keep_v[:m]
+    return keep[:m], keep_slots[:m], keep_v[:m], keep_x[:m]
+
+
+@jit(error_model="numpy")
+def record_history(slots: np.ndarray, counts: np.ndarray, v: np.ndarray, exog: np.ndarray,
+                   hv: np.ndarray, hx: np.ndarray) -> None:
+    """``LBBSPCpuPolicy._feed``'s ring of the last observations: slot s's entry number
+    (counts_i - 1) mod history gets the speed and the exogenous inputs (zeros where ``exog``
+    has no rows)."""
+    h = hv.shape[1]
+    n_exog = hx.shape[2]
+    has_exog = exog.shape[0] > 0
+    for i in range(slots.size):
+        s = slots[i]
+        if s < 0 or s >= hv.shape[0]:
+            raise IndexError("slot out of range")
+        p = (counts[i] - 1) % h
+        hv[s, p] = v[i]
+        for e in range(n_exog):
+            hx[s, p, e] = exog[i, e] if has_exog else 0.0
 
 
 @jit(error_model="numpy")
@@ -474,15 +501,18 @@ def warm_up() -> None:
     estimate(no_slot, np.zeros(0), True, np.zeros(1), np.zeros(1), True, np.zeros(1, dtype=np.int64), True,
              np.zeros(1), np.zeros((1, 2)), np.zeros((1, 2)), np.zeros((1, 2)), np.zeros((1, 2)), 0.9, 0.25,
              True, True)
-    state = (np.zeros(1, dtype=np.int64), 1, np.zeros(1), 0.3, True, True, np.zeros(1, dtype=np.int64),
-             np.zeros((1, 2)), np.zeros((1, 2)), np.zeros((1, 2)), np.zeros((1, 2)), np.zeros(1), True,
-             np.zeros((1, 2)), np.zeros((1, 2)), np.zeros(1))
+    state = (np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int64), 1, np.zeros(1), 0.3, True, True,
+             np.zeros(1, dtype=np.int64), np.zeros((1, 2)), np.zeros((1, 2)), np.zeros((1, 2)), np.zeros((1, 2)),
+             np.zeros(1), True, np.zeros((1, 2)), np.zeros((1, 2)), np.zeros(1))
     records = np.zeros(2, dtype=[("head", "<i8", (3,)), ("tel", "<f8", (8,))])
     records.flags.writeable = False                # as read from the joined bytes
     cols = np.arange(8, dtype=np.int64)
     # the rows as read from the joined reports (strided views) and as a sub-batch's copies
     observe_rows(no_slot, records["head"], records["tel"], cols, *state)
     observe_rows(no_slot, np.zeros((0, 3), dtype=np.int64), np.zeros((0, 8)), cols, *state)
+    for n_exog in (0, 3):
+        record_history(no_slot, no_slot, np.zeros(0), np.zeros((0, n_exog)), np.zeros((1, 2)),
+                       np.zeros((1, 2, n_exog)))
     for head, rows in ((records["head"], records["tel"]), (np.zeros((0, 3), dtype=np.int64), np.zeros((0, 8)))):
         scan_rows(rows, 0, 1)
         known_slots(head, np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64))

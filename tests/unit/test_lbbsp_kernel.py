@@ -143,8 +143,9 @@ def test_the_compiled_policy_decides_as_the_numpy_one(args):
                              policy_args={**args, "compiled": compiled})
         assert m.policy.compiled is compiled
         runs.append((m, Simulation(m, _fleet(3))))
-    before = {f: len(getattr(K, f).signatures) for f in ("split", "estimate", "latest_finish", "observe_rows",
-                                                          "known_slots", "scan_rows", "check_split")}
+    kernels = ("split", "estimate", "latest_finish", "observe_rows", "record_history", "known_slots",
+               "scan_rows", "check_split")
+    before = {f: len(getattr(K, f).signatures) for f in kernels}
     for step in range(40):
         if step == 15:
             for _, sim in runs:
@@ -169,6 +170,8 @@ def test_the_compiled_policy_decides_as_the_numpy_one(args):
 @pytest.mark.parametrize("args", [
     {"predictor": "ema", "finish_window": 4},
     {"predictor": "last", "warmup": 0, "finish_window": 3, "stalls": "fixed"},
+    {"predictor": "narx", "refit": "sync", "finish_window": 4,      # exogenous inputs, some missing
+     "predictor_args": {"epochs": 2, "min_train": 4, "refit_every": 5}},
 ])
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # speeds near 1e300: inf, handled
 def test_reports_at_the_edges_observe_into_the_same_state(args):
