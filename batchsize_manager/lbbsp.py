@@ -464,6 +464,16 @@ class StaticPolicy(SlotPolicy):
 
 
 # ---------------------------------------------------------------------------------------------
+#: Up to this many workers the estimate and the split run compiled; above it on numpy. A
+#: compiled call saves the per-call cost of some 40 numpy calls, which a decision paced like a
+#: real run pays with cold caches (at 100 workers of ``bench_fleet.py`` the decision's CPU fell
+#: by half), but its scalar loops do the arithmetic of many rows slower than numpy's SIMD
+#: (sorting networks, vector division): at 10,000 workers in a tight loop the tail model took
+#: 7.3 ms compiled against 2.3 ms on numpy, and the split 0.86 against 0.22 ms. Paced by 50 ms
+#: sleeps (``bench_decision_cold.py --workers 300 1000``), deciding cost the same both ways at
+#: 300 workers (370 and 356 µs) and 1,021 against 611 µs at 1,000.
+COMPILED_MAX_WORKERS = 256
+
 #: Where :func:`batchsize_manager.lbbsp_kernel.observe_rows` reads a report's row.
 _ROW_COLS = np.array([ROW_INDEX[k] for k in ("compute_s", "finish_s", "data_s", "prev_push_s", "prev_pull_s",
                                              "cpu_s", "compute_cpu_s", "cpu_quota")], dtype=np.int64)
@@ -772,17 +782,17 @@ class LBBSPCpuPolicy(SlotPolicy):
         when no worker is measured. ``plan``: a decision uses them, so remember each worker's
         forecast as the speed its next batch is planned with (:func:`stall_share`)."""
         v = self._pred.predict(slots)            # nan (unmeasured) or finite and > 0
-        k = self.kernels
-        if k is not None:                        # the steady state in one compiled call
-            slots, v = k.as_int64(slots), k.as_float64(v)
-            done, ve, ce = k.estimate(
+        kern = self.kernels
+        if kern is not None and slots.size <= COMPILED_MAX_WORKERS:   # the steady state in one call
+            slots, v = kern.as_int64(slots), kern.as_float64(v)
+            done, ve, ce = kern.estimate(
                 slots, v, plan, self._vplan, self._overhead, self.finish_quantile is not None, self._fn,
                 self.use_quota, self._quota, self._ff, self._fx, self._fc, self._fv,
                 self.finish_quantile or 0.0, STALL_BASE_QUANTILE, self.stalls == "per_sample",
                 self.finish_tail == "finish")
             if done:
                 return ve, ce
-        elif plan:
+        if plan and (kern is None or slots.size > COMPILED_MAX_WORKERS):
             self._vplan[slots] = v
         ok = v > 0
         k = int(np.count_nonzero(ok))
@@ -960,7 +970,7 @@ class LBBSPCpuPolicy(SlotPolicy):
         """:func:`finish_time_split_arrays`, compiled where the policy is (up to SMALL_N workers
         both use :func:`split_small`, whose algorithm the kernel is)."""
         k = self.kernels
-        if k is None or v.size <= SMALL_N:
+        if k is None or v.size <= SMALL_N or v.size > COMPILED_MAX_WORKERS:
             return finish_time_split_arrays(v, c, total, lo, hi)
         return k.split(k.as_float64(v), k.as_float64(c), total, k.as_float64(lo), k.as_float64(hi))
 
