@@ -228,6 +228,16 @@ def _pick(frac: np.ndarray, cand: np.ndarray, k: int, largest: bool) -> np.ndarr
     return np.concatenate([above, equal])
 
 
+def check_rounding(left: int, n: int, total: int) -> None:
+    """Shares that solve the split lose less than one sample each to flooring, so at most ``n``
+    are left to hand out. More means the real-valued solve overflowed (speeds near the float
+    limit, which a report may carry): refuse it rather than hand out samples ``n`` per round,
+    which for shares near 1e12 took some 1e10 rounds (found by review)."""
+    if abs(left) > n:
+        raise ValueError(f"the shares are {left} samples from the total {total} after rounding "
+                         f"down: the speeds or overheads overflowed")
+
+
 def round_bounded_arrays(s: np.ndarray, total: int, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     """Largest-remainder rounding of real shares ``s`` within [lo, hi] (``hi`` may hold inf), by
     position: ties go to the lower position (the lower worker id when positions follow sorted ids).
@@ -243,6 +253,7 @@ def round_bounded_arrays(s: np.ndarray, total: int, lo: np.ndarray, hi: np.ndarr
     np.maximum(out, lo_a, out=out)
     np.minimum(out, hi_a, out=out)
     left = int(round(total - float(np.add.reduce(out))))
+    check_rounding(left, out.size, total)
     all_pos = None
     while left != 0:
         frac = s - out
@@ -381,6 +392,7 @@ def split_small(v: list[float], c: list[float], total: int, lo: list[float],
     x = [min(max(vi * (t - ci), li), h) for vi, ci, li, h in zip(v, c, lo, hi)]
     out = [min(max(float(math.floor(xi + 1e-9)), li), h) for xi, li, h in zip(x, lo, hi)]
     left = int(round(total - sum(out)))
+    check_rounding(left, n, total)
     while left != 0:
         if left > 0:
             cand = sorted((i for i in range(n) if out[i] < hi[i]), key=lambda i: (-(x[i] - out[i]), i))

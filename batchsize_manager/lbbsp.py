@@ -935,29 +935,11 @@ class LBBSPCpuPolicy(SlotPolicy):
             self.predicted_s = math.nan
         else:
             v, c = est
-            if not self._prev_within(ids, total, min_batch, caps):
-                out = self._split(v, c, total, np.full(ids.size, float(min_batch)), caps)
-                self.predicted_s = self._latest_finish(c, out, v)
-            else:
-                assert prev is not None
-                px = prev[1]
-                lo, hi = self._bounds_around(px, caps, min_batch)
-                vl = v.tolist() if v.size <= SMALL_N else None
-                if vl is not None and min(vl) > 0:   # Python floats, as the split itself: same operations
-                    cl = c.tolist()
-                    pl, lol, hil = self._bounds_lists
-                    xl = split_small(vl, cl, total, lol, hil)
-                    t_prev = max([ci + xi / vi for ci, xi, vi in zip(cl, pl, vl)])
-                    t_new = max([ci + xi / vi for ci, xi, vi in zip(cl, xl, vl)])
-                    out = np.array(xl, dtype=np.int64)
-                else:
-                    out = self._split(v, c, total, lo, hi)
-                    t_prev = self._latest_finish(c, px, v)
-                    t_new = self._latest_finish(c, out, v)
-                if not t_new < t_prev * (1.0 - self.threshold):
-                    out = px
-                    t_new = t_prev
-                self.predicted_s = t_new
+            within = self._prev_within(ids, total, min_batch, caps)
+            try:
+                out = self._decide(ids, v, c, total, min_batch, caps, within)
+            except (ValueError, OverflowError) as exc:   # the solve overflowed: keep going
+                out = self._fallback(exc, ids, total, min_batch, caps, within)
         if prev is None or (out is not prev[1] and not (
                 prev[0].size == ids.size and (prev[0] == ids).all() and (prev[1] == out).all())):
             if prev is not None:
@@ -965,6 +947,50 @@ class LBBSPCpuPolicy(SlotPolicy):
             self._prev = (ids.copy(), out.copy())
         self._prev_bounds = (ids, caps, total, min_batch)
         return out.copy()
+
+    def _decide(self, ids: np.ndarray, v: np.ndarray, c: np.ndarray, total: int, min_batch: int,
+                caps: np.ndarray, within: bool) -> np.ndarray:
+        """The equal-finish-time split of ``total`` for speeds ``v`` and overheads ``c``, kept at
+        the previous one unless predicted ``threshold`` faster (``within``: the previous split
+        is still a valid answer); sets :attr:`predicted_s`."""
+        prev = self._prev
+        if not within:
+            out = self._split(v, c, total, np.full(ids.size, float(min_batch)), caps)
+            self.predicted_s = self._latest_finish(c, out, v)
+            return out
+        assert prev is not None
+        px = prev[1]
+        lo, hi = self._bounds_around(px, caps, min_batch)
+        vl = v.tolist() if v.size <= SMALL_N else None
+        if vl is not None and min(vl) > 0:   # Python floats, as the split itself: same operations
+            cl = c.tolist()
+            pl, lol, hil = self._bounds_lists
+            xl = split_small(vl, cl, total, lol, hil)
+            t_prev = max([ci + xi / vi for ci, xi, vi in zip(cl, pl, vl)])
+            t_new = max([ci + xi / vi for ci, xi, vi in zip(cl, xl, vl)])
+            out = np.array(xl, dtype=np.int64)
+        else:
+            out = self._split(v, c, total, lo, hi)
+            t_prev = self._latest_finish(c, px, v)
+            t_new = self._latest_finish(c, out, v)
+        if not t_new < t_prev * (1.0 - self.threshold):
+            out = px
+            t_new = t_prev
+        self.predicted_s = t_new
+        return out
+
+    def _fallback(self, exc: Exception, ids: np.ndarray, total: int, min_batch: int, caps: np.ndarray,
+                  within: bool) -> np.ndarray:
+        """The split when the solve failed on the estimates (speeds near the float limit, which a
+        report may carry, overflow its sums): the previous split where it is still valid, else
+        the even one within the bounds; the job goes on and the next decision tries again."""
+        log.warning("lbbsp-cpu: no equal-finish split from the estimates (%s); %s", exc,
+                    "keeping the previous split" if within else "splitting evenly")
+        self.predicted_s = math.nan
+        if within:
+            assert self._prev is not None
+            return self._prev[1]
+        return bounded_split_arrays(np.ones(ids.size), total, min_batch, caps)
 
     def _split(self, v: np.ndarray, c: np.ndarray, total: int, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         """:func:`finish_time_split_arrays`, compiled where the policy is (up to SMALL_N workers

@@ -441,9 +441,13 @@ def split(v: np.ndarray, c: np.ndarray, total: int, lo: np.ndarray, hi: np.ndarr
             slopes[j] = slope
             if j + 1 < m:
                 f_at[j + 1] = f_at[j] + slope * (times[order[j + 1]] - times[order[j]])
-        kk = 0
-        while kk < m and f_at[kk] < total:        # bisect_left
-            kk += 1
+        kk, hi_k = 0, m                           # bisect_left, as split_small's: f_at is not
+        while kk < hi_k:                          # monotone where huge slopes cancel
+            mid = (kk + hi_k) // 2
+            if f_at[mid] < total:
+                kk = mid + 1
+            else:
+                hi_k = mid
         if kk == 0:
             t = times[order[0]] if m else 0.0
         else:
@@ -456,10 +460,16 @@ def split(v: np.ndarray, c: np.ndarray, total: int, lo: np.ndarray, hi: np.ndarr
     for i in range(n):
         xi = min(max(vv[i] * (t - c[i]), lo[i]), hi[i])
         x[i] = xi
+        if xi != xi:                              # math.floor's errors in split_small
+            raise ValueError("cannot convert float NaN to integer")
+        if xi + 1e-9 == math.inf:
+            raise OverflowError("cannot convert float infinity to integer")
         oi = min(max(float(math.floor(xi + 1e-9)), lo[i]), hi[i])
         out[i] = oi
         out_sum += oi
     left = int(round(total - out_sum))
+    if abs(left) > n:                             # see allocation.check_rounding
+        raise ValueError("the shares are far from the total: the speeds or overheads overflowed")
     key = np.empty(n)
     while left != 0:
         cand = np.empty(n, dtype=np.int64)

@@ -12,11 +12,13 @@ import random
 import numpy as np
 import pytest
 
-from batchsize_manager import BatchSizeManager
+from batchsize_manager import BatchSizeManager, WorkerReport
 from batchsize_manager import lbbsp_kernel as K
 from batchsize_manager.allocation import split_small
 from batchsize_manager.lbbsp import STALL_BASE_QUANTILE, _row_quantile, _stall_share
 from batchsize_manager.simulation import SimulatedWorker, Simulation
+from ps_common.protocol import Push, decode, encode
+from ps_common.report import Telemetry
 from tests.report_util import edge_report
 from tests.unit.test_bsm_speed import random_problem
 
@@ -116,36 +118,48 @@ def test_latest_finish_is_numpys_max():
     assert math.isnan(K.latest_finish(c, np.array([1, 0, 1]), np.array([100.0, 0.0, 1.0])))
 
 
-def _fleet(seed: int) -> list[SimulatedWorker]:
-    """40 workers (above SMALL_N: the arrays path): speeds 1-4x, some held to a CPU quota."""
+def _fleet(seed: int, quota: bool) -> list[SimulatedWorker]:
+    """40 workers (above SMALL_N: the arrays path): speeds 1-4x; with ``quota`` some are held
+    to half a core (those the numpy code plans by their quota)."""
     return [SimulatedWorker(400.0 * (1 + i % 4), overhead=0.003, noise=0.05, seed=seed + i,
-                            cpu_quota=0.5 if i % 7 == 3 else None) for i in range(40)]
+                            cpu_quota=0.5 if quota and i % 7 == 3 else None) for i in range(40)]
 
 
 STATE = ("_overhead", "_seen", "_fx", "_ff", "_fc", "_fv", "_fcpu", "_fwork", "_quota", "_fn",
          "_hv", "_hx", "_vplan")
 
 
-@pytest.mark.parametrize("args", [
-    {"predictor": "ema", "finish_window": 6},
-    {"predictor": "last", "finish_window": 5, "warmup": 3, "stalls": "fixed", "use_quota": False},
-    {"predictor": "ema", "finish_window": 4, "finish_tail": "overhead", "use_overhead": False},
-    {"predictor": "narx", "refit": "sync", "finish_window": 6,
-     "predictor_args": {"epochs": 2, "min_train": 4, "refit_every": 5}},
+@pytest.mark.parametrize("args,quota", [
+    ({"predictor": "ema", "finish_window": 6}, False),
+    ({"predictor": "ema", "finish_window": 6}, True),
+    ({"predictor": "last", "finish_window": 5, "warmup": 3, "stalls": "fixed", "use_quota": False}, True),
+    ({"predictor": "ema", "finish_window": 4, "finish_tail": "overhead", "use_overhead": False}, False),
+    ({"predictor": "narx", "refit": "sync", "finish_window": 6,
+      "predictor_args": {"epochs": 2, "min_train": 4, "refit_every": 5}}, False),
 ])
-def test_the_compiled_policy_decides_as_the_numpy_one(args):
+def test_the_compiled_policy_decides_as_the_numpy_one(args, quota, monkeypatch):
     """The same simulated run (received reports with the servers' finish times; a worker
     leaving, one joining, so the slots stop running in one block) through the policy compiled and
-    through its numpy code: every split equal, and the observed state equal to the bit."""
+    through its numpy code: every split equal, and the observed state equal to the bit. Without
+    quota-held workers most decisions take the compiled estimate (counted); with them, none
+    does (the numpy code plans them by their quota)."""
+    estimate, taken = K.estimate, []
+
+    def counted(*a):
+        out = estimate(*a)
+        taken.append(bool(out[0]))
+        return out
     runs = []
     for compiled in (True, False):
         m = BatchSizeManager("lbbsp-cpu", 40 * 32, min_batch=2,
                              policy_args={**args, "compiled": compiled})
         assert m.policy.compiled is compiled
-        runs.append((m, Simulation(m, _fleet(3))))
+        runs.append((m, Simulation(m, _fleet(3, quota))))
+    monkeypatch.setattr(K, "estimate", counted)       # after the warm-up's empty call
     kernels = ("split", "estimate", "latest_finish", "observe_rows", "record_history", "known_slots",
                "scan_rows", "check_split")
-    before = {f: len(getattr(K, f).signatures) for f in kernels}
+    signatures = lambda f: len((estimate if f == "estimate" else getattr(K, f)).signatures)  # noqa: E731
+    before = {f: signatures(f) for f in kernels}
     for step in range(40):
         if step == 15:
             for _, sim in runs:
@@ -162,7 +176,9 @@ def test_the_compiled_policy_decides_as_the_numpy_one(args):
     assert json.dumps(mc.policy.state_dict(), sort_keys=True) == json.dumps(mn.policy.state_dict(), sort_keys=True)
     assert mc.policy.changes > 0 and mc.policy.changes == mn.policy.changes
     # nothing compiled inside a decision: the construction's warm-up made every signature used
-    assert {f: len(getattr(K, f).signatures) for f in before} == before
+    assert {f: signatures(f) for f in before} == before
+    held = quota and args.get("use_quota", True)
+    assert len(taken) == 40 and (sum(taken) == 0 if held else sum(taken) >= 20), "".join("01"[t] for t in taken)
     for m, _ in runs:
         m.close()
 
@@ -236,3 +252,71 @@ def test_the_manager_refuses_a_bad_split_on_the_compiled_check():
     m.policy._assign = good                                       # type: ignore[method-assign]
     assert sum(m.assign().values()) == 320
     m.close()
+
+
+# ----------------------------------------------------------------------------- found by review
+def test_the_split_bisects_as_split_small_where_huge_slopes_cancel():
+    """Speeds near 1e300 (a report of 3 samples in 1e-300 s passes the wire's checks) make the
+    running slope of the sweep cancel, so its breakpoint sums are not monotone: the crossing is
+    bisect_left's, as in split_small (the review found a linear scan giving another split).
+    The shares there are hundreds of samples from the total, so both now refuse them alike."""
+    v = [1.0, 1.0, 7e+299, 3e+300, 3.0, 3e+300]
+    c = [3.0, 0.5, 0.0, 0.0, 3.0, 0.0]
+    lo, hi = [1.0] * 6, [200.0] * 5 + [64.0]
+    with pytest.raises(ValueError, match="-639 samples"):
+        split_small(v, c, 27, lo, hi)
+    with pytest.raises(ValueError, match="overflowed"):
+        K.split(np.array(v), np.array(c), 27, np.array(lo), np.array(hi))
+
+
+
+@pytest.mark.timeout(30)
+def test_shares_that_overflowed_are_refused_not_rounded_for_hours():
+    """A solve that overflowed leaves shares some 1e12 samples from the total: every split
+    (compiled, Python floats, numpy) refuses them at once instead of handing out n samples per
+    round (1e10 rounds: the review's decision that never ended), and NaN or infinite shares
+    raise in the kernel as in split_small."""
+    v = np.array([3.300343645893191e+300, 2.033052169423385e-005] + [4.470776302211560e+300] * 15)
+    c = np.array([0.5, 9.508128706660970e+05] + [6.410573058369033e+09] * 15)
+    hi = np.array([64.0, 1.099511627777e+12] + [math.inf] * 15)
+    lo = np.ones(17)
+    with pytest.raises(ValueError, match="overflowed"):
+        K.split(v, c, 2560, lo, hi)
+    with pytest.raises(ValueError, match="overflowed"):
+        split_small(v.tolist(), c.tolist(), 2560, lo.tolist(), hi.tolist())
+    from batchsize_manager.allocation import round_bounded_arrays
+    with pytest.raises(ValueError, match="overflowed"):
+        round_bounded_arrays(np.array([1.1e12, 1.0, 1.0]), 100, np.ones(3), np.array([2e12, 9.0, 9.0]))
+    nan_v = np.array([1.6e308, 1.6e308] + [1e3] * 15)
+    nan_c = np.array([1.0, 1.0] + [0.001] * 15)
+    for impl in (lambda: K.split(nan_v, nan_c, 17 * 64, np.ones(17), np.full(17, math.inf)),
+                 lambda: split_small(nan_v.tolist(), nan_c.tolist(), 17 * 64, [1.0] * 17, [math.inf] * 17)):
+        with pytest.raises((ValueError, OverflowError)):
+            impl()
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_a_decision_goes_on_when_reports_overflow_the_solve(compiled, caplog):
+    """Two of 17 workers report 64 samples in 4e-307 s (a speed of 1.6e308, which the wire
+    accepts): the solve overflows, and the policy keeps the previous split (or the even one)
+    with a warning instead of stopping the job; splits stay valid."""
+    n = 17
+    m = BatchSizeManager("lbbsp-cpu", 64 * n, policy_args={"predictor": "ema", "compiled": compiled})
+    for w in range(n):
+        m.join(w)
+    for it in range(6):
+        sizes = m.assign()
+        assert sum(sizes.values()) == 64 * n and min(sizes.values()) >= 1
+        m.observe_many([_received(w, it, x, compute_s=4e-307 if w < 2 else 0.064, finish_s=1.0)
+                        for w, x in sizes.items()])
+    assert "no equal-finish split from the estimates" in caplog.text
+    m.close()
+
+
+def _received(w: int, it: int, x: int, **tel: float) -> WorkerReport:
+    push = Push(worker_id=w, token="t", iteration=it, batch_size=x, telemetry=Telemetry(**tel),
+                arrays=[np.zeros(1, dtype=np.float32)])
+    got = decode(encode(push))
+    return WorkerReport.received(got.worker_id, got.iteration, got.batch_size, got.telemetry)
