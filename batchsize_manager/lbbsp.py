@@ -333,13 +333,12 @@ class SlotPolicy(BatchPolicy):
             batch = batch.take(rest)
         if batch.small:                           # a few reports: dict lookups, no id column
             slots = self._slots.lookup_list([r.worker_id for r in batch.reports], create=True)
-        elif self.kernels is not None and (head := batch.head) is not None:
-            slots, status = self.kernels.known_slots(head, self._slots.lut, self._scratch)
-            if status == 0:                       # every worker known, none twice: one call
-                self._observe(batch, slots)
-                return
-            slots = self._slots.lookup(batch.worker, create=True)
         else:
+            if self.kernels is not None and (head := batch.head) is not None:
+                slots, status = self.kernels.known_slots(head, self._slots.lut, self._scratch)
+                if status == 0:                   # every worker known, none twice: one call
+                    self._observe(batch, slots)
+                    return
             slots = self._slots.lookup(batch.worker, create=True)
         rounds = occurrence_rounds(slots, self._scratch)
         if rounds is None:
@@ -573,11 +572,12 @@ class LBBSPCpuPolicy(SlotPolicy):
     in balance: forecasts use weights up to one refit period (``refit_every`` iterations) plus the
     fit's latency old; the inputs of every forecast are always the newest reports. Where numba
     imports (``compiled`` None, the default, or True), a batch of received reports is observed
-    in one compiled pass over their rows, and the tail model of full windows and the split of
-    more than SMALL_N workers are one compiled call each (:mod:`batchsize_manager.lbbsp_kernel`);
-    at 100 workers of ``benchmarks/bench_fleet.py`` that took a decision's CPU from 0.64 to
-    0.54 ms (EMA) and from 0.71 to 0.53 ms (last value). ``compiled=False`` keeps the numpy code,
-    the reference the tests hold the kernels to.
+    in one compiled pass over their rows, and up to ``COMPILED_MAX_WORKERS`` workers the
+    steady-state estimate and the split are one compiled call each
+    (:mod:`batchsize_manager.lbbsp_kernel`); at 100 workers of ``benchmarks/bench_fleet.py``
+    that took a decision's CPU from 0.669 to 0.322 ms (EMA) and from 0.845 to 0.533 ms (NARX).
+    The price is numba's import and the kernels' load in the process (about 0.8 s and 130 MB).
+    ``compiled=False`` keeps the numpy code, the reference the tests hold the kernels to.
     """
 
     def __init__(self, predictor: str = "ema", predictor_args: Mapping[str, Any] | None = None,
@@ -645,7 +645,7 @@ class LBBSPCpuPolicy(SlotPolicy):
         self._pred = get_batch_predictor(predictor, self.predictor_args, refit=refit,
                                          stagger=stagger, factory=predictor_factory)
         self.kernels = _load_kernel(compiled)
-        #: the tail model and the split of more than SMALL_N workers run compiled
+        #: the reports' pass, the estimate and the split run compiled where they pay
         #: (:mod:`batchsize_manager.lbbsp_kernel`), else on numpy (the reference)
         self.compiled = self.kernels is not None
         self._n_exog = len(EXOG_KEYS)
@@ -782,8 +782,8 @@ class LBBSPCpuPolicy(SlotPolicy):
         when no worker is measured. ``plan``: a decision uses them, so remember each worker's
         forecast as the speed its next batch is planned with (:func:`stall_share`)."""
         v = self._pred.predict(slots)            # nan (unmeasured) or finite and > 0
-        kern = self.kernels
-        if kern is not None and slots.size <= COMPILED_MAX_WORKERS:   # the steady state in one call
+        kern = self.kernels if slots.size <= COMPILED_MAX_WORKERS else None
+        if kern is not None:                     # the steady state in one compiled call
             slots, v = kern.as_int64(slots), kern.as_float64(v)
             done, ve, ce = kern.estimate(
                 slots, v, plan, self._vplan, self._overhead, self.finish_quantile is not None, self._fn,
@@ -792,7 +792,7 @@ class LBBSPCpuPolicy(SlotPolicy):
                 self.finish_tail == "finish")
             if done:
                 return ve, ce
-        if plan and (kern is None or slots.size > COMPILED_MAX_WORKERS):
+        elif plan:                               # on numpy (the kernel plans its own)
             self._vplan[slots] = v
         ok = v > 0
         k = int(np.count_nonzero(ok))

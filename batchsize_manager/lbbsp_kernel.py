@@ -29,7 +29,7 @@ import math
 
 import numpy as np
 
-from predictors.jit import AVAILABLE, as_float64, as_int64, jit
+from predictors.jit import AVAILABLE, as_float64, as_int64, check_slots, jit
 
 __all__ = ["AVAILABLE", "as_float64", "as_int64", "check_split", "estimate", "known_slots", "latest_finish",
            "observe_rows", "record_history", "scan_rows", "split", "tail_rows", "warm_up"]
@@ -98,9 +98,7 @@ def tail_rows(slots: np.ndarray, v: np.ndarray, ff: np.ndarray, fx: np.ndarray, 
     False, of finish_j - compute_j and v unchanged. ``ff``, ``fx``, ``fc``, ``fv``: the
     (slots x window) finish times, batch sizes, compute times and planned speeds."""
     n, w = slots.size, ff.shape[1]
-    for i in range(n):
-        if slots[i] < 0 or slots[i] >= ff.shape[0]:
-            raise IndexError("slot out of range")
+    check_slots(slots, ff.shape[0])
     vr = np.empty(n)
     c = np.empty(n)
     work = np.empty(w)
@@ -150,9 +148,7 @@ def estimate(slots: np.ndarray, v: np.ndarray, plan: bool, vplan: np.ndarray, ov
     (False, ...) otherwise, for the numpy code, which fills in means and plans by quota. Writes
     ``vplan[slots] = v`` first where ``plan``, as the numpy code does."""
     n = slots.size
-    for i in range(n):
-        if slots[i] < 0 or slots[i] >= overhead.shape[0]:
-            raise IndexError("slot out of range")
+    check_slots(slots, overhead.shape[0])
     if plan:
         for i in range(n):
             vplan[slots[i]] = v[i]
@@ -220,10 +216,7 @@ def observe_rows(slots: np.ndarray, head: np.ndarray, rows: np.ndarray, cols: np
     Returns the positions, slots, speeds and exogenous inputs (finite, else 0: ``ReportBatch.exog``)
     of the reports to feed the predictor."""
     n = slots.size
-    cap = seen.shape[0]
-    for i in range(n):
-        if slots[i] < 0 or slots[i] >= cap:
-            raise IndexError("slot out of range")
+    check_slots(slots, seen.shape[0])
     i_comp, i_fin, i_data, i_push, i_pull = cols[0], cols[1], cols[2], cols[3], cols[4]
     i_cpu, i_work, i_quota = cols[5], cols[6], cols[7]
     w = ff.shape[1]
@@ -283,13 +276,12 @@ def record_history(slots: np.ndarray, counts: np.ndarray, v: np.ndarray, exog: n
     """``LBBSPCpuPolicy._feed``'s ring of the last observations: slot s's entry number
     (counts_i - 1) mod history gets the speed and the exogenous inputs (zeros where ``exog``
     has no rows)."""
+    check_slots(slots, hv.shape[0])
     h = hv.shape[1]
     n_exog = hx.shape[2]
     has_exog = exog.shape[0] > 0
     for i in range(slots.size):
         s = slots[i]
-        if s < 0 or s >= hv.shape[0]:
-            raise IndexError("slot out of range")
         p = (counts[i] - 1) % h
         hv[s, p] = v[i]
         for e in range(n_exog):
@@ -501,13 +493,13 @@ def split(v: np.ndarray, c: np.ndarray, total: int, lo: np.ndarray, hi: np.ndarr
 
 
 def warm_up() -> None:
-    """Load (or compile) both kernels now, at the policy's construction, not in a decision."""
+    """Load (or compile) every signature a decision calls (``tail_rows`` comes inside
+    ``estimate``), now at the policy's construction, not in a decision."""
     if not AVAILABLE:
         return
     one = np.ones(1)
     no_slot = np.zeros(0, dtype=np.int64)
     split(one, np.zeros(1), 1, one, one)
-    latest_finish(one, one, one)
     estimate(no_slot, np.zeros(0), True, np.zeros(1), np.zeros(1), True, np.zeros(1, dtype=np.int64), True,
              np.zeros(1), np.zeros((1, 2)), np.zeros((1, 2)), np.zeros((1, 2)), np.zeros((1, 2)), 0.9, 0.25,
              True, True)
@@ -528,5 +520,3 @@ def warm_up() -> None:
         known_slots(head, np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64))
     latest_finish(one, np.ones(1, dtype=np.int64), one)
     check_split(np.ones(1, dtype=np.int64), 1, one)
-    tail_rows(np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros((0, 2)), np.zeros((0, 2)),
-              np.zeros((0, 2)), np.zeros((0, 2)), 0.9, 0.25, True, True)

@@ -443,21 +443,20 @@ class BatchSizeManager:
         name = self._policy.name or type(self._policy).__name__
         if x.shape != ids.shape:
             raise RuntimeError(f"batch policy {name} answered {x.size} sizes for {ids.size} workers")
-        small = x.size <= SMALL_N
+        lo = self.min_batch
         k = getattr(self._policy, "kernels", None)
-        if not small and k is not None:
-            total, first_bad = k.check_split(k.as_int64(x), self.min_batch, k.as_float64(caps))
+        if x.size <= SMALL_N:
+            total = sum(xs)
+            bad = [i for i, (xi, ci) in enumerate(zip(xs, self._caps_list(caps))) if xi < lo or xi > ci]
+        elif k is not None:                       # one compiled pass
+            total, first_bad = k.check_split(k.as_int64(x), lo, k.as_float64(caps))
             bad = [] if first_bad < 0 else [first_bad]
         else:
-            total = int(sum(xs) if small else x.sum())
+            total = int(x.sum())
+            bad = np.flatnonzero((x < lo) | (x > caps)).tolist()
         if total != self.global_batch:
             raise RuntimeError(f"batch policy {name} split sums to {total}, "
                                f"not X={self.global_batch}: {dict(zip(ids.tolist(), xs))}")
-        lo = self.min_batch
-        if small:
-            bad = [i for i, (xi, ci) in enumerate(zip(xs, self._caps_list(caps))) if xi < lo or xi > ci]
-        elif k is None:
-            bad = np.flatnonzero((x < lo) | (x > caps)).tolist()
         if bad:
             i = bad[0]
             cap = caps[i]
