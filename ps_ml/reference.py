@@ -10,7 +10,7 @@ global iteration ``t`` (:func:`global_batch_indices`) and trains on them
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import numpy as np
@@ -107,11 +107,14 @@ def train_reference_batches(
     weight_decay: float = 0.0,
     nesterov: bool = False,
     lr_scales: list[float] | None = None,
+    probe: Callable[[int, torch.nn.Module], None] | None = None,
 ) -> np.ndarray:
     """One SGD step per batch of sample indices (e.g. the samples each commit applied).
 
     A commit's update is sum(x_i g_i) / sum(x_i), the mean gradient over the union of its
-    workers' samples, so one step on that union is the ground truth for it.
+    workers' samples, so one step on that union is the ground truth for it. ``probe(i, model)``
+    is called before step ``i`` (under ``torch.no_grad``), with the parameters that step's
+    gradients were meant to be computed on.
     """
     with _torch_threads(1):
         model = build_model(model_name, seed=model_seed, num_classes=dataset.num_classes)
@@ -122,6 +125,9 @@ def train_reference_batches(
             if lr_scales is not None:
                 for group in opt.param_groups:
                     group["lr"] = lr * lr_scales[i]
+            if probe is not None:
+                with torch.no_grad():
+                    probe(i, model)
             x, y = dataset.train_batch(np.asarray(idx))
             opt.zero_grad(set_to_none=True)
             F.cross_entropy(model(x), y).backward()

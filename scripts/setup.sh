@@ -20,4 +20,4 @@ fi
 # beside their modules): otherwise the first coordinator to start pays the 5-10 s here.
 "$VPY" -c "from batchsize_manager import get_policy
 for p in ('ema', 'narx', 'arima'):
-    get_policy('lbbsp-cpu', predictor=p, refit='sync').close()"
+    get_policy('lbbsp-cpu', predictor=p, refit='sync', compiled=True).close()"

@@ -219,6 +219,51 @@ def committed_batches(recs: list[dict], seed: int, num_train: int) -> list[np.nd
     return batches
 
 
+
+def reported_losses(run_dir: Path) -> dict[tuple[int, int], float]:
+    """(worker id, iteration) -> the loss the worker reported for its gradient of that iteration."""
+    out: dict[tuple[int, int], float] = {}
+    for path in sorted((run_dir / "metrics").glob("worker-*.jsonl")):
+        for r in read_jsonl(path):
+            if "loss" in r and "iteration" in r and "worker" in r:
+                out[(int(r["worker"]), int(r["iteration"]))] = float(r["loss"])
+    return out
+
+
+def reference_with_losses(run_dir: Path, recs: list[dict], seed: int, num_train: int, data, model: str,
+                          lr: float, momentum: float, rtol: float = 1e-5) -> tuple[np.ndarray, list[str]]:
+    """Single-process SGD over the committed samples (round modes), and every accepted
+    gradient whose reported loss differs from the loss of its samples at the parameters of the
+    version it was meant for: its worker computed on other parameters or other samples than
+    the commit record says. The final parameters alone show that something went wrong; this
+    says which worker, at which iteration."""
+    import torch.nn.functional as F
+
+    from ps_ml.datasets import sample_order
+    from ps_ml.reference import train_reference_batches
+
+    recs = sorted(recs, key=lambda r: r["version"])
+    reported = reported_losses(run_dir)
+    wrong: list[str] = []
+
+    def probe(i: int, net) -> None:
+        r = recs[i]
+        for w in r["accepted"]:
+            got = reported.get((int(w), r["iteration"]))
+            ranges = r["ranges"][str(w)]
+            if got is None:
+                continue
+            idx = np.concatenate([sample_order(seed, e, num_train)[a:b] for e, a, b in ranges])
+            x, y = data.train_batch(idx)
+            want = float(F.cross_entropy(net(x), y))
+            if abs(got - want) > rtol * abs(want):
+                wrong.append(f"worker {w} iteration {r['iteration']} (version {r['version']}, "
+                             f"{idx.size} samples): loss {got!r}, expected {want!r}")
+
+    batches = committed_batches(recs, seed, num_train)
+    ref = train_reference_batches(model, seed, data, batches, lr=lr, momentum=momentum, probe=probe)
+    return ref, wrong
+
 @dataclass
 class Member:
     """A hand-driven worker: joined, kept alive by heartbeats, with its first assignment."""

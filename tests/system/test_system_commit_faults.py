@@ -26,10 +26,10 @@ import pytest
 
 from ps_common.metrics import read_jsonl
 from ps_ml.datasets import load_dataset
-from ps_ml.reference import train_reference_batches
 from tests.cluster_util import (
-    committed_batches,
     consistent_end,
+    final_params,
+    reference_with_losses,
     start_job,
     wait_exit,
     write_config,
@@ -103,13 +103,20 @@ def check_run(run_dir, cfg, partial_seen: bool = True, late_ok: bool = False) ->
         if partial_seen and not (late_ok and (w, killed_in) not in dropped):
             # the partial push did reach some shard, and every shard dropped it
             assert (w, killed_in) in dropped, f"worker {w}'s partial push of iteration {killed_in} never seen"
-    # Exactly once per epoch, over what was committed.
-    batches = committed_batches(recs, SEED, N_TRAIN)
-    # The final parameters are single-process SGD over the committed samples.
+    # Exactly once per epoch, over what was committed; the final parameters are single-process
+    # SGD over the committed samples, and every applied gradient was computed on the parameters
+    # and samples of its iteration (its reported loss is theirs).
     data = load_dataset("synthetic", seed=SEED, synthetic_train=N_TRAIN, synthetic_test=100)
-    ref = train_reference_batches("mlp", SEED, data, batches, lr=0.05, momentum=0.9)
+    ref, wrong = reference_with_losses(run_dir, recs, SEED, N_TRAIN, data, "mlp", lr=0.05, momentum=0.9)
     err = float(np.linalg.norm(params - ref) / np.linalg.norm(ref))
-    assert err < 1e-5, f"final parameters differ from SGD over the committed samples: {err:.2e}"
+    assert not wrong, "gradients computed on other parameters or samples:\n" + "\n".join(wrong)
+    if err >= 1e-5:   # whose slice: a shard's arithmetic, or the workers' gradients (all slices)
+        metas = final_params(run_dir)[1]
+        per_shard = {m["shard"]: float(np.linalg.norm(params[a:b] - ref[a:b]) / np.linalg.norm(ref[a:b]))
+                     for m in metas for a, b in [m["range"]]}
+        raise AssertionError(f"final parameters differ from SGD over the committed samples: {err:.2e} "
+                             f"(per shard {per_shard}); commits (iteration: worker sizes): "
+                             + "; ".join(f"{r['iteration']}: {r['batch_sizes']}" for r in recs))
 
 
 @pytest.mark.timeout(240)
