@@ -16,8 +16,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import sys
-import time
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -475,14 +473,6 @@ class StaticPolicy(SlotPolicy):
 #: 300 workers (370 and 356 µs) and 1,021 against 611 µs at 1,000.
 COMPILED_MAX_WORKERS = 256
 
-#: With ``compiled`` None (the default) in a process that has not imported numba for anything
-#: else (NARX and ARIMA compile their own steps), the kernels are loaded at the first decision
-#: over more than this many workers, not at the policy's construction. Loading them costs a
-#: process about 1.5 s of CPU and 130 MB (numba's import and its registries, scipy's BLAS among
-#: them), which a small job never wins back: at 4 workers the compiled decision saved 0.1-0.2 ms
-#: (bench_fleet EMA 0.84% -> 0.60% of the iteration), decided while the workers compute.
-COMPILED_MIN_WORKERS = 16
-
 #: Where :func:`batchsize_manager.lbbsp_kernel.observe_rows` reads a report's row.
 _ROW_COLS = np.array([ROW_INDEX[k] for k in ("compute_s", "finish_s", "data_s", "prev_push_s", "prev_pull_s",
                                              "cpu_s", "compute_cpu_s", "cpu_quota")], dtype=np.int64)
@@ -581,15 +571,13 @@ class LBBSPCpuPolicy(SlotPolicy):
     predictor object per worker did (deterministic: tests, replays). What background refits cost
     in balance: forecasts use weights up to one refit period (``refit_every`` iterations) plus the
     fit's latency old; the inputs of every forecast are always the newest reports. Where numba
-    imports and the kernels are loaded, a batch of received reports is observed in one compiled
-    pass over their rows, and up to ``COMPILED_MAX_WORKERS`` workers the steady-state estimate
-    and the split are one compiled call each (:mod:`batchsize_manager.lbbsp_kernel`); at 100
-    workers of ``benchmarks/bench_fleet.py`` that took a decision's CPU from 0.669 to 0.322 ms
-    (EMA) and from 0.845 to 0.533 ms (NARX). The price is numba's import and the kernels' load
-    in the process (about 1.5 s of CPU and 130 MB), so ``compiled`` None (the default) loads them
-    where numba is already imported (a NARX or ARIMA predictor) and otherwise at the first
-    decision over ``COMPILED_MIN_WORKERS`` workers; True loads them now, ``compiled=False``
-    never (the numpy code, the reference the tests hold the kernels to).
+    imports (``compiled`` None, the default, or True), a batch of received reports is observed
+    in one compiled pass over their rows, and up to ``COMPILED_MAX_WORKERS`` workers the
+    steady-state estimate and the split are one compiled call each
+    (:mod:`batchsize_manager.lbbsp_kernel`); at 100 workers of ``benchmarks/bench_fleet.py``
+    that took a decision's CPU from 0.669 to 0.322 ms (EMA) and from 0.845 to 0.533 ms (NARX).
+    The price is numba's import and the kernels' load in the process (about 0.8 s and 130 MB).
+    ``compiled=False`` keeps the numpy code, the reference the tests hold the kernels to.
     """
 
     def __init__(self, predictor: str = "ema", predictor_args: Mapping[str, Any] | None = None,
@@ -656,11 +644,9 @@ class LBBSPCpuPolicy(SlotPolicy):
             _default_predictor_factory(predictor, self.predictor_args)   # clear errors now
         self._pred = get_batch_predictor(predictor, self.predictor_args, refit=refit,
                                          stagger=stagger, factory=predictor_factory)
-        #: load the kernels at the first decision over COMPILED_MIN_WORKERS workers
-        self._compile_later = compiled is None and "numba" not in sys.modules
+        self.kernels = _load_kernel(compiled)
         #: the reports' pass, the estimate and the split run compiled where they pay
         #: (:mod:`batchsize_manager.lbbsp_kernel`), else on numpy (the reference)
-        self.kernels = None if self._compile_later else _load_kernel(compiled)
         self.compiled = self.kernels is not None
         self._n_exog = len(EXOG_KEYS)
         self._overhead = np.zeros(0)              # nan: none yet
@@ -795,14 +781,6 @@ class LBBSPCpuPolicy(SlotPolicy):
         """Predicted speeds and overheads aligned with ``slots`` (unmeasured: the means), or None
         when no worker is measured. ``plan``: a decision uses them, so remember each worker's
         forecast as the speed its next batch is planned with (:func:`stall_share`)."""
-        if self._compile_later and slots.size > COMPILED_MIN_WORKERS:
-            self._compile_later = False
-            began = time.perf_counter()
-            self.kernels = _load_kernel(None)
-            self.compiled = self.kernels is not None
-            log.info("lbbsp-cpu: %d workers: the compiled decision %s in %.1f s", slots.size,
-                     "loaded" if self.compiled else "is unavailable (numba does not import)",
-                     time.perf_counter() - began)
         v = self._pred.predict(slots)            # nan (unmeasured) or finite and > 0
         kern = self.kernels if slots.size <= COMPILED_MAX_WORKERS else None
         if kern is not None:                     # the steady state in one compiled call

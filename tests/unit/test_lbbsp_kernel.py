@@ -239,7 +239,7 @@ def test_known_slots_and_scan_rows_read_the_rows_as_the_numpy_columns():
 def test_the_manager_refuses_a_bad_split_on_the_compiled_check():
     """The manager's check of a split of more than SMALL_N workers runs compiled: a split that
     does not sum to X, or one outside a worker's bounds, is refused with the worker named."""
-    m = BatchSizeManager("lbbsp-cpu", 40 * 8, min_batch=2, max_batch=20, policy_args={"compiled": True})
+    m = BatchSizeManager("lbbsp-cpu", 40 * 8, min_batch=2, max_batch=20)
     assert m.policy.kernels is not None
     for w in range(40):
         m.join(w)
@@ -320,37 +320,3 @@ def _received(w: int, it: int, x: int, **tel: float) -> WorkerReport:
                 arrays=[np.zeros(1, dtype=np.float32)])
     got = decode(encode(push))
     return WorkerReport.received(got.worker_id, got.iteration, got.batch_size, got.telemetry)
-
-
-_LAZY_LOAD = """
-import sys
-from batchsize_manager import BatchSizeManager
-from batchsize_manager.simulation import SimulatedWorker, Simulation
-def run(n):
-    m = BatchSizeManager("lbbsp-cpu", 16 * n, min_batch=2)
-    sim = Simulation(m, [SimulatedWorker(speed=100.0 * (1 + w % 4), overhead=0.01) for w in range(n)])
-    loaded = [m.policy.kernels is not None]
-    for _ in range(8):
-        sim.step()
-        loaded.append(m.policy.kernels is not None)
-    return loaded
-small = run(4)
-print(small, "numba" in sys.modules, run({n}))
-"""
-
-
-@pytest.mark.timeout(120)
-def test_the_default_loads_the_kernels_only_for_a_decision_over_16_workers():
-    """A process that never decides for more than COMPILED_MIN_WORKERS workers never imports
-    numba (the load costs about 1.5 s of CPU and 130 MB); one that does loads the kernels at
-    its first such decision, and every later decision has them. In a fresh interpreter: this
-    one has imported numba for the other tests, and a policy built where numba is already
-    imported loads them at once."""
-    import subprocess
-    import sys
-
-    out = subprocess.run([sys.executable, "-c", _LAZY_LOAD.format(n=40)], capture_output=True, text=True,
-                         timeout=110, check=True).stdout.strip()
-    small, _, large = out.partition("] ")
-    assert small + "]" == str([False] * 9), out
-    assert large == "False " + str([False] + [True] * 8), out
