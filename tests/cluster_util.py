@@ -231,7 +231,8 @@ def reported_losses(run_dir: Path) -> dict[tuple[int, int], float]:
 
 
 def reference_with_losses(run_dir: Path, recs: list[dict], seed: int, num_train: int, data, model: str,
-                          lr: float, momentum: float, rtol: float = 1e-5) -> tuple[np.ndarray, list[str]]:
+                          lr: float, momentum: float, weight_decay: float = 0.0,
+                          rtol: float = 1e-5) -> tuple[np.ndarray, list[str]]:
     """Single-process SGD over the committed samples (round modes), and every accepted
     gradient whose reported loss differs from the loss of its samples at the parameters of the
     version it was meant for: its worker computed on other parameters or other samples than
@@ -261,7 +262,8 @@ def reference_with_losses(run_dir: Path, recs: list[dict], seed: int, num_train:
                              f"{idx.size} samples): loss {got!r}, expected {want!r}")
 
     batches = committed_batches(recs, seed, num_train)
-    ref = train_reference_batches(model, seed, data, batches, lr=lr, momentum=momentum, probe=probe)
+    ref = train_reference_batches(model, seed, data, batches, lr=lr, momentum=momentum,
+                                  weight_decay=weight_decay, probe=probe)
     return ref, wrong
 
 @dataclass

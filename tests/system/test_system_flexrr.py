@@ -25,11 +25,11 @@ from ps_common import protocol as P
 from ps_common.metrics import read_jsonl
 from ps_common.transport import Connection, RemoteError
 from ps_ml.datasets import load_dataset
-from ps_ml.reference import train_reference_batches
 from tests.cluster_util import (
     committed_batches,
     consistent_end,
     joined_member,
+    reference_with_losses,
     start_job,
     wait_exit,
     write_config,
@@ -79,11 +79,13 @@ def test_helpers_take_a_stragglers_chunks_and_the_result_is_single_process_sgd(p
     slow_sizes = [r["batch_sizes"][str(slow)] for r in recs]
     print(f"\nhelped samples per iteration: {helped}\nstraggler's sizes (planned 32): {slow_sizes}")
     assert sum(helped) > 0 and min(slow_sizes) < 32, "helpers never took a straggler's chunk"
-    batches = committed_batches(recs, SEED, N_TRAIN)
     data = load_dataset("synthetic", seed=SEED, synthetic_train=N_TRAIN, synthetic_test=100)
-    ref = train_reference_batches("lenet", SEED, data, batches, lr=0.05, momentum=0.9, weight_decay=1e-4)
+    ref, wrong = reference_with_losses(run, recs, SEED, N_TRAIN, data, "lenet", lr=0.05, momentum=0.9,
+                                       weight_decay=1e-4)
     err = float(np.linalg.norm(params - ref) / np.linalg.norm(ref))
     print(f"relative distance to single-process SGD: {err:.2e}")
+    # every gradient was computed on its iteration's parameters over the chunks it was granted
+    assert not wrong, "gradients computed on other parameters or samples:\n" + "\n".join(wrong)
     assert err < SGD_TOLERANCE
 
 

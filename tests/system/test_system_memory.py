@@ -33,6 +33,7 @@ from tests.cluster_util import (
     committed_batches,
     consistent_end,
     joined_member,
+    reference_with_losses,
     start_job,
     start_workers,
     wait_exit,
@@ -291,8 +292,10 @@ def test_a_worker_that_dies_between_its_granted_retry_and_its_push_loses_no_samp
     first = min(recs, key=lambda r: r["version"])
     assert first["iteration"] == a.iteration and first["samples"] == 32, first
     assert version == len(recs) == iterations
-    batches = committed_batches(recs, SEED, N_TRAIN)  # exactly once per epoch, epoch 0 complete
+    # exactly once per epoch (epoch 0 complete), and SGD over what was committed, every gradient
+    # computed on its iteration's parameters and samples
     data = load_dataset("synthetic", seed=SEED, synthetic_train=N_TRAIN, synthetic_test=100)
-    ref = train_reference_batches("mlp", SEED, data, batches, lr=0.02, momentum=0.9)
+    ref, wrong = reference_with_losses(run, recs, SEED, N_TRAIN, data, "mlp", lr=0.02, momentum=0.9)
+    assert not wrong, "gradients computed on other parameters or samples:\n" + "\n".join(wrong)
     err = float(np.linalg.norm(params - ref) / np.linalg.norm(ref))
     assert err < 1e-5, f"final parameters differ from SGD over the committed samples: {err:.2e}"
