@@ -714,10 +714,11 @@ class LBBSPCpuPolicy(SlotPolicy):
     def _observe(self, batch: ReportBatch, slots: np.ndarray) -> None:
         k = self.kernels
         if k is not None:
-            rows = batch.rows
-            if rows is not None:                        # received reports: one compiled pass
+            read = batch.read_rows()
+            if read is not None:                        # received reports: one compiled pass
+                head, tel = read
                 _, ks, v, exog = k.observe_rows(
-                    k.as_int64(slots), batch.head, rows, _ROW_COLS, _EXOG_COLS if self.use_exog else _NO_COLS,
+                    k.as_int64(slots), head, tel, _ROW_COLS, _EXOG_COLS if self.use_exog else _NO_COLS,
                     self._seen, self.warmup, self._overhead, self.overhead_alpha, self.use_overhead,
                     self.finish_quantile is not None, self._fn, self._fx, self._ff, self._fc,
                     self._fv, self._vplan, self.use_quota, self._fcpu, self._fwork, self._quota)

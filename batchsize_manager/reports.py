@@ -281,6 +281,17 @@ class ReportBatch:
                 self._head, self._rows = records["head"], records["tel"]
         return self._rows
 
+    def read_rows(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """(:attr:`head`, :attr:`rows`), also for a small batch, where the numpy code keeps its
+        per-report rules but a compiled pass reads the rows in one call; None where some report
+        has no row."""
+        rows = self.rows
+        if rows is not None:
+            assert self._head is not None
+            return self._head, rows
+        records = _records_of(self.reports) if self.small and self.n else None
+        return None if records is None else (records["head"], records["tel"])
+
     @property
     def head(self) -> np.ndarray | None:
         """(worker_id, iteration, batch_size) per report as an (n, 3) int64 matrix, where

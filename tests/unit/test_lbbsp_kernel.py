@@ -118,17 +118,18 @@ def test_latest_finish_is_numpys_max():
     assert math.isnan(K.latest_finish(c, np.array([1, 0, 1]), np.array([100.0, 0.0, 1.0])))
 
 
-def _fleet(seed: int, quota: bool) -> list[SimulatedWorker]:
-    """40 workers (above SMALL_N: the arrays path): speeds 1-4x; with ``quota`` some are held
-    to half a core (those the numpy code plans by their quota)."""
+def _fleet(seed: int, quota: bool, n: int = 40) -> list[SimulatedWorker]:
+    """``n`` workers (40: above SMALL_N, the arrays path; 4: small batches of reports): speeds
+    1-4x; with ``quota`` some are held to half a core (those the numpy code plans by their quota)."""
     return [SimulatedWorker(400.0 * (1 + i % 4), overhead=0.003, noise=0.05, seed=seed + i,
-                            cpu_quota=0.5 if quota and i % 7 == 3 else None) for i in range(40)]
+                            cpu_quota=0.5 if quota and i % 7 == 3 else None) for i in range(n)]
 
 
 STATE = ("_overhead", "_seen", "_fx", "_ff", "_fc", "_fv", "_fcpu", "_fwork", "_quota", "_fn",
          "_hv", "_hx", "_vplan")
 
 
+@pytest.mark.parametrize("n", [40, 4])
 @pytest.mark.parametrize("args,quota", [
     ({"predictor": "ema", "finish_window": 6}, False),
     ({"predictor": "ema", "finish_window": 6}, True),
@@ -137,33 +138,41 @@ STATE = ("_overhead", "_seen", "_fx", "_ff", "_fc", "_fv", "_fcpu", "_fwork", "_
     ({"predictor": "narx", "refit": "sync", "finish_window": 6,
       "predictor_args": {"epochs": 2, "min_train": 4, "refit_every": 5}}, False),
 ])
-def test_the_compiled_policy_decides_as_the_numpy_one(args, quota, monkeypatch):
+def test_the_compiled_policy_decides_as_the_numpy_one(args, quota, n, monkeypatch):
     """The same simulated run (received reports with the servers' finish times; a worker
     leaving, one joining, so the slots stop running in one block) through the policy compiled and
     through its numpy code: every split equal, and the observed state equal to the bit. Without
     quota-held workers most decisions take the compiled estimate (counted); with them, none
-    does (the numpy code plans them by their quota)."""
+    does (the numpy code plans them by their quota). Every batch of reports, 4 as well as 40,
+    is observed in the compiled pass (counted)."""
     estimate, taken = K.estimate, []
+    observe, observed = K.observe_rows, []
 
     def counted(*a):
         out = estimate(*a)
         taken.append(bool(out[0]))
         return out
+
+    def observe_counted(*a):
+        observed.append(a[1].shape[0])
+        return observe(*a)
     runs = []
     for compiled in (True, False):
-        m = BatchSizeManager("lbbsp-cpu", 40 * 32, min_batch=2,
+        m = BatchSizeManager("lbbsp-cpu", n * 32, min_batch=2,
                              policy_args={**args, "compiled": compiled})
         assert m.policy.compiled is compiled
-        runs.append((m, Simulation(m, _fleet(3, quota))))
+        runs.append((m, Simulation(m, _fleet(3, quota, n))))
     monkeypatch.setattr(K, "estimate", counted)       # after the warm-up's empty call
+    monkeypatch.setattr(K, "observe_rows", observe_counted)
     kernels = ("split", "estimate", "latest_finish", "observe_rows", "record_history", "known_slots",
                "scan_rows", "check_split")
-    signatures = lambda f: len((estimate if f == "estimate" else getattr(K, f)).signatures)  # noqa: E731
+    originals = {"estimate": estimate, "observe_rows": observe}
+    signatures = lambda f: len(originals.get(f, getattr(K, f)).signatures)  # noqa: E731
     before = {f: signatures(f) for f in kernels}
     for step in range(40):
         if step == 15:
             for _, sim in runs:
-                sim.remove_worker(6)
+                sim.remove_worker(6 if n > 6 else 1)   # not the quota-held one (3)
         if step == 22:
             for _, sim in runs:
                 sim.add_worker(77, SimulatedWorker(900.0, overhead=0.003, seed=77))
@@ -179,6 +188,7 @@ def test_the_compiled_policy_decides_as_the_numpy_one(args, quota, monkeypatch):
     assert {f: signatures(f) for f in before} == before
     held = quota and args.get("use_quota", True)
     assert len(taken) == 40 and (sum(taken) == 0 if held else sum(taken) >= 20), "".join("01"[t] for t in taken)
+    assert len(observed) >= 39 and max(observed) == n, observed   # the first split has no reports yet
     for m, _ in runs:
         m.close()
 
@@ -189,21 +199,23 @@ def test_the_compiled_policy_decides_as_the_numpy_one(args, quota, monkeypatch):
     {"predictor": "narx", "refit": "sync", "finish_window": 4,      # exogenous inputs, some missing
      "predictor_args": {"epochs": 2, "min_train": 4, "refit_every": 5}},
 ])
+@pytest.mark.parametrize("n", [40, 4])
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # speeds near 1e300: inf, handled
-def test_reports_at_the_edges_observe_into_the_same_state(args):
+def test_reports_at_the_edges_observe_into_the_same_state(args, n):
     """Reports drawn from the edges of what the wire accepts (0, denormal, huge, missing finish
     times and quotas), some workers twice in an iteration: the compiled pass over their rows
-    leaves the state the numpy columns leave, and the splits stay equal."""
-    ms = [BatchSizeManager("lbbsp-cpu", 64 * 40, policy_args={**args, "compiled": c}) for c in (True, False)]
+    leaves the state the numpy columns leave (the per-report rules, for 4 workers), and the
+    splits stay equal."""
+    ms = [BatchSizeManager("lbbsp-cpu", 64 * n, policy_args={**args, "compiled": c}) for c in (True, False)]
     for m in ms:
-        for w in range(40):
+        for w in range(n):
             m.join(w)
     rng = random.Random(5)
     for it in range(14):
         sizes = ms[0].assign()
         assert ms[1].assign() == sizes, it
         reports = [edge_report(rng, w, it, x) for w, x in sizes.items()]
-        reports += [edge_report(rng, w, it, sizes[w]) for w in range(0, 40, 9)]   # twice
+        reports += [edge_report(rng, w, it, sizes[w]) for w in range(0, n, 9)]   # twice
         for m in ms:
             m.observe_many(reports)
         for name in STATE:
