@@ -576,7 +576,9 @@ class LBBSPCpuPolicy(SlotPolicy):
     steady-state estimate and the split are one compiled call each
     (:mod:`batchsize_manager.lbbsp_kernel`); at 100 workers of ``benchmarks/bench_fleet.py``
     that took a decision's CPU from 0.669 to 0.322 ms (EMA) and from 0.845 to 0.533 ms (NARX).
-    The price is numba's import and the kernels' load in the process (about 0.8 s and 130 MB).
+    The price is numba's import and the kernels' load in the process (0.4 + 0.9 s of CPU beside
+    a busy test loop, and 130 MB), which a small job pays too: on numpy the 4-worker decision
+    missed 1% of the iteration (``docs/results/ddp_vs_ps/lazy_kernels_2026-11-28/``).
     ``compiled=False`` keeps the numpy code, the reference the tests hold the kernels to.
     """
 

@@ -176,8 +176,9 @@ _HEADROOM = attrgetter("mem_headroom_mb")
 _NO_ROWS = np.zeros(0, dtype=np.int64)
 _NO_ROWS.flags.writeable = False
 
-#: Batches up to this size are read with the per-report rules on Python values (one array per
-#: column at the end): for a few reports, numpy's per-call cost exceeds the work.
+#: Batches up to this size are read by the numpy code with the per-report rules on Python values
+#: (one array per column at the end): for a few reports, numpy's per-call cost exceeds the work.
+#: A compiled pass reads their rows all the same (:meth:`ReportBatch.read_rows`).
 SMALL_BATCH = 16
 
 _HEAD = struct.Struct("<3q")          # WorkerReport.row: worker_id, iteration, batch_size, then

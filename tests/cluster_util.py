@@ -219,7 +219,6 @@ def committed_batches(recs: list[dict], seed: int, num_train: int) -> list[np.nd
     return batches
 
 
-
 def reported_losses(run_dir: Path) -> dict[tuple[int, int], float]:
     """(worker id, iteration) -> the loss the worker reported for its gradient of that iteration."""
     out: dict[tuple[int, int], float] = {}
@@ -237,7 +236,9 @@ def reference_with_losses(run_dir: Path, recs: list[dict], seed: int, num_train:
     gradient whose reported loss differs from the loss of its samples at the parameters of the
     version it was meant for: its worker computed on other parameters or other samples than
     the commit record says. The final parameters alone show that something went wrong; this
-    says which worker, at which iteration."""
+    says which worker, at which iteration. A worker killed before its metrics reached the disk
+    leaves gradients unchecked, but every commit must have one checked (the tests' survivors
+    are in every commit), so a check that reads no losses at all fails instead of passing."""
     import torch.nn.functional as F
 
     from ps_ml.datasets import sample_order
@@ -246,25 +247,31 @@ def reference_with_losses(run_dir: Path, recs: list[dict], seed: int, num_train:
     recs = sorted(recs, key=lambda r: r["version"])
     reported = reported_losses(run_dir)
     wrong: list[str] = []
+    unchecked: list[int] = []                  # versions none of whose gradients was checked
 
     def probe(i: int, net) -> None:
         r = recs[i]
+        checked = 0
         for w in r["accepted"]:
             got = reported.get((int(w), r["iteration"]))
-            ranges = r["ranges"][str(w)]
             if got is None:
                 continue
-            idx = np.concatenate([sample_order(seed, e, num_train)[a:b] for e, a, b in ranges])
+            checked += 1
+            idx = np.concatenate([sample_order(seed, e, num_train)[a:b] for e, a, b in r["ranges"][str(w)]])
             x, y = data.train_batch(idx)
             want = float(F.cross_entropy(net(x), y))
             if abs(got - want) > rtol * abs(want):
                 wrong.append(f"worker {w} iteration {r['iteration']} (version {r['version']}, "
                              f"{idx.size} samples): loss {got!r}, expected {want!r}")
+        if not checked:
+            unchecked.append(r["version"])
 
     batches = committed_batches(recs, seed, num_train)
     ref = train_reference_batches(model, seed, data, batches, lr=lr, momentum=momentum,
                                   weight_decay=weight_decay, probe=probe)
+    assert not unchecked, f"no reported loss for any gradient of versions {unchecked}"
     return ref, wrong
+
 
 @dataclass
 class Member:
