@@ -24,7 +24,11 @@
 #   manager    bench_manager table (a): decision time at 1,000 and 10,000 workers
 #   cold       bench_decision_cold: a decision's CPU tight, after a sleep and after a spin
 # Each step's arguments can be replaced: DATAPLANE_ARGS, PASSIVE_ARGS, PARTS_ARGS, BLOCKS_ARGS, FLEET_ARGS,
-# MANAGER_ARGS, COLD_ARGS.
+# MANAGER_ARGS, COLD_ARGS; the fleet's and the manager's time limits too: FLEET_TIMEOUT (default
+# 150 s) and MANAGER_TIMEOUT (120 s). On the 16-core H200 host of 2026-11-28, with the compiled
+# kernels, one fleet run took 13-14 s at 4 and 100 workers and 32-37 s at 1,000, so the four
+# predictors at all three sizes need about 250 s (FLEET_TIMEOUT=280); bench_manager's
+# --sizes 1000 10000 reached ARIMA's 1,000-worker row in 120 s (its 10,000-worker row needs more).
 # Logs go to OUTDIR/<step>.txt. Needs the project's dependencies importable from here:
 #   PYTHONPATH=$PWD bash scripts/speed_checks.sh OUTDIR [dataplane] [passive] [parts] [blocks] [fleet] [manager] [cold]
 # (no step named: all but passive and parts, in that order). On the lent device machine (Python 3.12, no pydantic
@@ -91,13 +95,13 @@ fi
 
 if wants fleet; then
   step "real runs, $client_procs client processes" | tee "$out/fleet.txt"
-  timeout 150 $py benchmarks/bench_fleet.py --client-procs "$client_procs" \
+  timeout ${FLEET_TIMEOUT:-150} $py benchmarks/bench_fleet.py --client-procs "$client_procs" \
     ${FLEET_ARGS:---workers 4 1000 --policies last narx --iterations 80 --skip 30} 2>&1 | tee -a "$out/fleet.txt"
 fi
 
 if wants manager; then
   step "decision time at 1,000 and 10,000 workers" | tee "$out/manager.txt"
-  timeout 120 $py benchmarks/bench_manager.py --tables a ${MANAGER_ARGS:---sizes 1000 10000} 2>&1 \
+  timeout ${MANAGER_TIMEOUT:-120} $py benchmarks/bench_manager.py --tables a ${MANAGER_ARGS:---sizes 1000 10000} 2>&1 \
     | tee -a "$out/manager.txt"
 fi
 
