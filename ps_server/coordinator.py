@@ -34,7 +34,7 @@ import os
 import secrets
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Callable, NoReturn
 
 from batchsize_manager import WorkerReport
 from batchsize_manager.manager import BatchSizeManager
@@ -229,6 +229,10 @@ class Coordinator:
         self._unobserved: dict[tuple[int, int], WorkerReport] = {}  # (worker, iteration), in arrival order
         self._sent: dict[int, tuple[int, float]] = {}  # worker -> (iteration, when it was answered)
         self._ahead: tuple[tuple[int, ...], tuple[dict[int, int], int]] | None = None
+        #: backup mode: worker -> (iteration, batch size) of its latest share that a round
+        #: committed without, no shard holding any of it; an out-of-memory report of exactly that
+        #: share still teaches the manager its cap (:meth:`out_of_memory`)
+        self._late: dict[int, tuple[int, int]] = {}
         ev = cfg.evaluator
         self.pause = EvaluatorPause(ev.every_iterations, ev.pause_timeout_s, ev.enabled and ev.pause_training)
 
@@ -309,6 +313,7 @@ class Coordinator:
         """
         if self.members.leave(worker_id) is not None:
             self._sent.pop(worker_id, None)
+            self._late.pop(worker_id, None)
             self.chunk_speeds.pop(worker_id, None)
             if not self.policy.plans_rounds:   # round modes start these afresh with every plan
                 self.reports.pop(worker_id, None)
@@ -668,6 +673,8 @@ class Coordinator:
             raise NotReassigned("not_supported", f"sync={self.policy.name} computes chunk by chunk and "
                                                  "does not shrink a share after an out-of-memory error")
         a = self._due(worker_id, iteration)
+        if a is None and self._late.get(worker_id) == (iteration, batch_size):
+            self._learn_late_out_of_memory(worker_id, iteration, batch_size)
         if a is None or a.iteration != iteration:
             raise NotReassigned("not_planned", f"worker {worker_id} has no assignment of iteration {iteration}")
         if a.batch_size != batch_size:
@@ -693,6 +700,26 @@ class Coordinator:
         self.events.append({"event": "out_of_memory", "worker": worker_id, "iteration": iteration,
                             "failed": batch_size, "retry": x, "cap": self.manager.memory_caps.get(worker_id)})
         return new
+
+    def _learn_late_out_of_memory(self, worker_id: int, iteration: int, batch_size: int) -> NoReturn:
+        """Backup mode: ``iteration`` committed without this worker, whose share ran out of memory.
+        Nothing is left to retry, but the failure is as real as one in time: the manager learns
+        the cap (once per share), so that later splits fit, instead of the worker failing, and
+        joining again, every iteration. Then refuses the report ``not_planned`` (the worker joins
+        again; its caps are kept by its name); below ``min_batch``, ``cannot_fit`` and nothing
+        learned, as for a report in time."""
+        del self._late[worker_id]
+        try:
+            self.manager.out_of_memory(worker_id, batch_size)
+        except CannotFit as exc:
+            raise NotReassigned("cannot_fit", str(exc)) from None
+        self._ahead = None           # a split planned ahead did not know the new cap
+        self.count("out_of_memory.late")
+        cap = self.manager.memory_caps.get(worker_id)
+        self.events.append({"event": "out_of_memory_late", "worker": worker_id, "iteration": iteration,
+                            "failed": batch_size, "cap": cap})
+        raise NotReassigned("not_planned", f"iteration {iteration} committed without worker {worker_id}; "
+                                           f"its out-of-memory failure at {batch_size} samples caps it at {cap}")
 
     def on_gradient(self, shard: int, worker_id: int, iteration: int, batch_size: int) -> None:
         """Shard ``shard`` holds this gradient. Reports of gradients that cannot be committed
@@ -802,6 +829,10 @@ class Coordinator:
             if w not in accepted:  # a late backup worker: its samples are served again
                 self.cursor.give_back(a.ranges)
                 self.count("gradients_dropped")
+                if (w, t) not in self.ledger:
+                    self._late[w] = (t, a.batch_size)   # it may still run out of memory on them
+            else:
+                self._late.pop(w, None)
         stale = [[w, it] for (w, it) in self.ledger if it <= t and w not in accepted]
         drops = self._pending_drops.take(MAX_DROPS_PER_COMMIT - len(stale)) + stale
         self.ledger = {k: g for k, g in self.ledger.items() if k[1] > t}

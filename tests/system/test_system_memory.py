@@ -299,3 +299,56 @@ def test_a_worker_that_dies_between_its_granted_retry_and_its_push_loses_no_samp
     assert not wrong, "gradients computed on other parameters or samples:\n" + "\n".join(wrong)
     err = float(np.linalg.norm(params - ref) / np.linalg.norm(ref))
     assert err < 1e-5, f"final parameters differ from SGD over the committed samples: {err:.2e}"
+
+
+@pytest.mark.timeout(240)
+def test_a_late_backup_members_out_of_memory_report_caps_it_once(procs, tmp_path):
+    """Backup mode, N = 2 of 3, against real shards: a member takes its share of iteration 0 and
+    does not push, and the round commits without it. Its out-of-memory report of exactly that
+    share is refused ``not_planned`` (nothing is left to retry) but teaches the coordinator its
+    cap, once; forged variants (another size, another iteration, a wrong token, another member's
+    id) and the same report again learn nothing. The rounds planned after that give it no more
+    than the cap, and the sample accounting and the shards' histories stay exact."""
+    from ps_common.transport import RemoteError
+
+    iterations = 30
+    cfg_path, cfg = write_config(tmp_path, {
+        **job("uniform", iterations=iterations), "scenario": {}, "model": {"name": "mlp"},
+        "training": {"global_batch": 96, "max_iterations": iterations, "finish_timeout_s": 10},
+        "cluster": {"num_shards": 2, "num_workers": 3},
+        "mode": {"sync": "backup", "backup_workers": 1, "batch_policy": "uniform"}})
+    run = tmp_path / "run"
+    eps, honest = start_job(procs, cfg_path, 2, 2, run, start=start_indexed_workers)
+    with joined_member(cfg, eps[0], name="late") as m:
+        me, wid, token, a = m.client, m.worker_id, m.token, m.assignment
+        assert a is not None and a.iteration == 0
+        x, cap = a.batch_size, a.batch_size // 2     # X = 96 planned as 144 for 2 of 3: 48 each
+        a1 = me.pull(m.params, worker_id=wid, min_version=1).assignment   # iteration 0 committed
+        assert a1 is not None and a1.iteration >= 1
+
+        def refused(**fields) -> RemoteError:
+            msg = P.OutOfMemory(**{"worker_id": wid, "token": token, "iteration": 0, "batch_size": x, **fields})
+            with pytest.raises(RemoteError) as err:
+                me.send_to_coordinator(msg, P.Reassignment)
+            return err.value
+
+        assert refused(batch_size=x - 1).code == "not_planned"
+        assert refused(iteration=a1.iteration + 5).code == "not_planned"
+        assert refused(token="0" * len(token)).code == "unauthorized"
+        assert refused(worker_id=1 if wid == 0 else 0).code == "unauthorized"   # an honest member's id
+        late = refused()
+        assert late.code == "not_planned" and f"caps it at {cap}" in str(late), str(late)
+        again = refused()
+        assert again.code == "not_planned" and "caps it" not in str(again), "learned once"
+        later = me.pull(m.params, worker_id=wid, min_version=a1.iteration + 2).assignment
+        assert later is not None and later.batch_size <= cap, later
+    wait_exit(honest, timeout_s=240)
+    wait_exit([c for c in procs.children if c.role.startswith("shard")], timeout_s=60)
+    consistent_end(run, 2)
+    rows = list(read_jsonl(run / "metrics" / "coordinator.jsonl"))
+    recs = [r for r in rows if "event" not in r]
+    lates = [e for e in rows if e.get("event") == "out_of_memory_late"]
+    assert [(e["worker"], e["iteration"], e["failed"], e["cap"]) for e in lates] == [(wid, 0, x, cap)], lates
+    assert all(wid not in r["accepted"] for r in recs)
+    assert len(recs) == iterations
+    committed_batches(recs, SEED, N_TRAIN)  # at most once per epoch, complete epochs

@@ -155,6 +155,65 @@ def test_backup_commits_the_first_n_complete_and_serves_the_late_share_again():
     assert late_ranges[0] in taken
 
 
+def test_backup_a_late_share_that_ran_out_of_memory_still_caps_the_worker():
+    """Backup mode: a round commits without worker 1, whose share then runs out of memory.
+    Nothing is left to retry (refused ``not_planned``: the worker joins again), but the manager
+    learns the cap, once per share, so that the worker is not handed a share it cannot hold,
+    and does not fail and join again, every iteration."""
+    from ps_server.coordinator import NotReassigned
+
+    c = coordinator("backup", workers=3)  # N = 2 of 3
+    late = c.plan[1]
+    push(c, 0)
+    push(c, 2)
+    (d,) = c.decide()
+    assert [w for w, _ in d.entries] == [0, 2]
+    served = c.cursor.state_dict()
+    with pytest.raises(NotReassigned) as err:
+        c.out_of_memory(1, late.iteration, late.batch_size)
+    assert err.value.code == "not_planned" and "caps it at 15" in str(err.value)
+    assert c.manager.memory_caps[1] == late.batch_size // 2
+    assert c.events[-1] == {"event": "out_of_memory_late", "worker": 1, "iteration": 0, "failed": 30, "cap": 15}
+    assert c.counters["out_of_memory.late"] == 1 and "out_of_memory" not in c.counters
+    assert c.cursor.state_dict() == served, "its samples were given back at the commit, once"
+    caps = dict(c.manager.memory_caps)
+    with pytest.raises(NotReassigned):                 # the same report again: nothing more
+        c.out_of_memory(1, late.iteration, late.batch_size)
+    assert dict(c.manager.memory_caps) == caps and c.counters["out_of_memory.late"] == 1
+    push(c, 0)                                         # iteration 1 was planned before the cap
+    push(c, 2)
+    (d,) = c.decide()
+    assert d.next_plan is not None and d.next_plan.batch_sizes[1] <= 15, "later splits fit"
+
+
+@pytest.mark.parametrize("case", ["wrong_size", "wrong_iteration", "partly_pushed", "accepted_later", "left"])
+def test_backup_late_out_of_memory_reports_that_do_not_match_a_dropped_share_learn_nothing(case):
+    from ps_server.coordinator import NotReassigned
+
+    c = coordinator("backup", workers=3)
+    late = c.plan[1]
+    it, x = late.iteration, late.batch_size
+    if case == "partly_pushed":
+        push(c, 1, shards=[0])                         # a shard holds some of it: it computed it
+    push(c, 0)
+    push(c, 2)
+    c.decide()
+    if case == "wrong_size":
+        x -= 1
+    elif case == "wrong_iteration":                    # (iteration 1 is its current share)
+        it += 2
+    elif case == "accepted_later":                     # a later round committed its gradient
+        for w in range(3):
+            push(c, w)
+        c.decide()
+    elif case == "left":
+        c.leave(1, "lost")
+    with pytest.raises(NotReassigned) as err:
+        c.out_of_memory(1, it, x)
+    assert err.value.code in ("not_planned", "bad_batch")
+    assert 1 not in c.manager.memory_caps and "out_of_memory.late" not in c.counters
+
+
 def test_async_commits_each_complete_gradient_that_matches_its_assignment():
     c = coordinator("asp", workers=2)
     a0 = c.assignment(0, 0)
