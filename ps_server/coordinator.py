@@ -52,6 +52,10 @@ log = logging.getLogger(__name__)
 
 #: Async modes: assignments a worker may hold whose gradients are not committed yet.
 MAX_OUTSTANDING = 3
+#: Backup mode: for this many rounds after one committed without a worker's share, that
+#: worker's out-of-memory report of the share still teaches its cap (more rounds than a fast
+#: job commits while a slow worker fails and reports).
+LATE_ROUNDS = 64
 #: sync=flexrr: the weight of the newest chunk in a worker's average speed (about the last 5).
 CHUNK_SPEED_WEIGHT = 0.2
 
@@ -229,10 +233,11 @@ class Coordinator:
         self._unobserved: dict[tuple[int, int], WorkerReport] = {}  # (worker, iteration), in arrival order
         self._sent: dict[int, tuple[int, float]] = {}  # worker -> (iteration, when it was answered)
         self._ahead: tuple[tuple[int, ...], tuple[dict[int, int], int]] | None = None
-        #: backup mode: worker -> (iteration, batch size) of its latest share that a round
-        #: committed without, no shard holding any of it; an out-of-memory report of exactly that
-        #: share still teaches the manager its cap (:meth:`out_of_memory`)
-        self._late: dict[int, tuple[int, int]] = {}
+        #: backup mode: worker -> {iteration: batch size} of its shares that the last
+        #: LATE_ROUNDS rounds committed without, no shard holding any of them; an out-of-memory
+        #: report of exactly such a share still teaches the manager its cap (:meth:`out_of_memory`)
+        self._late: dict[int, dict[int, int]] = {}
+        self._late_rounds: collections.deque[tuple[int, list[int]]] = collections.deque()  # to expire them
         ev = cfg.evaluator
         self.pause = EvaluatorPause(ev.every_iterations, ev.pause_timeout_s, ev.enabled and ev.pause_training)
 
@@ -673,7 +678,7 @@ class Coordinator:
             raise NotReassigned("not_supported", f"sync={self.policy.name} computes chunk by chunk and "
                                                  "does not shrink a share after an out-of-memory error")
         a = self._due(worker_id, iteration)
-        if a is None and self._late.get(worker_id) == (iteration, batch_size):
+        if a is None and self._late.get(worker_id, {}).get(iteration) == batch_size:
             self._learn_late_out_of_memory(worker_id, iteration, batch_size)
         if a is None or a.iteration != iteration:
             raise NotReassigned("not_planned", f"worker {worker_id} has no assignment of iteration {iteration}")
@@ -708,7 +713,7 @@ class Coordinator:
         joining again, every iteration. Then refuses the report ``not_planned`` (the worker joins
         again; its caps are kept by its name); below ``min_batch``, ``cannot_fit`` and nothing
         learned, as for a report in time."""
-        del self._late[worker_id]
+        del self._late[worker_id][iteration]
         try:
             self.manager.out_of_memory(worker_id, batch_size)
         except CannotFit as exc:
@@ -720,6 +725,21 @@ class Coordinator:
                             "failed": batch_size, "cap": cap})
         raise NotReassigned("not_planned", f"iteration {iteration} committed without worker {worker_id}; "
                                            f"its out-of-memory failure at {batch_size} samples caps it at {cap}")
+
+    def _expire_late(self, t: int, late: list[int]) -> None:
+        """Round ``t`` committed without the shares of ``late``: forget the shares of the rounds
+        LATE_ROUNDS before it."""
+        rounds = self._late_rounds
+        if late:
+            rounds.append((t, late))
+        while rounds and rounds[0][0] <= t - LATE_ROUNDS:
+            t0, ws = rounds.popleft()
+            for w in ws:
+                shares = self._late.get(w)
+                if shares is not None:
+                    shares.pop(t0, None)
+                    if not shares:
+                        del self._late[w]
 
     def on_gradient(self, shard: int, worker_id: int, iteration: int, batch_size: int) -> None:
         """Shard ``shard`` holds this gradient. Reports of gradients that cannot be committed
@@ -825,14 +845,17 @@ class Coordinator:
             self.cursor.give_back(chunks.drain_unclaimed())  # nobody faster took them
             plan = {w: replace(a, batch_size=chunks.count(w), ranges=chunks.granted(w)) for w, a in plan.items()}
             helped = chunks.helped_samples
+        late: list[int] = []
         for w, a in plan.items():
             if w not in accepted:  # a late backup worker: its samples are served again
                 self.cursor.give_back(a.ranges)
                 self.count("gradients_dropped")
-                if (w, t) not in self.ledger:
-                    self._late[w] = (t, a.batch_size)   # it may still run out of memory on them
+                if (w, t) not in self.ledger:   # it may still run out of memory on them
+                    self._late.setdefault(w, {})[t] = a.batch_size
+                    late.append(w)
             else:
-                self._late.pop(w, None)
+                self._late.pop(w, None)  # it computed this one: no report of an older share is true
+        self._expire_late(t, late)
         stale = [[w, it] for (w, it) in self.ledger if it <= t and w not in accepted]
         drops = self._pending_drops.take(MAX_DROPS_PER_COMMIT - len(stale)) + stale
         self.ledger = {k: g for k, g in self.ledger.items() if k[1] > t}

@@ -311,9 +311,10 @@ def test_a_late_backup_members_out_of_memory_report_caps_it_once(procs, tmp_path
     than the cap, and the sample accounting and the shards' histories stay exact."""
     from ps_common.transport import RemoteError
 
-    iterations = 30
+    iterations = 60   # the honest workers' 20 ms delays make that 2.4 s at least: the job outlasts the member's steps
     cfg_path, cfg = write_config(tmp_path, {
-        **job("uniform", iterations=iterations), "scenario": {}, "model": {"name": "mlp"},
+        **job("uniform", iterations=iterations), "model": {"name": "mlp"},
+        "scenario": {"workers": [{"comm_delay_ms": 20}, {"comm_delay_ms": 20}]},
         "training": {"global_batch": 96, "max_iterations": iterations, "finish_timeout_s": 10},
         "cluster": {"num_shards": 2, "num_workers": 3},
         "mode": {"sync": "backup", "backup_workers": 1, "batch_policy": "uniform"}})

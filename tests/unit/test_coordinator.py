@@ -186,6 +186,29 @@ def test_backup_a_late_share_that_ran_out_of_memory_still_caps_the_worker():
     assert d.next_plan is not None and d.next_plan.batch_sizes[1] <= 15, "later splits fit"
 
 
+def test_backup_shares_dropped_up_to_late_rounds_ago_still_teach_the_cap():
+    """Rounds go on committing while a slow worker fails and reports (the first real-process run
+    in CI reported after later rounds had dropped its newer shares): its report of any share of
+    the last LATE_ROUNDS rounds still counts; an older one does not."""
+    from ps_server.coordinator import LATE_ROUNDS, NotReassigned
+
+    c = coordinator("backup", workers=3)
+    shares = []
+    for _ in range(LATE_ROUNDS + 1):
+        shares.append((c.iteration, c.plan[1].batch_size))
+        push(c, 0)
+        push(c, 2)
+        c.decide()
+    (old_it, old_x), (it, x) = shares[0], shares[1]
+    with pytest.raises(NotReassigned) as err:
+        c.out_of_memory(1, old_it, old_x)              # LATE_ROUNDS + 1 rounds ago: forgotten
+    assert "caps it" not in str(err.value) and 1 not in c.manager.memory_caps
+    with pytest.raises(NotReassigned) as err:
+        c.out_of_memory(1, it, x)                      # LATE_ROUNDS rounds ago: still known
+    assert f"caps it at {x // 2}" in str(err.value) and c.manager.memory_caps[1] == x // 2
+    assert sum(len(v) for v in c._late.values()) == LATE_ROUNDS - 1, "expired and learned ones are gone"
+
+
 @pytest.mark.parametrize("case", ["wrong_size", "wrong_iteration", "partly_pushed", "accepted_later", "left"])
 def test_backup_late_out_of_memory_reports_that_do_not_match_a_dropped_share_learn_nothing(case):
     from ps_server.coordinator import NotReassigned
