@@ -237,7 +237,6 @@ class Coordinator:
         #: LATE_ROUNDS rounds committed without, no shard holding any of them; an out-of-memory
         #: report of exactly such a share still teaches the manager its cap (:meth:`out_of_memory`)
         self._late: dict[int, dict[int, int]] = {}
-        self._late_rounds: collections.deque[tuple[int, list[int]]] = collections.deque()  # to expire them
         ev = cfg.evaluator
         self.pause = EvaluatorPause(ev.every_iterations, ev.pause_timeout_s, ev.enabled and ev.pause_training)
 
@@ -726,21 +725,6 @@ class Coordinator:
         raise NotReassigned("not_planned", f"iteration {iteration} committed without worker {worker_id}; "
                                            f"its out-of-memory failure at {batch_size} samples caps it at {cap}")
 
-    def _expire_late(self, t: int, late: list[int]) -> None:
-        """Round ``t`` committed without the shares of ``late``: forget the shares of the rounds
-        LATE_ROUNDS before it."""
-        rounds = self._late_rounds
-        if late:
-            rounds.append((t, late))
-        while rounds and rounds[0][0] <= t - LATE_ROUNDS:
-            t0, ws = rounds.popleft()
-            for w in ws:
-                shares = self._late.get(w)
-                if shares is not None:
-                    shares.pop(t0, None)
-                    if not shares:
-                        del self._late[w]
-
     def on_gradient(self, shard: int, worker_id: int, iteration: int, batch_size: int) -> None:
         """Shard ``shard`` holds this gradient. Reports of gradients that cannot be committed
         (stale, unknown, a batch size other than assigned) are dropped and counted."""
@@ -845,17 +829,17 @@ class Coordinator:
             self.cursor.give_back(chunks.drain_unclaimed())  # nobody faster took them
             plan = {w: replace(a, batch_size=chunks.count(w), ranges=chunks.granted(w)) for w, a in plan.items()}
             helped = chunks.helped_samples
-        late: list[int] = []
         for w, a in plan.items():
             if w not in accepted:  # a late backup worker: its samples are served again
                 self.cursor.give_back(a.ranges)
                 self.count("gradients_dropped")
                 if (w, t) not in self.ledger:   # it may still run out of memory on them
-                    self._late.setdefault(w, {})[t] = a.batch_size
-                    late.append(w)
-            else:
+                    shares = self._late.setdefault(w, {})
+                    shares[t] = a.batch_size
+                    for old in [i for i in shares if i <= t - LATE_ROUNDS]:
+                        del shares[old]
+            elif self._late:
                 self._late.pop(w, None)  # it computed this one: no report of an older share is true
-        self._expire_late(t, late)
         stale = [[w, it] for (w, it) in self.ledger if it <= t and w not in accepted]
         drops = self._pending_drops.take(MAX_DROPS_PER_COMMIT - len(stale)) + stale
         self.ledger = {k: g for k, g in self.ledger.items() if k[1] > t}
@@ -939,7 +923,7 @@ class Coordinator:
         self.plan, self.outstanding, self.ledger, self.chunks = {}, {}, {}, None
         self._completed = []
         self._pending_drops.clear()
-        self._unobserved, self._ahead = {}, None
+        self._unobserved, self._ahead, self._late = {}, None, {}
         self.pause.clear()
         self.iteration = int(d["iteration"])
         self.version = int(d.get("version", d["updates"]))
