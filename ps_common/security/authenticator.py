@@ -14,6 +14,7 @@ for the handler's sockets: close your sockets with
 from __future__ import annotations
 
 import hmac
+import itertools
 import logging
 import os
 import threading
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import zmq
 import zmq.auth
+from zmq.auth.base import Authenticator
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
@@ -110,12 +112,49 @@ class AllowList:
         return ok
 
 
-class _RoleAuthenticator(ThreadAuthenticator):
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+"""Where libzmq asks a context's ZAP handler (fixed by the ZAP spec, one per context)."""
+
+
+class _UnbindingAuthenticator(Authenticator):
+    """Unbinds the ZAP socket before closing it, so that the address is free when stop returns.
+
+    libzmq frees an inproc address only when its reaper thread destroys the closed socket, some
+    time after ``close()`` returns; a handler started on the same context in that gap (a shard
+    stopped and another started in one process) failed to bind. Unbinding an inproc address is
+    synchronous. :class:`ThreadAuthenticator` calls this ``stop`` after joining its thread, so the
+    socket is this thread's to touch.
+    """
+
+    def stop(self) -> None:
+        if self.zap_socket is not None:
+            try:
+                self.zap_socket.unbind(ZAP_ENDPOINT)
+            except zmq.ZMQError:
+                pass  # never bound: its bind is what failed
+        super().stop()
+
+
+_PIPE_NUMBERS = itertools.count()
+
+
+class _RoleAuthenticator(ThreadAuthenticator, _UnbindingAuthenticator):
     """A ZAP thread whose User-Id is the client's role (CURVE key -> role; PLAIN username)."""
 
     def __init__(self, ctx: zmq.Context, allow_list: AllowList | None) -> None:
         super().__init__(ctx, log=logging.getLogger(__name__ + ".zap"))
         self.allow_list = allow_list
+        # pyzmq names the thread's pipe by id(self), which a new authenticator reuses once the
+        # last one is collected, while libzmq may not have freed that address yet (see above).
+        self.pipe_endpoint = f"inproc://lbbsp-zap-pipe-{next(_PIPE_NUMBERS)}"
+
+    def stop(self) -> None:
+        if self.pipe is not None and self.thread is None:
+            # start() failed between binding the pipe and starting the thread: nobody would
+            # read the TERMINATE that ThreadAuthenticator.stop sends, and the send would block.
+            self.pipe.close(linger=0)
+            self.pipe = None
+        super().stop()
 
     def curve_user_id(self, client_public_key: bytes) -> str:
         key = client_public_key if len(client_public_key) == KEY_Z85_LEN else z85.encode(client_public_key)

@@ -182,6 +182,28 @@ def test_last_release_stops_the_authenticator(keys):
     c.term()  # would hang if the authenticator's sockets were still open
 
 
+def test_a_released_authenticator_frees_its_address_at_once(keys):
+    """The last release on a context and the next claim on it, back to back, must not race.
+
+    libzmq frees an inproc address when its reaper thread destroys the socket, after close()
+    returns; a shard stopped and another started on the same context (a restart in one
+    process) used to find the ZAP address still taken. Once in CI, so many rounds here.
+    """
+    c = zmq.Context()
+    try:
+        for _ in range(300):
+            sock = c.socket(zmq.ROUTER)
+            try:
+                secure_server_socket(sock, _server_cfg(keys), c)
+                assert authenticator_running(c)
+            finally:
+                close_socket(sock)  # also when the claim failed: term() waits for open sockets
+            assert not authenticator_running(c)
+    finally:
+        stop_authenticators(c)
+        c.term()
+
+
 # ----- curve off ------------------------------------------------------------------------------
 def test_curve_off_helpers_are_noops(ctx):
     off = SecurityConfig()
