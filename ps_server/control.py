@@ -129,6 +129,10 @@ class Followers:
         self._send = send
         self.peers: dict[int, Follower] = {}
         self.log: deque[P.Commit] = deque(maxlen=COMMIT_LOG)
+        #: (version, log hash) of this history just before the oldest logged commit: the state a
+        #: follower is in when the log's first commit is all it lacks (the job's start, right
+        #: after a restore), whose beat could not be checked against the log alone
+        self.base: tuple[int, str] | None = None
         self.undelivered = 0
 
     def register(self, shard: int, ident: bytes, endpoint: str, version: int, epoch_floor: int = 0,
@@ -154,9 +158,16 @@ class Followers:
             peer.version = version
         return peer
 
-    def broadcast(self, msg: P.Message) -> None:
+    def broadcast(self, msg: P.Message, prev_hash: str | None = None) -> None:
+        """Send ``msg`` to every follower. A ``Commit`` is logged: ``prev_hash`` is this history's
+        log hash just before it (shard 0 sends a commit before applying it)."""
         if isinstance(msg, P.Commit):
-            self.log.append(msg)
+            log = self.log
+            if len(log) == log.maxlen:           # the oldest leaves: the state after it is the base
+                self.base = (log[0].version, log[0].log_hash)
+            elif not log:
+                self.base = (msg.version - 1, prev_hash) if prev_hash is not None else None
+            log.append(msg)
         for peer in self.peers.values():
             if not self._send(peer.ident, msg):
                 self.undelivered += 1  # the follower's next ShardSync repairs it
@@ -180,7 +191,9 @@ class Followers:
         if not self.log:
             return None
         i = version - self.log[0].version     # the logged versions are consecutive
+        if i == -1 and self.base is not None and self.base[0] == version:
+            return self.base[1]
         return self.log[i].log_hash if 0 <= i < len(self.log) else None
 
     def clear_log(self) -> None:
-        self.log.clear()
+        self.log.clear()    # and with it the base: the next commit logged sets it

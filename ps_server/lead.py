@@ -471,7 +471,7 @@ class Lead:
                        log_hash=next_log_hash(st.log_hash, d.version, d.iteration, d.entries, d.lr_scale),
                        slowest_clock=slowest)
         st.check_holds(d.iteration, d.entries)  # never send a commit this shard cannot apply
-        self.followers.broadcast(msg)  # first: the followers apply in parallel with us
+        self.followers.broadcast(msg, prev_hash=st.log_hash)  # first: the followers apply in parallel with us
         applied = st.apply(d.iteration, d.entries, d.lr_scale)
         if applied.version != d.version or applied.log_hash != msg.log_hash:
             raise RuntimeError(f"coordinator state out of step: applied {applied.version}/{applied.log_hash}, "

@@ -23,7 +23,9 @@ import zmq
 
 from ps_common import protocol as P
 from ps_common.security.authenticator import stop_authenticators
+from ps_server.control import COMMIT_LOG, Followers
 from ps_server.server import ShardServer
+from ps_server.shard import GENESIS_HASH
 from ps_server.sync import NO_LIVE_WORKER
 from tests.cluster_util import in_process_shard_0, write_config
 
@@ -241,6 +243,54 @@ def test_a_beat_behind_of_another_history_credits_nothing(tmp_path):
         job.lead._on_shard_sync(b"f1", "shard", sync)
         job.lead.after_messages()
         assert job.s0.state.version == 3
+
+
+@pytest.mark.parametrize("forged", [False, True])
+def test_a_beat_at_the_version_before_the_first_logged_commit_repairs_a_lost_have(tmp_path, forged):
+    """The follower is still at the job's start (version 0), the one state the commit log holds
+    no commit of. Before 2026-11-29 shard 0 could not check such a beat's history hash, so it
+    credited nothing and the gradient waited for the worker's transport timeout. A forged hash
+    still credits nothing."""
+    with two_shards(tmp_path, "asp") as job:
+        job.push(1, 0, deliver=False)            # v1 commits w1; the follower is still at v0
+        job.push(0, 0, have=False, deliver=False)
+        assert job.s0.state.version == 1 and job.s1.state.version == 0
+        job.s1.role._send_sync()
+        (sync,) = job.link.sent
+        job.link.sent.clear()
+        assert sync.version == 0
+        if forged:
+            assert sync.log_hash == GENESIS_HASH
+            sync = P.ShardSync(shard=1, version=0, log_hash="f" * 16, entries=sync.entries,
+                               rollback_epoch=sync.rollback_epoch)
+        job.lead._on_shard_sync(b"f1", "shard", sync)
+        job.lead.after_messages()
+        job.s0.serve_pulls()
+        assert job.s0.state.version == (1 if forged else 2)
+        if not forged:
+            job.deliver()
+            assert job.s1.state.version == 2 and job.s1.state.log_hash == job.s0.state.log_hash
+
+
+def test_the_commit_log_knows_the_hash_just_before_its_oldest_commit():
+    """Also once the log is full and drops its oldest commits, and not after a restore clears it."""
+    followers = Followers(lambda _ident, _msg: True)
+    prev = "genesis"
+    hashes = {0: prev}
+    for v in range(1, COMMIT_LOG + 6):
+        commit = P.Commit(version=v, iteration=v - 1, log_hash=f"h{v}")
+        followers.broadcast(commit, prev_hash=prev)
+        hashes[v], prev = commit.log_hash, commit.log_hash
+    oldest = followers.log[0].version
+    assert oldest == 6
+    assert followers.hash_of(oldest - 1) == hashes[oldest - 1]
+    assert followers.hash_of(oldest - 2) is None
+    assert all(followers.hash_of(v) == hashes[v] for v in range(oldest, COMMIT_LOG + 6))
+    followers.clear_log()
+    assert followers.hash_of(oldest - 1) is None
+    followers.broadcast(P.Commit(version=70, iteration=69, log_hash="h70"), prev_hash="h69")
+    assert followers.hash_of(69) == "h69" and followers.hash_of(70) == "h70"
+    assert followers.hash_of(68) is None
 
 
 def test_a_lost_clocks_when_workers_join_an_empty_job_never_outlives_a_commit(tmp_path):
