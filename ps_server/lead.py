@@ -374,6 +374,9 @@ class Lead:
             return self._set_aside(msg, "eval.not_reached", f"a measurement of version {msg.version}, "
                                                        f"not reached (the job is at {st.version})")
         known = st.log_hash if msg.version == st.version else self.followers.hash_of(msg.version)
+        if known is None:               # older than the commit log: the kept snapshot's, if any
+            snap = st.snapshot_at(msg.version)
+            known = snap.log_hash if snap is not None else None
         if msg.log_hash and known is not None and msg.log_hash != known:
             return self._set_aside(msg, "eval.other_history", f"a measurement of version {msg.version} of "
                                                          f"another history ({msg.log_hash}, this one's {known})")

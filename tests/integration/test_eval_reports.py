@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from ps_common import protocol as P
+from ps_server import control
 from tests.cluster_util import in_process_shard_0, write_config
 
 
@@ -198,3 +199,27 @@ def test_without_pauses_a_measurement_of_an_older_version_of_the_abandoned_histo
         assert d.coord.counters["eval.other_history"] == 1 and d.coord.last_accuracy != 0.99
         d.report(2, 0.5, d.lead.followers.hash_of(2))  # this history's version 2 counts
         assert d.coord.last_accuracy == 0.5
+
+
+def test_a_measurement_older_than_the_commit_log_is_checked_against_its_kept_snapshot(tmp_path, monkeypatch):
+    """The evaluator measures kept snapshots, and one that lags far enough reports a version
+    the coordinator's log of recent commits (1,024) no longer holds. Before 2026-11-29 such a
+    report was not checked at all; the snapshot it measured keeps its version's hash. A log of
+    4 commits stands in for the 1,024."""
+    monkeypatch.setattr(control, "COMMIT_LOG", 4)
+    job = _job(tmp_path, evaluator={"enabled": True, "pause_training": False, "every_iterations": 1})
+    with in_process_shard_0(job, tmp_path / "run") as s0:
+        d = _Driver(s0)
+        d.join("ev", "evaluator")
+        w, token = d.join("w0")
+        for _ in range(8):
+            d.push(w, token)
+        assert s0.state.version == 8 and d.lead.followers.log[0].version == 5
+        assert d.lead.followers.hash_of(2) is None, "version 2 is older than the log"
+        kept = s0.state.snapshot_at(2)
+        assert kept is not None
+        d.report(2, 0.99, "f" * 16)                    # another history's version 2
+        assert d.coord.counters["eval.other_history"] == 1 and d.coord.last_accuracy != 0.99
+        d.report(2, 0.5, kept.log_hash)                # this history's
+        assert d.coord.last_accuracy == 0.5 and d.coord.counters["eval.other_history"] == 1
+
