@@ -712,7 +712,10 @@ class Coordinator:
         joining again, every iteration. Then refuses the report ``not_planned`` (the worker joins
         again; its caps are kept by its name); below ``min_batch``, ``cannot_fit`` and nothing
         learned, as for a report in time."""
-        del self._late[worker_id][iteration]
+        shares = self._late[worker_id]
+        del shares[iteration]
+        if not shares:     # no empty entries: the commit loop looks at _late only when it holds some
+            del self._late[worker_id]
         try:
             self.manager.out_of_memory(worker_id, batch_size)
         except CannotFit as exc:

@@ -176,6 +176,7 @@ def test_backup_a_late_share_that_ran_out_of_memory_still_caps_the_worker():
     assert c.events[-1] == {"event": "out_of_memory_late", "worker": 1, "iteration": 0, "failed": 30, "cap": 15}
     assert c.counters["out_of_memory.late"] == 1 and "out_of_memory" not in c.counters
     assert c.cursor.state_dict() == served, "its samples were given back at the commit, once"
+    assert c._late == {}, "its one late share is learned: nothing left, not an empty entry"
     caps = dict(c.manager.memory_caps)
     with pytest.raises(NotReassigned):                 # the same report again: nothing more
         c.out_of_memory(1, late.iteration, late.batch_size)
