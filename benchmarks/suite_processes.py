@@ -1,12 +1,14 @@
-"""Where the test suite's CPU goes: how many Python processes the chosen tests start, and what
-each costs, against what importing torch and this project costs one process.
+"""What the test suite's processes cost, with roles forked from a fork server and with exec.
 
-Why: the suite is over its 15-minute target on 2 cores and CPU-bound (README, Tests). This
-runs pytest on the given paths with a ``sitecustomize`` on ``PYTHONPATH`` that records every
-Python process the tests start (shards, workers, evaluators, helpers) and, at a clean exit, its
-CPU time; processes killed by a test (SIGKILL) are counted but their CPU is not known. Then it
-measures, in a fresh process, the CPU of ``import torch`` plus the worker's and shard's modules,
-which every such process pays before doing anything.
+Why: the suite is over its 15-minute target on 2 cores and CPU-bound (README, Tests), and most
+of a short role's CPU is importing torch and this project. This runs pytest on the given paths
+twice, side by side: with ``LBBSP_FORK_SERVER=0`` (every role started with exec, importing
+everything itself) and with the fork server (ps_launcher.fork_server: one import per process
+group, each role forked from it). For each it prints the wall time, the CPU of every process
+pytest started and reaped, and how many Python processes were started with exec (a
+``sitecustomize`` on ``PYTHONPATH`` counts them; forked roles do not start Python again). It
+also measures, in a fresh process, the CPU of importing torch and the worker's and shard's
+modules.
 
     python benchmarks/suite_processes.py tests/system/test_system_failures.py [more paths]
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -26,16 +29,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 _HOOK = '''
-import atexit, json, os, resource, sys
-_LOG = os.environ["LBBSP_PROCESS_LOG"]
-with open(_LOG, "a") as f:
+import json, os
+with open(os.environ["LBBSP_PROCESS_LOG"], "a") as f:
     f.write(json.dumps({"started": os.getpid()}) + "\\n")
-def _ended():
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    with open(_LOG, "a") as f:
-        f.write(json.dumps({"ended": os.getpid(), "cpu_s": r.ru_utime + r.ru_stime,
-                            "torch": "torch" in sys.modules}) + "\\n")
-atexit.register(_ended)
 '''
 
 _IMPORTS = ("import time; t = time.process_time(); import torch, ps_worker.worker, ps_server.server; "
@@ -52,35 +48,44 @@ def import_cpu_s(repeats: int = 3) -> float:
     return statistics.median(out)
 
 
+def run_tests(paths: list[str], fork: bool) -> dict:
+    """pytest on ``paths`` with roles forked from a fork server or started with exec: its wall
+    time, the CPU of every process it started and reaped (RUSAGE_CHILDREN, which the fork server's
+    children reach through the server), and the Python processes started with exec."""
+    with tempfile.TemporaryDirectory(prefix="lbbsp-test-processes-") as d:
+        (Path(d) / "sitecustomize.py").write_text(_HOOK)
+        log = Path(d) / "processes.jsonl"
+        env = dict(os.environ, LBBSP_PROCESS_LOG=str(log), LBBSP_FORK_SERVER="1" if fork else "0",
+                   PYTHONPATH=os.pathsep.join([d, str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths],
+                           cwd=ROOT, env=env, capture_output=True, text=True)
+        wall = time.monotonic() - t0
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        rows = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    summary = (r.stdout.strip().splitlines() or ["(no output)"])[-1]
+    return {"fork": fork, "wall": wall, "rc": r.returncode, "summary": summary,
+            "cpu": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
+            "execs": sum(1 for x in rows if "started" in x) - 1}   # less the pytest process
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("paths", nargs="+", help="test files or folders, as pytest takes them")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="lbbsp-test-processes-") as d:
-        (Path(d) / "sitecustomize.py").write_text(_HOOK)
-        log = Path(d) / "processes.jsonl"
-        env = dict(os.environ, LBBSP_PROCESS_LOG=str(log),
-                   PYTHONPATH=os.pathsep.join([d, str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-        t0 = time.monotonic()
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args.paths],
-                           cwd=ROOT, env=env)
-        wall = time.monotonic() - t0
-        rows = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
-    runner = rows[0]["started"] if rows else None            # the pytest process itself
-    started = [x["started"] for x in rows if "started" in x and x["started"] != runner]
-    ended = [x for x in rows if "ended" in x and x["ended"] != runner]
-    runner_cpu = next((x["cpu_s"] for x in rows if x.get("ended") == runner), float("nan"))
-    cpu = [x["cpu_s"] for x in ended]
+    runs = [run_tests(args.paths, fork=False), run_tests(args.paths, fork=True)]
     imports = import_cpu_s()
-    print(f"\npytest exit {r.returncode}; {wall:.0f} s wall; the pytest process: {runner_cpu:.1f} s CPU")
-    print("| processes started | ended cleanly (CPU known) | their CPU (s) | median / mean per process (s) "
-          "| imports of one process (s) | imports x processes started (s) |")
-    print("|---|---|---|---|---|---|")
-    if cpu:
-        print(f"| {len(started)} | {len(ended)} | {sum(cpu):.0f} | {statistics.median(cpu):.2f} / "
-              f"{statistics.fmean(cpu):.2f} | {imports:.2f} | {imports * len(started):.0f} |")
-    else:
-        print(f"| {len(started)} | 0 | | | {imports:.2f} | {imports * len(started):.0f} |")
+    print(f"\nimporting torch and the shard's and worker's modules: {imports:.2f} s of CPU per process")
+    print("| roles started | pytest | wall (s) | CPU of every process (s) | Python processes exec'd |")
+    print("|---|---|---|---|---|")
+    for x in runs:
+        print(f"| {'forked (fork server)' if x['fork'] else 'exec'} | {x['summary']} | {x['wall']:.0f} | "
+              f"{x['cpu']:.0f} | {x['execs']} |")
+    base, forked = runs
+    print(f"\nforked / exec: wall {forked['wall'] / base['wall']:.2f}x, CPU {forked['cpu'] / base['cpu']:.2f}x")
+    if any(x["rc"] != 0 for x in runs):
+        sys.exit(1)
 
 
 if __name__ == "__main__":
