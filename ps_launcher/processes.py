@@ -46,6 +46,9 @@ class ProcessGroup:
     #: Fork roles from a :class:`ForkServer` (started with the first role) rather than exec
     #: each: a role then starts without importing torch and this project again (~2 s of CPU).
     fork: bool = field(default_factory=fork_server_wanted)
+    #: A server that outlives this group (the tests' one for the session); without it, or once
+    #: it is gone, the group starts its own with its first role and ends it in ``stop_all``.
+    shared_server: ForkServer | None = field(default=None, repr=False)
     _server: ForkServer | None = field(default=None, repr=False)
 
     def start(self, role: str, module: str, args: list[str], env: dict[str, str] | None = None,
@@ -82,11 +85,14 @@ class ProcessGroup:
         if not self.fork:
             return None
         try:
-            if self._server is None:
-                self._server = ForkServer(self.log_dir / "fork-server.log", os.environ)
-            if not self._server.can_fork(env):
+            server = self.shared_server
+            if server is None or server.lost:
+                if self._server is None:
+                    self._server = ForkServer(self.log_dir / "fork-server.log", os.environ)
+                server = self._server
+            if not server.can_fork(env):
                 return None
-            return self._server.spawn(module, args, env, log_fd, cwd=cwd, name=role)
+            return server.spawn(module, args, env, log_fd, cwd=cwd, name=role)
         except (ForkServerError, OSError) as exc:
             log.warning("starting roles with exec: %s", exc)
             self.fork = False

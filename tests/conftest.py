@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Callable, Iterator
 
 import pytest
 
@@ -15,6 +16,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 os.environ.setdefault("PYTHONPATH", str(ROOT))
 
+from ps_launcher.forked_process import ForkServer, ForkServerError, fork_server_wanted  # noqa: E402
 from ps_launcher.processes import ProcessGroup  # noqa: E402
 
 TIERS = ("unit", "integration", "system")
@@ -40,13 +42,34 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(path.relative_to(tests).parts[0])
 
 
+@pytest.fixture(scope="session")
+def fork_server(tmp_path_factory) -> Iterator[Callable[[], ForkServer | None]]:
+    """The session's fork server (ps_launcher.fork_server), started again if one dies: each test
+    then forks its roles without importing torch again, not even once per test."""
+    servers: list[ForkServer] = []
+
+    def live() -> ForkServer | None:
+        if not fork_server_wanted():
+            return None
+        if not servers or servers[-1].lost:
+            try:
+                servers.append(ForkServer(tmp_path_factory.mktemp("fork-server") / "fork-server.log", os.environ))
+            except ForkServerError:
+                return None
+        return servers[-1]
+
+    yield live
+    for s in servers:
+        s.close()
+
+
 @pytest.fixture
-def procs(tmp_path, request):
+def procs(tmp_path, request, fork_server):
     """Start real processes with ``procs.start(role, module, args)``; all are killed afterwards.
 
     On a failed test the tail of every child's log is printed.
     """
-    group = ProcessGroup(tmp_path / "logs")
+    group = ProcessGroup(tmp_path / "logs", shared_server=fork_server())
     yield group
     group.stop_all(grace_s=3.0)
     rep = getattr(request.node, "rep_call", None)

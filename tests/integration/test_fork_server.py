@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from ps_common.cli_util import PARENT_ENV
-from ps_launcher.forked_process import UNKNOWN_EXIT, ForkedProcess
+from ps_launcher.forked_process import UNKNOWN_EXIT, ForkedProcess, ForkServer
 from ps_launcher.processes import Child, ProcessGroup
 
 pytestmark = pytest.mark.timeout(120)
@@ -176,3 +176,28 @@ def test_stop_all_ends_the_server(tmp_path):
     g.stop_all(grace_s=3.0)
     assert g.children[0].proc.returncode == -signal.SIGTERM
     assert server.proc.returncode == 0
+
+
+def test_a_shared_server_outlives_the_groups_that_use_it_and_a_lost_one_is_replaced(tmp_path):
+    shared = ForkServer(tmp_path / "shared.log", os.environ)
+    try:
+        for i in range(2):
+            g = ProcessGroup(tmp_path / f"logs{i}", fork=True, shared_server=shared)
+            c = g.start("probe", PROBE, [])
+            assert c.proc.wait(30) == 0
+            assert probe_output(c)["ppid"] == shared.proc.pid
+            g.stop_all(grace_s=3.0)
+            assert shared.proc.poll() is None and g._server is None, "the group started no server of its own"
+        shared.proc.kill()
+        shared.proc.wait(10)
+        g = ProcessGroup(tmp_path / "logs2", fork=True, shared_server=shared)
+        first = g.start("first", PROBE, [])   # the dead server's socket fails the send: exec
+        assert isinstance(first.proc, subprocess.Popen) and first.proc.wait(30) == 0
+        g.stop_all(grace_s=3.0)
+        g = ProcessGroup(tmp_path / "logs3", fork=True, shared_server=shared)
+        c = g.start("own", PROBE, [])          # known lost now: the group forks from its own
+        assert isinstance(c.proc, ForkedProcess) and c.proc.wait(30) == 0
+        assert probe_output(c)["ppid"] == g._server.proc.pid
+        g.stop_all(grace_s=3.0)
+    finally:
+        shared.close()
