@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
+import os
 import statistics
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -28,9 +30,12 @@ from tqdm import tqdm
 
 from ps_common.config import ConfigError, JobConfig, StrictModel, format_validation_error, validate
 from ps_common.errors import PsError
+from ps_launcher.forked_process import ForkServer, ForkServerError, fork_server_wanted
 from ps_launcher.launcher import LocalCluster, new_run_dir
 from ps_launcher.run_dir import RunDirInUse
 from ps_server.job_config import check_job_config
+
+log = logging.getLogger(__name__)
 
 COLUMNS = ["mode", "repeat", "seed", "median_iteration_s", "mean_iteration_s", "p95_iteration_s",
            "iterations_to_target", "time_to_target_s", "decision_cpu_ms", "decision_cpu_share",
@@ -99,13 +104,14 @@ def run_comparison(base: JobConfig, comp: CompareConfig, out_dir: Path, *, progr
     rows: list[dict[str, Any]] = []
     total = comp.repeats * len(comp.modes)
     bar = tqdm(total=total, unit="run", desc="ps-compare", disable=not progress, dynamic_ncols=True)
+    server = _fork_server(out_dir)
     try:
         for r in range(comp.repeats):
             for mode in comp.modes:
                 cfg = mode_config(base, mode, r)
                 bar.set_postfix_str(f"{mode.name} repeat {r + 1}/{comp.repeats}")
                 run_dir = out_dir / "runs" / f"{_slug(mode.name)}-r{r}"
-                cluster = LocalCluster(cfg, run_dir, progress=False, overwrite=overwrite)
+                cluster = LocalCluster(cfg, run_dir, progress=False, overwrite=overwrite, fork_server=server)
                 summary = cluster.run()
                 if cluster.interrupted:  # its processes are stopped; a cut-short run is no result
                     raise KeyboardInterrupt
@@ -119,8 +125,21 @@ def run_comparison(base: JobConfig, comp: CompareConfig, out_dir: Path, *, progr
                                     + (f"; {out_dir / 'report.md'} holds those" if rows else "")) from None
     finally:
         bar.close()
+        if server is not None:
+            server.close()
     write_report(out_dir, base, comp, rows, target)
     return rows
+
+
+def _fork_server(out_dir: Path) -> ForkServer | None:
+    """One fork server for every run of the comparison: torch is imported once, not once a run."""
+    if not fork_server_wanted():
+        return None
+    try:
+        return ForkServer(out_dir / "fork-server.log", os.environ)
+    except (ForkServerError, OSError) as exc:
+        log.warning("each run starts its own fork server: %s", exc)
+        return None
 
 
 def _slug(name: str) -> str:

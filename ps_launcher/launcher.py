@@ -22,6 +22,7 @@ from ps_common.errors import PsError
 from ps_common.rendezvous import ENDPOINT_FILE, FILE_PREFIX
 from ps_common.security.credentials import ROLES, generate_master, load_secret, write_role_secret
 from ps_common.transport import Connection, TransportTimeout
+from ps_launcher.forked_process import ForkServer
 from ps_launcher.plots import plot_run
 from ps_launcher.processes import ProcessGroup
 from ps_launcher.run_dir import prepare_run_dir
@@ -48,14 +49,16 @@ class LocalCluster:
 
     def __init__(self, cfg: JobConfig, run_dir: Path | None = None, *, progress: bool = True,
                  startup_timeout_s: float = 120.0, finish_timeout_s: float = 60.0,
-                 overwrite: bool = False) -> None:
+                 overwrite: bool = False, fork_server: ForkServer | None = None) -> None:
+        """``fork_server``: one that outlives this run (ps-compare's, for all its runs); without
+        it the run's process group starts its own with its first role."""
         self.cfg = cfg
         self.run_dir = Path(run_dir) if run_dir else new_run_dir(cfg)
         self.overwrite = overwrite
         self.progress = progress
         self.startup_timeout_s = startup_timeout_s
         self.finish_timeout_s = finish_timeout_s
-        self.group = ProcessGroup(self.run_dir / "logs")
+        self.group = ProcessGroup(self.run_dir / "logs", shared_server=fork_server)
         self.shard_endpoints: list[str] = []
         self.ipc_dir: Path | None = None
         self.lab: Any = None  # a LabDriver when the scenario uses real mechanisms

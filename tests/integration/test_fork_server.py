@@ -26,9 +26,25 @@ pytestmark = pytest.mark.timeout(120)
 PROBE = "tests.fork_probe"
 
 
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """One server for the tests that do not end theirs (each start costs ~2.5 s of CPU)."""
+    s = ForkServer(tmp_path_factory.mktemp("fork-server") / "fork-server.log", os.environ)
+    yield s
+    s.close()
+
+
 @pytest.fixture
-def group(tmp_path):
-    g = ProcessGroup(tmp_path / "logs", fork=True)
+def group(tmp_path, server):
+    g = ProcessGroup(tmp_path / "logs", fork=True, shared_server=server)
+    yield g
+    g.stop_all(grace_s=3.0)
+
+
+@pytest.fixture
+def own_group(tmp_path):
+    """A group with a server of its own, for the tests that kill it."""
+    g = ProcessGroup(tmp_path / "own-logs", fork=True)
     yield g
     g.stop_all(grace_s=3.0)
 
@@ -51,7 +67,7 @@ def alive(pid: int) -> bool:
         return False
 
 
-def test_a_forked_role_sees_what_python_dash_m_would_give_it(group):
+def test_a_forked_role_sees_what_python_dash_m_would_give_it(group, server):
     c = group.start("probe", PROBE, ["--code", "3"], env={"PROBE": "seen"})
     assert isinstance(c.proc, ForkedProcess)
     assert c.proc.wait(30) == 3
@@ -62,7 +78,7 @@ def test_a_forked_role_sees_what_python_dash_m_would_give_it(group):
     assert out["pid"] == c.proc.pid
     assert out["pgid"] == c.proc.pid, "each role leads a process group of its own (stop_all uses killpg)"
     assert out["sid"] == os.getsid(0), "roles stay in the launcher's session (SCHED_IDLE, see ProcessGroup.start)"
-    assert out["ppid"] == group._server.proc.pid
+    assert out["ppid"] == server.proc.pid
     assert out["wait_policy"] == "PASSIVE", "the policy libgomp was loaded with is in the role's environment"
 
 
@@ -104,30 +120,29 @@ def test_a_role_with_other_start_up_settings_is_started_with_exec(group):
     assert isinstance(group.start("same", PROBE, []).proc, ForkedProcess), "the server stays in use"
 
 
-def test_a_role_given_the_launchers_pid_watches_the_fork_server(group):
+def test_a_role_given_the_launchers_pid_watches_the_fork_server(group, server):
     c = group.start("watched", PROBE, [], env={PARENT_ENV: str(os.getpid())})
     assert c.proc.wait(30) == 0
-    assert probe_output(c)["parent_env"] == str(group._server.proc.pid)
+    assert probe_output(c)["parent_env"] == str(server.proc.pid)
 
 
-def test_a_forged_request_without_a_log_is_refused_and_the_server_goes_on(group):
+def test_a_forged_request_without_a_log_is_refused_and_the_server_goes_on(group, server):
     group.start("first", PROBE, []).proc.wait(30)
-    server = group._server
     with server._lock:
         server._sock.send(json.dumps({"module": PROBE, "args": [], "env": dict(os.environ)}).encode())
         assert "expected one log file descriptor" in server._reply(10.0)["error"]
     assert group.start("after", PROBE, ["--code", "4"]).proc.wait(30) == 4
 
 
-def test_roles_of_a_dead_fork_server_end_with_an_unknown_status_and_new_roles_exec(group):
-    c = group.start("orphan", PROBE, ["--sleep", "60"])
+def test_roles_of_a_dead_fork_server_end_with_an_unknown_status_and_new_roles_exec(own_group):
+    c = own_group.start("orphan", PROBE, ["--sleep", "60"])
     probe_output(c)
-    group._server.proc.kill()
-    group._server.proc.wait(10)
+    own_group._server.proc.kill()
+    own_group._server.proc.wait(10)
     assert c.proc.poll() is None, "a role without a parent watch outlives its server"
     os.kill(c.proc.pid, signal.SIGKILL)
     assert c.proc.wait(10) == UNKNOWN_EXIT
-    later = group.start("later", PROBE, [])
+    later = own_group.start("later", PROBE, [])
     assert isinstance(later.proc, subprocess.Popen)
     assert later.proc.wait(30) == 0
 
