@@ -64,7 +64,11 @@ class ForkServer:
         self._lock = threading.RLock()
         self._codes: dict[int, int] = {}
         self.lost = False
-        msg = self._reply(ready_timeout_s, log_path)
+        try:
+            msg = self._reply(ready_timeout_s, log_path)
+        except ForkServerError:
+            self.close(timeout_s=1.0)   # a server that is still importing is killed, not left behind
+            raise
         self.threads = int(msg.get("threads", 0))
         if self.threads != 1 or msg.get("cuda"):
             self.close()
