@@ -43,7 +43,7 @@ from typing import Any, NoReturn
 
 #: Environment variables read when a process or a library loads, not later: they must be equal
 #: in the server and in a role for the role to be forked rather than started with exec.
-STARTUP_PREFIXES = ("PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "LD_", "MALLOC_")
+STARTUP_PREFIXES = ("PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "NUMBA_", "LD_", "MALLOC_")
 
 #: What every role imports: loaded once here. ps_server.threads' wait policy precedes torch.
 PRELOAD = ("torch", "ps_server.cli", "ps_server.server", "ps_worker.cli", "ps_worker.worker",
@@ -79,6 +79,23 @@ def _reap(sock: socket.socket, children: set[int]) -> None:
             return
         children.discard(pid)
         _send(sock, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+
+
+def _request(data: bytes) -> dict[str, Any]:
+    """A request checked before anything is forked for it (ValueError says what is wrong)."""
+    try:
+        req = json.loads(data)
+    except ValueError as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    ok = (isinstance(req, dict) and isinstance(req.get("module"), str) and req["module"]
+          and isinstance(req.get("args"), list) and all(isinstance(a, str) for a in req["args"])
+          and isinstance(req.get("env"), dict)
+          and all(isinstance(k, str) and isinstance(v, str) for k, v in req["env"].items())
+          and isinstance(req.get("cwd"), (str, type(None))))
+    if not ok:
+        raise ValueError("a request needs module (str), args (list of str), env (str to str) and cwd "
+                         "(str or null)")
+    return req
 
 
 def _become(req: dict[str, Any], log_fd: int, sock: socket.socket, pipe: tuple[int, int]) -> None:
@@ -136,7 +153,7 @@ def serve(sock: socket.socket) -> None:
         if not data:
             return  # the launcher closed its end, or died: the children's own watches end them
         try:
-            req = json.loads(data)
+            req = _request(data)
             if len(fds) != 1:
                 raise ValueError(f"expected one log file descriptor, got {len(fds)}")
             sys.stdout.flush()

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -131,6 +132,14 @@ def test_a_forged_request_without_a_log_is_refused_and_the_server_goes_on(group,
     with server._lock:
         server._sock.send(json.dumps({"module": PROBE, "args": [], "env": dict(os.environ)}).encode())
         assert "expected one log file descriptor" in server._reply(10.0)["error"]
+        r, w = os.pipe()
+        try:     # well-formed JSON, one descriptor, but no working directory's type it can use
+            socket.send_fds(server._sock, [json.dumps({"module": PROBE, "args": [], "env": {},
+                                                       "cwd": 7}).encode()], [w])
+            assert "a request needs module" in server._reply(10.0)["error"]
+        finally:
+            os.close(r)
+            os.close(w)
     assert group.start("after", PROBE, ["--code", "4"]).proc.wait(30) == 4
 
 
