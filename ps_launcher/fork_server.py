@@ -45,9 +45,9 @@ from typing import Any, NoReturn
 #: in the server and in a role for the role to be forked rather than started with exec.
 STARTUP_PREFIXES = ("PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "NUMBA_", "LD_", "MALLOC_")
 
-#: What every role imports: loaded once here. ps_server.threads' wait policy precedes torch.
-PRELOAD = ("torch", "ps_server.cli", "ps_server.server", "ps_worker.cli", "ps_worker.worker",
-           "ps_worker.evaluator_cli", "ps_worker.evaluator")
+#: What the roles import: loaded once here. Not the command-line modules a role runs as
+#: ``__main__``: runpy runs a module afresh as ``__main__`` and warns when it is imported already.
+PRELOAD = ("torch", "ps_server.server", "ps_worker.worker", "ps_worker.evaluator")
 
 PARENT_ENV = "LBBSP_PARENT_PID"  # ps_common.cli_util.PARENT_ENV, not imported before the wait policy
 _PR_SET_NAME, _PR_SET_PDEATHSIG = 15, 1

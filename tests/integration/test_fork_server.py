@@ -83,6 +83,14 @@ def test_a_forked_role_sees_what_python_dash_m_would_give_it(group, server):
     assert out["wait_policy"] == "PASSIVE", "the policy libgomp was loaded with is in the role's environment"
 
 
+def test_a_role_module_runs_as_main_without_a_warning(group):
+    c = group.start("cli", "ps_worker.cli", ["--help"])
+    assert isinstance(c.proc, ForkedProcess)
+    assert c.proc.wait(30) == 0
+    text = c.log_path.read_text()
+    assert "usage:" in text and "Warning" not in text, text
+
+
 def test_the_working_directory_and_module_path_follow_the_request(group, tmp_path):
     here = tmp_path / "elsewhere"
     here.mkdir()

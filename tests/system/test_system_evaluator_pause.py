@@ -1,7 +1,8 @@
 """evaluator.pause_training with real processes: training waits at every measured version until
 the evaluator has reported it, the pauses stay out of the run's times, and an evaluator that dies
 during a pause holds the job up for at most ``pause_timeout_s``. Also, paused or not, the
-evaluator follows a shard that restarts at a new address and rolls the job back."""
+evaluator follows a shard that restarts at a new address and rolls the job back; and a forged,
+well-formed measurement of another history neither ends a pause nor counts."""
 
 from __future__ import annotations
 
@@ -168,3 +169,62 @@ def test_the_evaluator_follows_a_rollback_and_the_result_is_single_process_sgd(p
     data = load_dataset("synthetic", seed=2, synthetic_train=600, synthetic_test=300)
     ref = train_reference("mlp", 2, data, 2, 60, 60, lr=0.05, momentum=0.9)
     assert np.linalg.norm(params - ref) / np.linalg.norm(ref) < 1e-5
+
+
+def test_a_forged_measurement_of_another_history_does_not_end_a_pause(procs, tmp_path):
+    """Real processes (shard 0, a worker) against a client holding the evaluator's credential:
+    it joins as the job's evaluator and reports the version training paused at. With a log hash
+    of another history the report is set aside (acknowledged, counted): the pause holds and the
+    accuracy is not recorded. The same report with this history's hash ends the pause."""
+    from ps_worker.client import ShardClients
+    from tests.cluster_util import start_servers, start_workers, status
+
+    cfg_path, cfg = write_config(tmp_path, {
+        "model": {"name": "mlp"}, "data": {"dataset": "synthetic", "synthetic_train": 512, "synthetic_test": 64},
+        "training": {"global_batch": 32, "max_iterations": 12, "target_accuracy": None},
+        "cluster": {"num_shards": 1, "num_workers": 1},
+        "evaluator": {"enabled": True, "pause_training": True, "every_iterations": 5, "pause_timeout_s": 60},
+        "transport": {"timeout_s": 120}})
+    run_dir = tmp_path / "run"
+    (endpoint,) = start_servers(procs, cfg_path, 1, run_dir)
+    forger = ShardClients(zmq.Context.instance(), endpoint, timeout_s=30, connect_timeout_s=30,
+                          security=cfg.security, role="evaluator")
+    try:
+        forger.join("forged-evaluator", cfg.job_digest(), "cpu")
+        start_workers(procs, cfg_path, endpoint, 1, run_dir)
+
+        def paused_at(version: int, timeout_s: float = 60.0) -> P.Status:
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                st = status(endpoint)
+                assert st.version <= version, f"training went past the pause at {version}: {st}"
+                if st.started and st.version == version:   # the pause at 0 begins with the job
+                    return st
+                time.sleep(0.05)
+            raise AssertionError(f"never reached version {version}")
+
+        start = paused_at(0)                             # the first measured version
+        report = P.EvalReport(version=0, accuracy=0.1, log_hash=start.log_hash, token=forger.token)
+        assert isinstance(forger.send_to_coordinator(report, P.Ack), P.Ack)
+        honest = paused_at(5)
+        report = P.EvalReport(version=5, accuracy=0.25, log_hash="f" * 16, token=forger.token)
+        assert isinstance(forger.send_to_coordinator(report, P.Ack), P.Ack)
+        time.sleep(1.0)                                  # 1 s: dozens of iterations, were it not held
+        st = status(endpoint)
+        assert st.version == 5 and st.last_accuracy == 0.1, st
+        report = P.EvalReport(version=5, accuracy=0.25, log_hash=honest.log_hash, token=forger.token)
+        assert isinstance(forger.send_to_coordinator(report, P.Ack), P.Ack)
+        at_10 = paused_at(10)
+        assert at_10.last_accuracy == 0.25, at_10
+        report = P.EvalReport(version=10, accuracy=0.3, log_hash=at_10.log_hash, token=forger.token)
+        assert isinstance(forger.send_to_coordinator(report, P.Ack), P.Ack)
+        deadline = time.monotonic() + 60
+        while not ((st := status(endpoint)).stop and st.version == 12) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        report = P.EvalReport(version=12, accuracy=0.3, log_hash=st.log_hash, final=True, token=forger.token)
+        assert forger.send_to_coordinator(report, P.Ack).what == "eval_final_done"
+    finally:
+        forger.close()
+    wait_exit(procs.children, timeout_s=60)
+    counters = [r for r in _lines(run_dir / "metrics" / "coordinator.jsonl") if r.get("event") == "counters"]
+    assert counters[-1]["counters"].get("eval.other_history") == 1, counters
