@@ -15,6 +15,9 @@
 - ``"plan_delay": {"shard": K, "seconds": S}``: follower K takes each plan from shard 0 into
   account S seconds after it arrived (a slow link between the shards), so workers' pushes
   reach it before the plan they belong to (``plan_pending``, sent again by the worker).
+- ``"drop_have": {"shard": K, "worker": W, "iteration": T}``: follower K never announces that
+  it holds worker id W's gradient of iteration T (once), as if that ``Have`` were lost on the
+  link to shard 0: only the follower's next beat (``ShardSync``) can make the gradient complete.
 
 Unknown keys are an error, so a typo cannot silently disarm a test.
 """
@@ -27,7 +30,7 @@ from functools import lru_cache
 from typing import Any
 
 ENV = "LBBSP_FAULTS"
-_KNOWN = {"kill_in_push", "nan_in_push", "coordinator_stall", "plan_delay"}
+_KNOWN = {"kill_in_push", "nan_in_push", "coordinator_stall", "plan_delay", "drop_have"}
 
 
 @lru_cache(maxsize=1)

@@ -75,6 +75,9 @@ class Follow:
         delay = fault("plan_delay")
         self._plan_delay_s = float(delay["seconds"]) if delay and int(delay["shard"]) == server.shard_id else 0.0
         self._delayed_plans: list[tuple[float, P.Plan]] = []  # (due, plan) under the plan_delay fault
+        lost = fault("drop_have")
+        self._lost_have = ((int(lost["worker"]), int(lost["iteration"]))
+                           if lost and int(lost["shard"]) == server.shard_id else None)
 
     # ----- the hooks the server calls ---------------------------------------------------------
     def handlers(self) -> dict[type, Any]:
@@ -138,7 +141,12 @@ class Follow:
         return False
 
     def accepted_push(self, msg: P.Push) -> None:
-        self.haves.append([msg.worker_id, msg.iteration, msg.batch_size])
+        if self._lost_have == (msg.worker_id, msg.iteration):     # the drop_have fault, once
+            self._lost_have = None
+            log.warning("fault drop_have: not announcing worker %d's gradient of iteration %d",
+                        msg.worker_id, msg.iteration)
+        else:
+            self.haves.append([msg.worker_id, msg.iteration, msg.batch_size])
 
     def check_pull_token(self, worker_id: int, token: str) -> None:
         if not self._token_ok(worker_id, token):

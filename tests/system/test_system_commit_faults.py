@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import numpy as np
 import pytest
@@ -175,3 +176,33 @@ def test_kill_in_every_push_point_over_slow_links(procs, tmp_path):
         procs.stop_all(grace_s=2.0)  # nothing may outlive the lab's namespaces
     check_run(run_dir, cfg, partial_seen=False)  # a push cut mid-frame reaches nobody whole
     assert os.path.exists(run_dir / "final")
+
+
+@pytest.mark.timeout(150)
+def test_a_lost_have_is_repaired_by_the_followers_next_beat(procs, tmp_path):
+    """ASP, two shards, two workers, real processes. Follower 1 never announces that it holds
+    worker 0's gradient of iteration 3 (the ``drop_have`` fault: a lost ``Have``). Under ASP a
+    follower is rarely at shard 0's version when it beats, and before 2026-11-28 only such a
+    beat was credited, so the gradient stayed incomplete until the worker's transport timeout
+    (60 s here). Now the next beat (``transport.shard_sync_s``, 1 s) completes it: it is applied
+    on both shards and worker 0 trains on, long before that timeout. (Under ASP a worker waits
+    for its own gradient before it goes on: without the repair, worker 1 alone would finish the
+    job while worker 0 waited.)"""
+    data = job("asp", "uniform", iterations=150)
+    data["cluster"] = {"num_shards": 2, "num_workers": 2}
+    cfg_path, cfg = write_config(tmp_path, data)
+    run_dir = tmp_path / "run"
+    env = {"LBBSP_FAULTS": json.dumps({"drop_have": {"shard": 1, "worker": 0, "iteration": 3}})}
+    t0 = time.monotonic()
+    _, workers = start_job(procs, cfg_path, 2, 2, run_dir, env=env)
+    for ch in workers:
+        assert ch.proc.wait(timeout=120) == 0, ch.tail()
+    took = time.monotonic() - t0
+    shards = [c for c in procs.children if c.role.startswith("shard")]
+    wait_exit(shards, timeout_s=60)
+    assert "fault drop_have: not announcing worker 0's gradient of iteration 3" in shards[1].log_path.read_text()
+    consistent_end(run_dir, 2)
+    recs = [r for r in read_jsonl(run_dir / "metrics" / "coordinator.jsonl") if "event" not in r]
+    of_0 = sum(1 for r in recs if 0 in r["accepted"])
+    assert of_0 > 10, f"worker 0's gradients applied: {of_0}; its fourth was never announced, and stayed incomplete"
+    assert took < cfg.transport.timeout_s / 2, f"the job took {took:.0f} s: a worker waited for its timeout"
