@@ -52,6 +52,8 @@ PRELOAD = ("torch", "ps_server.server", "ps_worker.worker", "ps_worker.evaluator
 PARENT_ENV = "LBBSP_PARENT_PID"  # ps_common.cli_util.PARENT_ENV, not imported before the wait policy
 _PR_SET_NAME, _PR_SET_PDEATHSIG = 15, 1
 MAX_PACKET = 1 << 20
+#: The process that started the server (as the server loads): the launcher.
+_LAUNCHER_PID = os.getppid()
 
 
 def os_threads() -> int:
@@ -66,7 +68,11 @@ def _prctl(option: int, value: Any) -> None:
 
 
 def _send(sock: socket.socket, msg: dict[str, Any]) -> None:
-    sock.send(json.dumps(msg).encode())
+    """Send, unless the launcher is gone: then the loop meets the end of its socket and ends."""
+    try:
+        sock.send(json.dumps(msg).encode())
+    except (BrokenPipeError, ConnectionError):
+        pass
 
 
 def _reap(sock: socket.socket, children: set[int]) -> None:
@@ -129,8 +135,6 @@ def _become(req: dict[str, Any], log_fd: int, sock: socket.socket, pipe: tuple[i
     runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
 
 
-_LAUNCHER_PID = os.getppid()
-
 
 def serve(sock: socket.socket) -> None:
     """Answer requests until the client closes its end; returns in each child after its role."""
@@ -190,7 +194,7 @@ def main() -> NoReturn:
     fd = int(sys.argv[1])
     sock = socket.socket(fileno=fd)
     _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != _LAUNCHER_PID:
+    if os.getppid() != _LAUNCHER_PID:   # the launcher died before the signal was asked for
         sys.exit(0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
