@@ -56,7 +56,7 @@ def watch_parent(interval_s: float = 0.5) -> None:
     if not raw:
         return
     parent = int(raw)
-    _parent_death_signal()
+    parent_death_signal()
 
     def watch() -> None:
         while True:
@@ -69,16 +69,22 @@ def watch_parent(interval_s: float = 0.5) -> None:
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
-def _parent_death_signal() -> None:
-    """Linux: have the kernel send SIGTERM when the parent exits (no-op elsewhere)."""
+def prctl(option: int, value: object) -> None:
+    """Linux's prctl(2) with one argument (no-op elsewhere, or where it fails)."""
     try:
         import ctypes
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
     except (OSError, AttributeError):
         pass
+
+
+PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15
+
+
+def parent_death_signal() -> None:
+    """Linux: have the kernel send SIGTERM when the parent exits (no-op elsewhere)."""
+    prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class StopFlag:

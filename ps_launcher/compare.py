@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import csv
 import json
-import logging
-import os
 import statistics
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -30,12 +28,10 @@ from tqdm import tqdm
 
 from ps_common.config import ConfigError, JobConfig, StrictModel, format_validation_error, validate
 from ps_common.errors import PsError
-from ps_launcher.forked_process import ForkServer, ForkServerError, fork_server_wanted
+from ps_launcher.forked_process import fork_server_if_wanted
 from ps_launcher.launcher import LocalCluster, new_run_dir
 from ps_launcher.run_dir import RunDirInUse
 from ps_server.job_config import check_job_config
-
-log = logging.getLogger(__name__)
 
 COLUMNS = ["mode", "repeat", "seed", "median_iteration_s", "mean_iteration_s", "p95_iteration_s",
            "iterations_to_target", "time_to_target_s", "decision_cpu_ms", "decision_cpu_share",
@@ -104,7 +100,7 @@ def run_comparison(base: JobConfig, comp: CompareConfig, out_dir: Path, *, progr
     rows: list[dict[str, Any]] = []
     total = comp.repeats * len(comp.modes)
     bar = tqdm(total=total, unit="run", desc="ps-compare", disable=not progress, dynamic_ncols=True)
-    server = _fork_server(out_dir)
+    server = fork_server_if_wanted(out_dir / "fork-server.log")   # one for every run
     try:
         for r in range(comp.repeats):
             for mode in comp.modes:
@@ -129,17 +125,6 @@ def run_comparison(base: JobConfig, comp: CompareConfig, out_dir: Path, *, progr
             server.close()
     write_report(out_dir, base, comp, rows, target)
     return rows
-
-
-def _fork_server(out_dir: Path) -> ForkServer | None:
-    """One fork server for every run of the comparison: torch is imported once, not once a run."""
-    if not fork_server_wanted():
-        return None
-    try:
-        return ForkServer(out_dir / "fork-server.log", os.environ)
-    except (ForkServerError, OSError) as exc:
-        log.warning("each run starts its own fork server: %s", exc)
-        return None
 
 
 def _slug(name: str) -> str:

@@ -30,7 +30,6 @@ The child is what ``python -m module args`` would be, with these differences, ea
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import json
 import os
@@ -41,6 +40,8 @@ import socket
 import sys
 from typing import Any, NoReturn
 
+from ps_common.cli_util import PARENT_ENV, PR_SET_NAME, parent_death_signal, prctl  # no torch
+
 #: Environment variables read when a process or a library loads, not later: they must be equal
 #: in the server and in a role for the role to be forked rather than started with exec.
 STARTUP_PREFIXES = ("PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "NUMBA_", "LD_", "MALLOC_")
@@ -49,8 +50,6 @@ STARTUP_PREFIXES = ("PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "NUM
 #: ``__main__``: runpy runs a module afresh as ``__main__`` and warns when it is imported already.
 PRELOAD = ("torch", "ps_server.server", "ps_worker.worker", "ps_worker.evaluator")
 
-PARENT_ENV = "LBBSP_PARENT_PID"  # ps_common.cli_util.PARENT_ENV, not imported before the wait policy
-_PR_SET_NAME, _PR_SET_PDEATHSIG = 15, 1
 MAX_PACKET = 1 << 20
 #: The process that started the server (as the server loads): the launcher.
 _LAUNCHER_PID = os.getppid()
@@ -58,13 +57,6 @@ _LAUNCHER_PID = os.getppid()
 
 def os_threads() -> int:
     return len(os.listdir("/proc/self/task"))
-
-
-def _prctl(option: int, value: Any) -> None:
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _send(sock: socket.socket, msg: dict[str, Any]) -> None:
@@ -129,7 +121,7 @@ def _become(req: dict[str, Any], log_fd: int, sock: socket.socket, pipe: tuple[i
     sys.path[0] = os.getcwd()
     if "numpy" in sys.modules:  # numpy seeds its global state at its first draw: anew unless
         sys.modules["numpy"].random.seed()  # an import here drew from it, so draw anew in any case
-    _prctl(_PR_SET_NAME, str(req.get("name", ""))[:15].encode())
+    prctl(PR_SET_NAME, str(req.get("name", ""))[:15].encode())
     sys.argv = [req["module"], *req["args"]]
     gc.enable()
     runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
@@ -193,7 +185,7 @@ def _settle_thread_pools() -> None:
 def main() -> NoReturn:
     fd = int(sys.argv[1])
     sock = socket.socket(fileno=fd)
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    parent_death_signal()
     if os.getppid() != _LAUNCHER_PID:   # the launcher died before the signal was asked for
         sys.exit(0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle

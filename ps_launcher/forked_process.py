@@ -41,6 +41,18 @@ def fork_server_wanted(environ: Mapping[str, str] = os.environ) -> bool:
     return environ.get(FORK_ENV, "1").strip() not in ("0", "false", "no", "off")
 
 
+def fork_server_if_wanted(log_path: Path) -> ForkServer | None:
+    """A fork server started with this process's environment, or None where
+    ``LBBSP_FORK_SERVER`` turns it off or it cannot start (its roles are then started with exec)."""
+    if not fork_server_wanted():
+        return None
+    try:
+        return ForkServer(log_path, os.environ)
+    except (ForkServerError, OSError) as exc:
+        log.warning("no fork server: %s", exc)
+        return None
+
+
 def startup_settings(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(STARTUP_PREFIXES)}
 

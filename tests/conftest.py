@@ -16,7 +16,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 os.environ.setdefault("PYTHONPATH", str(ROOT))
 
-from ps_launcher.forked_process import ForkServer, ForkServerError, fork_server_wanted  # noqa: E402
+from ps_launcher.forked_process import ForkServer, fork_server_if_wanted  # noqa: E402
 from ps_launcher.processes import ProcessGroup  # noqa: E402
 
 TIERS = ("unit", "integration", "system")
@@ -49,13 +49,11 @@ def fork_server(tmp_path_factory) -> Iterator[Callable[[], ForkServer | None]]:
     servers: list[ForkServer] = []
 
     def live() -> ForkServer | None:
-        if not fork_server_wanted():
-            return None
         if not servers or servers[-1].lost:
-            try:
-                servers.append(ForkServer(tmp_path_factory.mktemp("fork-server") / "fork-server.log", os.environ))
-            except ForkServerError:
+            server = fork_server_if_wanted(tmp_path_factory.mktemp("fork-server") / "fork-server.log")
+            if server is None:
                 return None
+            servers.append(server)
         return servers[-1]
 
     yield live

@@ -42,6 +42,14 @@ class _Driver:
             self.evaluator_token = welcome.token
         return welcome.worker_id, welcome.token
 
+    def evaluator_and_trained_worker(self, pushes: int) -> tuple[int, str]:
+        """An evaluator joins, then worker "w0", whose ``pushes`` gradients each make a version."""
+        self.join("ev", "evaluator")
+        w, token = self.join("w0")
+        for _ in range(pushes):
+            self.push(w, token)
+        return w, token
+
     def push(self, worker: int, token: str) -> None:
         x = self.coord.plan[worker].batch_size
         self.s0._on_push(b"w", "worker", P.Push(worker_id=worker, token=token, iteration=self.coord.iteration,
@@ -181,10 +189,7 @@ def test_without_pauses_a_measurement_of_an_older_version_of_the_abandoned_histo
                evaluator={"enabled": True, "pause_training": False, "every_iterations": 1})
     with in_process_shard_0(job, tmp_path / "run") as s0:
         d = _Driver(s0)
-        d.join("ev", "evaluator")
-        w, token = d.join("w0")
-        for _ in range(3):
-            d.push(w, token)
+        d.evaluator_and_trained_worker(3)
         hashes = {v: d.lead.followers.hash_of(v) for v in (1, 2)}
         answer = s0._pull_reply(PendingPull(b"ev", -1, 1, exact=True))
         assert isinstance(answer, P.Params) and answer.version == 1 and s0.state.version == 3
@@ -210,10 +215,7 @@ def test_a_measurement_older_than_the_commit_log_is_checked_against_its_kept_sna
     job = _job(tmp_path, evaluator={"enabled": True, "pause_training": False, "every_iterations": 1})
     with in_process_shard_0(job, tmp_path / "run") as s0:
         d = _Driver(s0)
-        d.join("ev", "evaluator")
-        w, token = d.join("w0")
-        for _ in range(8):
-            d.push(w, token)
+        d.evaluator_and_trained_worker(8)
         assert s0.state.version == 8 and d.lead.followers.log[0].version == 5
         assert d.lead.followers.hash_of(2) is None, "version 2 is older than the log"
         kept = s0.state.snapshot_at(2)
